@@ -1,0 +1,224 @@
+"""Jitted decoding: plain `generate` and Medusa `medusa_generate`.
+
+Each is ONE jitted function: prefill, then a `lax.while_loop` that runs until every row is
+done. Nothing goes back to the host per token. Shapes are static: prompts are right-padded
+to a power-of-two bucket, so a new prompt length only recompiles when it crosses a bucket.
+
+Per Medusa step (all rows at once, each row at its own cache length):
+  1. candidates: the root (already chosen) and the top-k of each head at the last position;
+  2. one backbone pass over root + tree nodes, the tree mask placed after the prefix;
+  3. acceptance picks a path and the next root;
+  4. the accepted path's keys/values are moved to consecutive slots;
+  5. the heads run on the last accepted node's hidden state only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from medusa_jax import acceptance
+from medusa_jax.acceptance import Sampling
+from medusa_jax.backbone import KVCache, Params, causal_mask, forward, tree_mask_after_prefix
+from medusa_jax.config import ModelConfig
+from medusa_jax.heads import apply_heads
+from medusa_jax.tree import Tree
+
+MIN_BUCKET = 16
+
+
+def prompt_bucket(length: int) -> int:
+    """Pad prompts to the next power of two (at least 16): few distinct compiled shapes."""
+    return max(MIN_BUCKET, 1 << (max(1, length) - 1).bit_length())
+
+
+def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token lists to a bucket. Returns (tokens [B, bucket], lengths [B])."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    if lengths.min() < 1:
+        raise ValueError(f"prompt {int(np.argmin(lengths))} is empty: give at least one token")
+    bucket = bucket or prompt_bucket(int(lengths.max()))
+    tokens = np.zeros((len(prompts), bucket), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    return tokens, lengths
+
+
+def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_tokens: int = 1):
+    """Raise before compiling when prompt + new tokens + tree overflow the context."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    need = prompt_len + max_new_tokens + tree_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + tree "
+            f"({tree_tokens} tokens) = {need} exceeds the model's context of "
+            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+
+
+@struct.dataclass
+class Output:
+    """Per-row results (device arrays). `tokens[b, :num_new[b]]` are row b's new tokens."""
+
+    tokens: jax.Array  # [B, max_new_tokens] int32
+    num_new: jax.Array  # [B] int32
+    steps: jax.Array  # [B] int32: decoding steps (forward passes after prefill)
+    accept_hist: jax.Array  # [B, D+2] int32: how many steps emitted 0 .. D+1 tokens
+
+
+def _eos_mask(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
+    if not eos:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos, jnp.int32))
+
+
+def _prefill(params, cfg, tokens, lengths, capacity):
+    b, p = tokens.shape
+    cache = KVCache.init(cfg, b, capacity)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, hidden, cache = forward(params, cfg, tokens, positions,
+                                    causal_mask(cache.lengths, p, capacity), cache)
+    last = lengths - 1
+    rows = jnp.arange(b)
+    return logits[rows, last], hidden[rows, last], cache.replace(lengths=lengths)
+
+
+def _row_keys(key, b):
+    return jax.random.split(key, b)
+
+
+def _split_rows(keys):
+    """Per-row keys [B] -> (carried [B], for use now [B])."""
+    both = jax.vmap(jax.random.split)(keys)
+    return both[:, 0], both[:, 1]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos"))
+def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+             key: jax.Array, *, sampling: Sampling = Sampling(), max_new_tokens: int = 128,
+             eos: tuple[int, ...] = ()) -> Output:
+    """Plain autoregressive decoding. tokens [B, P] right-padded, lengths [B]."""
+    b, p = tokens.shape
+    capacity = p + max_new_tokens + 1
+    logits, _, cache = _prefill(params, cfg, tokens, lengths, capacity)
+    keys = _row_keys(key, b)
+    keys, sub = _split_rows(keys)
+    nxt = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, logits)
+    out = jnp.zeros((b, max_new_tokens), jnp.int32)
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = (cache, nxt, out, zeros, jnp.zeros((b,), bool), keys)
+
+    def cond(state):
+        return ~jnp.all(state[4])
+
+    def body(state):
+        cache, nxt, out, count, done, keys = state
+        live = ~done
+        out = jnp.where(live[:, None] & (jnp.arange(max_new_tokens)[None] == count[:, None]),
+                        nxt[:, None], out)
+        count = count + live
+        done = done | (live & _eos_mask(nxt, eos)) | (count >= max_new_tokens)
+        positions = cache.lengths[:, None]
+        logits, _, cache = forward(params, cfg, nxt[:, None], positions,
+                                   causal_mask(cache.lengths, 1, capacity), cache)
+        cache = cache.advance(~done)
+        keys, sub = _split_rows(keys)
+        new = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, logits[:, 0])
+        nxt = jnp.where(done, nxt, new)
+        return cache, nxt, out, count, done, keys
+
+    _, _, out, count, _, _ = jax.lax.while_loop(cond, body, state)
+    hist = jnp.zeros((b, 3), jnp.int32).at[:, 1].set(count)
+    return Output(tokens=out, num_new=count, steps=count, accept_hist=hist)
+
+
+@functools.partial(jax.jit,
+                   static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos"))
+def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
+                    lengths: jax.Array, key: jax.Array, *, tree: Tree,
+                    sampling: Sampling = Sampling(), max_new_tokens: int = 128,
+                    eos: tuple[int, ...] = ()) -> Output:
+    """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B]."""
+    b, p = tokens.shape
+    t, depth = tree.num_nodes, tree.depth
+    capacity = p + max_new_tokens + t + 1
+    width = max_new_tokens + depth + 1  # an accepted chunk may overshoot before truncation
+    cand_index = jnp.asarray(tree.cand_index)
+    node_depth = jnp.asarray(tree.node_depth)
+    tmask = jnp.asarray(tree.mask)
+    paths = jnp.asarray(tree.paths)
+    rows = jnp.arange(b)
+
+    base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
+    keys = _row_keys(key, b)
+    keys, sub = _split_rows(keys)
+    root = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, base_logits)
+    head_logits = apply_heads(heads, hidden)  # [K, B, V]
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = dict(cache=cache, root=root, head_logits=head_logits,
+                 out=jnp.zeros((b, width), jnp.int32), count=zeros, steps=zeros,
+                 hist=jnp.zeros((b, depth + 2), jnp.int32), done=jnp.zeros((b,), bool),
+                 keys=keys)
+
+    def cond(s):
+        return ~jnp.all(s["done"])
+
+    def body(s):
+        cache, live = s["cache"], ~s["done"]
+        # 1. candidates: root, then each head's top-k; tree node i takes flat[cand_index[i]]
+        top = jax.lax.top_k(s["head_logits"][:depth], tree.top_k)[1]  # [D, B, k]
+        flat = jnp.concatenate([s["root"][:, None],
+                                jnp.transpose(top, (1, 0, 2)).reshape(b, -1)], axis=1)
+        cand = flat[:, cand_index].astype(jnp.int32)  # [B, T]
+        # 2. verify all nodes in one pass
+        positions = cache.lengths[:, None] + node_depth[None, :]
+        mask = tree_mask_after_prefix(cache.lengths, tmask, capacity)
+        logits, hidden, cache = forward(params, cfg, cand, positions, mask, cache)
+        # 3. accept
+        keys, sub = _split_rows(s["keys"])
+        if sampling.mode == "greedy":
+            best, acc_len, next_root = acceptance.greedy(logits, cand, tree)
+        elif sampling.mode == "typical":
+            best, acc_len, next_root = acceptance.typical(logits, cand, tree, sampling)
+        else:
+            best, acc_len, next_root = acceptance.rejection(logits, cand, tree, sampling, sub)
+        path = paths[best]  # [B, D+1] node indices, root first
+        chunk = jnp.take_along_axis(cand, path, axis=1)  # [B, D+1]
+        # stop at the first EOS inside the accepted chunk
+        in_chunk = jnp.arange(depth + 1)[None] <= acc_len[:, None]
+        is_eos = _eos_mask(chunk, eos) & in_chunk
+        first_eos = jnp.argmax(is_eos, axis=1)
+        hit_eos = jnp.any(is_eos, axis=1)
+        n_emit = jnp.where(hit_eos, first_eos + 1, acc_len + 1)
+        out = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(
+            s["out"], chunk, s["count"])
+        out = jnp.where(live[:, None], out, s["out"])
+        count = jnp.where(live, s["count"] + n_emit, s["count"])
+        done = s["done"] | (live & hit_eos) | (count >= max_new_tokens)
+        # 4. move the accepted nodes' keys/values to consecutive slots after the prefix
+        src = cache.lengths[:, None] + path  # [B, D+1]
+        k = jnp.take_along_axis(cache.k, src[None, :, :, None, None], axis=2)
+        v = jnp.take_along_axis(cache.v, src[None, :, :, None, None], axis=2)
+        put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1),
+                       in_axes=(1, 1, 0), out_axes=1)
+        cache = cache.replace(k=put(cache.k, k, cache.lengths), v=put(cache.v, v, cache.lengths))
+        cache = cache.advance(jnp.where(live, acc_len + 1, 0))
+        # 5. heads on the last accepted node only
+        last = path[rows, acc_len]
+        new_head_logits = apply_heads(heads, hidden[rows, last])
+        hist = s["hist"].at[rows, n_emit].add(live.astype(jnp.int32))
+        return dict(cache=cache, root=jnp.where(live, next_root, s["root"]),
+                    head_logits=jnp.where(live[None, :, None], new_head_logits, s["head_logits"]),
+                    out=out, count=count, steps=s["steps"] + live, hist=hist, done=done,
+                    keys=keys)
+
+    s = jax.lax.while_loop(cond, body, state)
+    count = jnp.minimum(s["count"], max_new_tokens)
+    return Output(tokens=s["out"][:, :max_new_tokens], num_new=count, steps=s["steps"],
+                  accept_hist=s["hist"])

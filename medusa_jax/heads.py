@@ -1,0 +1,131 @@
+"""Medusa heads: K light heads on the backbone's last hidden state, head k guessing token t+k+1.
+
+Each head is L residual blocks `x <- x + SiLU(x W + b)` then a projection to the vocabulary.
+All heads are stacked and computed together (one einsum over the head axis):
+
+    w     [K, L, H, H]   zero at init, each block of each head its own matrix
+    b     [K, L, H]      zero at init
+    proj  [K, H, V]      a copy of the backbone's output projection at init
+
+so at initialisation every head's logits equal the base model's logits exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from medusa_jax.backbone import Params, output_projection
+from medusa_jax.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsConfig:
+    num_heads: int = 5
+    num_layers: int = 1
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"need at least one head and one layer, got {self}")
+
+
+def init_heads(cfg: ModelConfig, backbone: Params, heads_cfg: HeadsConfig = HeadsConfig()) -> Params:
+    """Zero residual blocks and copies of the output projection (exact base logits at init)."""
+    k, lyr, h = heads_cfg.num_heads, heads_cfg.num_layers, cfg.hidden_size
+    proj = output_projection(cfg, backbone).astype(jnp.float32)
+    return {
+        "w": jnp.zeros((k, lyr, h, h), jnp.float32),
+        "b": jnp.zeros((k, lyr, h), jnp.float32),
+        "proj": jnp.broadcast_to(proj, (k, *proj.shape)).copy(),
+    }
+
+
+def heads_config_of(heads: Params) -> HeadsConfig:
+    """Read the head count and depth from the parameters themselves."""
+    k, lyr = heads["w"].shape[:2]
+    return HeadsConfig(num_heads=int(k), num_layers=int(lyr))
+
+
+def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
+    dt = hidden.dtype
+    k = heads["w"].shape[0]
+    x = jnp.broadcast_to(hidden, (k, *hidden.shape))
+    for layer in range(heads["w"].shape[1]):  # L is tiny and static: unrolled on purpose
+        w = heads["w"][:, layer].astype(dt)
+        b = heads["b"][:, layer].astype(dt)
+        y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
+        x = x + jax.nn.silu(y)
+    return jnp.einsum("k...h,khv->k...v", x, heads["proj"].astype(dt),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- artifact I/O
+
+HEADS_FILE = "medusa_heads.safetensors"
+
+
+def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | None = None) -> Path:
+    """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
+
+    `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.
+    The backbone's hidden and vocab sizes are recorded so a mismatch is caught at load time.
+    """
+    path = Path(path)
+    file = path if path.suffix == ".safetensors" else path / HEADS_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    hc = heads_config_of(heads)
+    meta = {
+        "format": "medusa_jax.heads/1",
+        "num_heads": str(hc.num_heads),
+        "num_layers": str(hc.num_layers),
+        "hidden_size": str(cfg.hidden_size),
+        "vocab_size": str(cfg.vocab_size),
+        "extra": json.dumps(extra or {}),
+    }
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in heads.items()}
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, file)
+    return file
+
+
+def load_heads(path: str | Path, cfg: ModelConfig) -> tuple[Params, dict]:
+    """Load a heads artifact strictly against the backbone config `cfg`.
+
+    Returns (heads, metadata). Head count and depth come from the file; a file that does not
+    match the backbone (hidden size, vocab) or is incomplete raises ValueError.
+    """
+    path = Path(path)
+    file = path / HEADS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no Medusa heads artifact here")
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
+    if meta.get("format") != "medusa_jax.heads/1":
+        raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
+    if set(tensors) != {"w", "b", "proj"}:
+        raise ValueError(f"{file}: expected tensors w, b, proj; found {sorted(tensors)}")
+    k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
+    h, v = cfg.hidden_size, cfg.vocab_size
+    want = {"w": (k, lyr, h, h), "b": (k, lyr, h), "proj": (k, h, v)}
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(
+                f"{file}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
+                f"for {k} heads x {lyr} layers on a backbone with hidden {h}, vocab {v}")
+    heads = {name: jnp.asarray(a, jnp.float32) for name, a in tensors.items()}
+    meta["extra"] = json.loads(meta.get("extra") or "{}")
+    return heads, meta

@@ -1,0 +1,187 @@
+"""Static tree buffers for Medusa verification, built once on the host with numpy.
+
+A tree is a list of paths; a path lists the top-k rank chosen at depths 1, 2, ... (depth d is
+read from head d). Node 0 is the root (the token the base model already chose); nodes
+1..N are the paths sorted by (depth, ranks). Every buffer has a static shape, so the decode
+loop compiles once per tree.
+
+    mask        [N+1, N+1] bool   node i attends node j (its ancestors and itself)
+    cand_index  [N+1] int         index of each node's token in the flat candidate vector
+                                  [root, top-k of head 1, top-k of head 2, ...]
+    depth       [N+1] int         position offset of each node from the root
+    paths       [P, D+1] int      root-to-leaf node indices, padded with 0 ...
+    path_valid  [P, D+1] bool     ... and this mask says which entries are real
+    children    [N+1, C] int      each node's children in rank order, padded with 0 ...
+    child_valid [N+1, C] bool     ... and this mask says which entries are real
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_TREE = "mc_sim_7b_63"
+
+
+@functools.cache
+def published_trees() -> dict[str, list[list[int]]]:
+    """The trees shipped with the package, by name (the published Medusa trees and ours)."""
+    root = resources.files("medusa_jax") / "assets" / "trees"
+    trees = {}
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            data = json.loads(entry.read_text())
+            if isinstance(data, dict) and "paths" in data:  # a single searched tree
+                trees[entry.name[:-5]] = data["paths"]
+            else:
+                trees.update(data)
+    return trees
+
+
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    """A validated sparse tree. Hashable, so it is a static argument of the jitted decoders."""
+
+    paths_ranks: tuple[tuple[int, ...], ...]
+    top_k: int
+    name: str = dataclasses.field(default="custom", compare=False)
+
+    @classmethod
+    def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None,
+                   name: str = "custom") -> "Tree":
+        """Validate `paths` and build the tree; raises ValueError naming the bad path."""
+        if not isinstance(paths, (list, tuple)) or len(paths) == 0:
+            raise ValueError(f"tree {name!r} is empty: give at least one path like [0]")
+        clean = []
+        for p in paths:
+            if (not isinstance(p, (list, tuple)) or len(p) == 0
+                    or not all(isinstance(r, (int, np.integer)) and r >= 0 for r in p)):
+                raise ValueError(f"tree {name!r}: path {p!r} is not a non-empty list of ranks >= 0")
+            clean.append(tuple(int(r) for r in p))
+        seen = set()
+        for p in clean:
+            if p in seen:
+                raise ValueError(f"tree {name!r}: duplicate path {list(p)}")
+            seen.add(p)
+        for p in clean:
+            if len(p) > 1 and p[:-1] not in seen:
+                raise ValueError(f"tree {name!r}: path {list(p)} has no parent path {list(p[:-1])}")
+        depth = max(len(p) for p in clean)
+        if num_heads is not None and depth > num_heads:
+            raise ValueError(
+                f"tree {name!r} has depth {depth} but there are only {num_heads} Medusa heads")
+        max_rank = max(max(p) for p in clean)
+        if top_k is None:
+            top_k = max_rank + 1
+        elif max_rank >= top_k:
+            raise ValueError(f"tree {name!r}: rank {max_rank} >= top_k {top_k}")
+        return cls(tuple(sorted(clean, key=lambda p: (len(p), p))), int(top_k), name)
+
+    @classmethod
+    def load(cls, spec: str | Path, num_heads: int | None = None) -> "Tree":
+        """A published tree by name, or a JSON file holding a list of paths
+        (or an object with a "paths" field)."""
+        trees = published_trees()
+        if str(spec) in trees:
+            return cls.from_paths(trees[str(spec)], num_heads, name=str(spec))
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(
+                f"tree {str(spec)!r} is neither a file nor a known tree; known: {', '.join(trees)}")
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON ({e})") from None
+        if isinstance(data, dict):
+            data = data.get("paths")
+        return cls.from_paths(data, num_heads, name=str(path))
+
+    def to_json(self) -> list[list[int]]:
+        return [list(p) for p in self.paths_ranks]
+
+    # ---- buffers (numpy; cached because the dataclass is immutable)
+
+    @property
+    def num_nodes(self) -> int:
+        """Tokens fed per verification step: root + tree nodes."""
+        return len(self.paths_ranks) + 1
+
+    @property
+    def depth(self) -> int:
+        return max(len(p) for p in self.paths_ranks)
+
+    @functools.cached_property
+    def _index(self) -> dict[tuple[int, ...], int]:
+        return {(): 0, **{p: i + 1 for i, p in enumerate(self.paths_ranks)}}
+
+    @functools.cached_property
+    def node_depth(self) -> np.ndarray:
+        return np.array([0] + [len(p) for p in self.paths_ranks], np.int32)
+
+    @functools.cached_property
+    def cand_index(self) -> np.ndarray:
+        return np.array([0] + [1 + (len(p) - 1) * self.top_k + p[-1] for p in self.paths_ranks],
+                         np.int32)
+
+    @functools.cached_property
+    def parent(self) -> np.ndarray:
+        return np.array([0] + [self._index[p[:-1]] for p in self.paths_ranks], np.int32)
+
+    @functools.cached_property
+    def mask(self) -> np.ndarray:
+        n = self.num_nodes
+        m = np.eye(n, dtype=bool)
+        m[:, 0] = True
+        for p, i in self._index.items():
+            for d in range(1, len(p)):
+                m[i, self._index[p[:d]]] = True
+        return m
+
+    @functools.cached_property
+    def _leaves(self) -> list[tuple[int, ...]]:
+        prefixes = {p[:-1] for p in self.paths_ranks}
+        return [p for p in self.paths_ranks if p not in prefixes]
+
+    @functools.cached_property
+    def paths(self) -> np.ndarray:
+        out = np.zeros((len(self._leaves), self.depth + 1), np.int32)
+        for row, leaf in enumerate(self._leaves):
+            for d in range(1, len(leaf) + 1):
+                out[row, d] = self._index[leaf[:d]]
+        return out
+
+    @functools.cached_property
+    def path_valid(self) -> np.ndarray:
+        lengths = np.array([len(p) for p in self._leaves])
+        return np.arange(self.depth + 1)[None, :] <= lengths[:, None]
+
+    @functools.cached_property
+    def _children_lists(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for p in self.paths_ranks:  # sorted by rank within a depth, so children come in rank order
+            kids[self._index[p[:-1]]].append(self._index[p])
+        return kids
+
+    @functools.cached_property
+    def children(self) -> np.ndarray:
+        width = max(1, max(len(k) for k in self._children_lists))
+        out = np.zeros((self.num_nodes, width), np.int32)
+        for i, k in enumerate(self._children_lists):
+            out[i, : len(k)] = k
+        return out
+
+    @functools.cached_property
+    def child_valid(self) -> np.ndarray:
+        width = self.children.shape[1]
+        lengths = np.array([len(k) for k in self._children_lists])
+        return np.arange(width)[None, :] < lengths[:, None]
+
+
+def chain_tree(depth: int) -> Tree:
+    """The top-1 chain of the given depth: the smallest useful tree."""
+    return Tree.from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")

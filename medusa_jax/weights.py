@@ -1,0 +1,194 @@
+"""Hugging Face weights in and out: local safetensors <-> the backbone's parameter pytree.
+
+Loading is strict: every tensor the architecture needs must be present with the right shape,
+and every tensor in the files must be used. Any problem raises one `WeightsError` naming the
+file and tensor. Export writes the Hugging Face layout back so a fine-tuned backbone still
+loads in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from medusa_jax.backbone import Params, param_shapes
+from medusa_jax.config import ModelConfig, as_dtype
+
+
+class WeightsError(ValueError):
+    """A checkpoint that cannot be loaded exactly as asked."""
+
+
+def default_model_dir() -> Path:
+    """The embedded stories260K model shipped inside the package."""
+    return Path(str(resources.files("medusa_jax") / "assets" / "stories260K"))
+
+
+# HF name -> (our layer key, transpose?) for the per-layer tensors.
+_LAYER_MAP = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_TOP_MAP = {
+    "model.embed_tokens.weight": ("embed", False),
+    "model.norm.weight": ("final_norm", False),
+    "lm_head.weight": ("lm_head", True),
+}
+# Buffers some older checkpoints carry; they are recomputed, never loaded.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise WeightsError(f"{index}: shard {f.name} is missing")
+        return files
+    if single.is_file():
+        return [single]
+    raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def _read_tensors(files: list[Path]) -> dict[str, tuple[np.ndarray, Path]]:
+    tensors: dict[str, tuple[np.ndarray, Path]] = {}
+    for file in files:
+        try:
+            # framework="flax" reads bfloat16, which numpy's reader does not.
+            with safe_open(str(file), framework="flax") as f:
+                for name in f.keys():
+                    if name in tensors:
+                        raise WeightsError(f"{file}: tensor {name} also in {tensors[name][1]}")
+                    tensors[name] = (np.asarray(f.get_tensor(name)), file)
+        except (SafetensorError, OSError) as e:
+            raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+    return tensors
+
+
+def load_pretrained(
+    path: str | Path | None = None,
+    *,
+    param_dtype: str | None = None,
+    compute_dtype: str = "float32",
+) -> tuple[ModelConfig, Params]:
+    """Load a Hugging Face checkpoint directory (default: the embedded stories260K).
+
+    Returns (config, backbone params). `param_dtype` defaults to float32; pass "bfloat16"
+    to halve memory. Raises FileNotFoundError / ValueError / WeightsError on bad input.
+    """
+    path = Path(path) if path is not None else default_model_dir()
+    cfg = ModelConfig.from_dir(path)
+    cfg = cfg.replace(param_dtype=param_dtype or "float32", compute_dtype=compute_dtype)
+    tensors = _read_tensors(_weight_files(path))
+    shapes = param_shapes(cfg)
+    dtype = as_dtype(cfg.param_dtype)
+
+    layer_parts: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
+    params: Params = {}
+    for name, (array, file) in tensors.items():
+        if _IGNORED.match(name):
+            continue
+        m = _LAYER_RE.match(name)
+        if m and m.group(2) in _LAYER_MAP:
+            idx = int(m.group(1))
+            key, transpose = _LAYER_MAP[m.group(2)]
+            if key not in layer_parts or idx >= cfg.num_layers:
+                raise WeightsError(f"{file}: unexpected tensor {name} for this config")
+            want = shapes["layers"][key][1:]
+            layer_parts[key][idx] = _check(array.T if transpose else array, want, name, file)
+        elif name in _TOP_MAP:
+            key, transpose = _TOP_MAP[name]
+            if key == "lm_head" and cfg.tie_word_embeddings:
+                continue  # tied: some writers still store the shared matrix
+            _check(array.T if transpose else array, shapes[key], name, file)
+            params[key] = array.T if transpose else array
+        else:
+            raise WeightsError(f"{file}: unexpected tensor {name}")
+
+    for key in ("embed", "final_norm", "lm_head"):
+        if key in shapes and key not in params:
+            hf = next(n for n, (k, _) in _TOP_MAP.items() if k == key)
+            raise WeightsError(f"{path}: missing tensor {hf}")
+    layers = {}
+    for key, parts in layer_parts.items():
+        for i, part in enumerate(parts):
+            if part is None:
+                hf = next(n for n, (k, _) in _LAYER_MAP.items() if k == key)
+                raise WeightsError(f"{path}: missing tensor model.layers.{i}.{hf}")
+        layers[key] = np.stack(parts)
+    params["layers"] = layers
+    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+    return cfg, params
+
+
+def _check(array: np.ndarray, want: tuple, name: str, file: Path) -> np.ndarray:
+    if tuple(array.shape) != tuple(want):
+        raise WeightsError(
+            f"{file}: tensor {name} has shape {tuple(array.shape)}, expected {tuple(want)}"
+        )
+    return array
+
+
+def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
+                    source_dir: str | Path | None = None) -> Path:
+    """Write params in the Hugging Face layout (config.json + model.safetensors).
+
+    `source_dir`: the checkpoint the model came from; its config and tokenizer files are
+    copied so the result loads in transformers as a drop-in replacement.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    to_np = lambda a: np.ascontiguousarray(np.asarray(a, dtype=np.float32))  # noqa: E731
+    tensors = {}
+    for name, (key, transpose) in _TOP_MAP.items():
+        if key in params:
+            a = to_np(params[key])
+            tensors[name] = np.ascontiguousarray(a.T) if transpose else a
+    for hf, (key, transpose) in _LAYER_MAP.items():
+        if key not in params["layers"]:
+            continue
+        stacked = to_np(params["layers"][key])
+        for i in range(cfg.num_layers):
+            a = stacked[i]
+            tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(a.T) if transpose else a
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    if source_dir is not None:
+        for f in Path(source_dir).iterdir():
+            if f.is_file() and f.suffix in (".json", ".model", ".txt") and \
+                    not f.name.startswith("model.safetensors"):
+                shutil.copy(f, out / f.name)
+        cfg_json = json.loads((out / "config.json").read_text())
+        cfg_json["dtype"] = "float32"
+        cfg_json.pop("torch_dtype", None)
+        (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
+    return out
