@@ -62,8 +62,11 @@ def log_probs(logits: jax.Array, s: Sampling) -> jax.Array:
 
 
 def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
-    """Plain next-token choice: argmax for greedy/typical, a draw otherwise. logits [..., V]."""
-    if s.mode == "rejection":
+    """Plain next-token choice: argmax in greedy mode, else a draw from `log_probs`.
+
+    (Plain decoding has no tree, so "typical" and "rejection" both mean plain sampling there.)
+    logits [..., V]."""
+    if s.mode != "greedy":
         return jax.random.categorical(key, log_probs(logits, s)).astype(jnp.int32)
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 

@@ -158,7 +158,9 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
     keys = _row_keys(key, b)
     keys, sub = _split_rows(keys)
-    root = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, base_logits)
+    # typical acceptance keeps the first token greedy (the paper's rule)
+    root_rule = sampling if sampling.mode == "rejection" else Sampling()
+    root = jax.vmap(lambda k, l: acceptance.sample(k, l, root_rule))(sub, base_logits)
     head_logits = apply_heads(heads, hidden)  # [K, B, V]
     zeros = jnp.zeros((b,), jnp.int32)
     state = dict(cache=cache, root=root, head_logits=head_logits,
