@@ -1,0 +1,138 @@
+"""Strict Hugging Face weight loading: sharded files, and one clear error per bad input."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from medusa_jax.weights import WeightsError, default_model_dir, load_pretrained, save_pretrained
+
+
+@pytest.fixture(scope="module")
+def small_model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit(folder, fn):
+    file = folder / "model.safetensors"
+    tensors = load_file(file)
+    fn(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_embedded_default_loads(stories):
+    cfg, params, _ = stories
+    assert (cfg.model_type, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("llama", 5, 8, 4)
+    assert cfg.tie_word_embeddings and "lm_head" not in params
+    n = sum(int(np.prod(a.shape)) for a in __import__("jax").tree.leaves(params))
+    assert n == 260_032
+    assert (default_model_dir() / "LICENSE").is_file()
+
+
+def test_sharded_checkpoint_equals_single_file(small_model_dir, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(small_model_dir)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    _, single = load_pretrained(small_model_dir)
+    _, sharded = load_pretrained(tmp_path)
+    for a, b in zip(__import__("jax").tree.leaves(single), __import__("jax").tree.leaves(sharded)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_missing_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        load_pretrained(tmp_path)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_pretrained(tmp_path / "nope")
+
+
+def test_missing_tensor(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    _edit(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(WeightsError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_pretrained(d)
+
+
+def test_unexpected_tensor(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    _edit(d, lambda t: t.update({"model.extra.weight": np.zeros(3, np.float32)}))
+    with pytest.raises(WeightsError, match=r"unexpected tensor model\.extra\.weight"):
+        load_pretrained(d)
+
+
+def test_wrong_shape(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    _edit(d, lambda t: t.update({"model.norm.weight": np.ones(31, np.float32)}))
+    with pytest.raises(WeightsError, match=r"model\.norm\.weight has shape \(31,\), expected \(32,\)"):
+        load_pretrained(d)
+
+
+def test_truncated_file(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(WeightsError, match="model.safetensors: corrupt or truncated"):
+        load_pretrained(d)
+
+
+def test_corrupt_file(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    (d / "model.safetensors").write_bytes(b"\x07garbage" * 10)
+    with pytest.raises(WeightsError, match="corrupt or truncated"):
+        load_pretrained(d)
+
+
+def test_missing_shard(small_model_dir, tmp_path):
+    AutoModelForCausalLM.from_pretrained(small_model_dir).save_pretrained(tmp_path,
+                                                                         max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / victim).unlink()
+    with pytest.raises(WeightsError, match=f"shard {victim} is missing"):
+        load_pretrained(tmp_path)
+
+
+def test_no_weights(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    (d / "model.safetensors").unlink()
+    with pytest.raises(WeightsError, match="no model.safetensors"):
+        load_pretrained(d)
+
+
+def test_unsupported_rope(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+        load_pretrained(d)
+
+
+def test_export_round_trip_loads_in_transformers(small_model_dir, tmp_path):
+    cfg, params = load_pretrained(small_model_dir)
+    params = dict(params, final_norm=params["final_norm"] * 1.5)  # a visible change
+    save_pretrained(cfg, params, tmp_path, source_dir=small_model_dir)
+    _, again = load_pretrained(tmp_path)
+    np.testing.assert_array_equal(again["final_norm"], params["final_norm"])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    np.testing.assert_allclose(model.model.norm.weight.detach().numpy(),
+                               np.asarray(params["final_norm"], np.float32))
+    assert jnp.all(again["layers"]["wq"] == params["layers"]["wq"])
