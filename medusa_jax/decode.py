@@ -138,13 +138,24 @@ def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.A
     return Output(tokens=out, num_new=count, steps=count, accept_hist=hist)
 
 
+def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The head function of Medusa: hidden [B, H] -> logits [K, B, V] (lengths unused)."""
+    del lengths
+    return apply_heads(heads, hidden)
+
+
 @functools.partial(jax.jit,
-                   static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos"))
+                   static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos", "head_fn"))
 def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
                     lengths: jax.Array, key: jax.Array, *, tree: Tree,
                     sampling: Sampling = Sampling(), max_new_tokens: int = 128,
-                    eos: tuple[int, ...] = ()) -> Output:
-    """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B]."""
+                    eos: tuple[int, ...] = (), head_fn=standard_heads) -> Output:
+    """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B].
+
+    `head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]` turns the hidden state of the
+    last committed token (at slot lengths - 1) into head logits; the default applies the
+    Medusa heads. Tests plug in oracle heads here.
+    """
     b, p = tokens.shape
     t, depth = tree.num_nodes, tree.depth
     capacity = p + max_new_tokens + t + 1
@@ -161,7 +172,10 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     # typical acceptance keeps the first token greedy (the paper's rule)
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
     root = jax.vmap(lambda k, l: acceptance.sample(k, l, root_rule))(sub, base_logits)
-    head_logits = apply_heads(heads, hidden)  # [K, B, V]
+    head_logits = head_fn(heads, hidden, lengths)  # [K, B, V]
+    if head_logits.shape[0] < depth:
+        raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
+                         f"{head_logits.shape[0]} Medusa heads")
     zeros = jnp.zeros((b,), jnp.int32)
     state = dict(cache=cache, root=root, head_logits=head_logits,
                  out=jnp.zeros((b, width), jnp.int32), count=zeros, steps=zeros,
@@ -213,8 +227,10 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
         cache = cache.advance(jnp.where(live, acc_len + 1, 0))
         # 5. heads on the last accepted node only
         last = path[rows, acc_len]
-        new_head_logits = apply_heads(heads, hidden[rows, last])
-        hist = s["hist"].at[rows, n_emit].add(live.astype(jnp.int32))
+        new_head_logits = head_fn(heads, hidden[rows, last], cache.lengths)
+        # histogram of tokens actually kept (the last step may be cut by max_new_tokens)
+        kept = jnp.minimum(n_emit, max_new_tokens - s["count"])
+        hist = s["hist"].at[rows, jnp.clip(kept, 0, depth + 1)].add(live.astype(jnp.int32))
         return dict(cache=cache, root=jnp.where(live, next_root, s["root"]),
                     head_logits=jnp.where(live[None, :, None], new_head_logits, s["head_logits"]),
                     out=out, count=count, steps=s["steps"] + live, hist=hist, done=done,

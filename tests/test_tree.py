@@ -1,0 +1,80 @@
+"""Tree buffers: shapes of the published trees, attention semantics, invalid trees."""
+
+import numpy as np
+import pytest
+
+from medusa_jax.tree import Tree, chain_tree, published_trees
+
+
+def test_mc_sim_7b_63_buffers():
+    t = Tree.load("mc_sim_7b_63")
+    assert t.mask.shape == (64, 64)
+    assert t.paths.shape == (42, 5) and t.path_valid.shape == (42, 5)
+    assert t.depth == 4 and t.num_nodes == 64 and t.top_k == 10
+    assert t.node_depth[0] == 0 and t.node_depth.max() == 4
+
+
+@pytest.mark.parametrize("name", sorted(published_trees()))
+def test_buffers_are_consistent(name):
+    t = Tree.load(name)
+    ranks = (None,) + t.paths_ranks
+    for i in range(1, t.num_nodes):
+        path = ranks[i]
+        # a node sees exactly its ancestors, itself and the root
+        ancestors = {0, i} | {ranks.index(path[:d]) for d in range(1, len(path))}
+        assert set(np.flatnonzero(t.mask[i])) == ancestors
+        assert t.node_depth[i] == len(path)
+        assert t.cand_index[i] == 1 + (len(path) - 1) * t.top_k + path[-1]
+        assert ranks[t.parent[i]] == (path[:-1] or None)
+    # every node lies on some valid root-to-leaf row, padding never marked valid
+    on_paths = set(t.paths[t.path_valid].tolist())
+    assert on_paths == set(range(t.num_nodes))
+    assert not t.path_valid[:, 0].all() or t.paths[:, 0].max() == 0
+    for row, valid in zip(t.paths, t.path_valid):
+        n = valid.sum()
+        assert valid[:n].all() and not valid[n:].any()
+        for d in range(1, n):
+            assert t.parent[row[d]] == row[d - 1]
+    # children tables list each node's children in rank order
+    for i in range(t.num_nodes):
+        kids = t.children[i][t.child_valid[i]]
+        assert all(t.parent[k] == i for k in kids)
+        assert [ranks[k][-1] for k in kids] == sorted(ranks[k][-1] for k in kids)
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([], "is empty"),
+    ([[0], [0]], r"duplicate path \[0\]"),
+    ([[0], [1, 0], [1]][:2], r"path \[1, 0\] has no parent path \[1\]"),
+    ([[0], [-1]], "not a non-empty list of ranks"),
+    ([[0], []], "not a non-empty list of ranks"),
+])
+def test_invalid_trees(paths, message):
+    with pytest.raises(ValueError, match=message):
+        Tree.from_paths(paths)
+
+
+def test_depth_and_rank_limits():
+    with pytest.raises(ValueError, match="depth 3 but there are only 2 Medusa heads"):
+        Tree.from_paths([[0], [0, 0], [0, 0, 0]], num_heads=2)
+    with pytest.raises(ValueError, match="rank 4 >= top_k 4"):
+        Tree.from_paths([[0], [4]], top_k=4)
+
+
+def test_tree_from_file_and_unknown_name(tmp_path):
+    f = tmp_path / "t.json"
+    f.write_text("[[0], [1], [0, 0]]")
+    t = Tree.load(f)
+    assert t.num_nodes == 4 and t.depth == 2
+    assert Tree.load(f) == Tree.from_paths([[1], [0], [0, 0]])
+    with pytest.raises(ValueError, match="neither a file nor a known tree"):
+        Tree.load("no_such_tree")
+    (tmp_path / "bad.json").write_text("[[0],")
+    with pytest.raises(ValueError, match="bad.json: invalid JSON"):
+        Tree.load(tmp_path / "bad.json")
+
+
+def test_chain_tree():
+    t = chain_tree(3)
+    assert t.num_nodes == 4 and t.paths.tolist() == [[0, 1, 2, 3]]
+    assert np.array_equal(t.mask, np.tril(np.ones((4, 4), bool)))
