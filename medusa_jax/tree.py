@@ -89,6 +89,14 @@ class Tree:
         trees = published_trees()
         if str(spec) in trees:
             return cls.from_paths(trees[str(spec)], num_heads, name=str(spec))
+        name, _, size = str(spec).rpartition(":")
+        if name in trees and size.isdigit():
+            # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
+            # they were grown (best first), so every prefix is itself a valid tree.
+            n = int(size)
+            if not 1 <= n <= len(trees[name]):
+                raise ValueError(f"tree {spec!r}: size must be 1..{len(trees[name])}")
+            return cls.from_paths(trees[name][:n], num_heads, name=str(spec))
         path = Path(spec)
         if not path.is_file():
             raise ValueError(

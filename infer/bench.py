@@ -1,0 +1,223 @@
+"""`python -m infer.bench`: plain vs Medusa decoding, side by side, in one process.
+
+    python -m infer.bench                                   # embedded model + default heads
+    python -m infer.bench --modes greedy,typical,rejection --batch-sizes 1,4,16 --plot b.png
+    python -m infer.bench --prompts ../shared/data/mt_bench/question.jsonl --json
+    python -m infer.bench --random-weights --shape llama-110m --tree-sizes 0,16,32,64,128
+
+Timings exclude compilation (every configuration runs once before the clock starts) and are
+the median of --reps repetitions. Speedup is wall-clock tokens/s against our own plain jitted
+decoding at the same batch size, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from importlib import resources
+from pathlib import Path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
+    p.add_argument("--heads", help="heads artifact (default: the embedded model's shipped heads)")
+    p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
+                                     "(default: held-out TinyStories openings)")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
+    p.add_argument("--trees", default=None, help="comma list of tree names/files "
+                                                 "(default: the model's default tree)")
+    p.add_argument("--batch-sizes", type=_ints, default=[1])
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
+    p.add_argument("--random-weights", action="store_true",
+                   help="step-time curve of a random backbone of --shape (no decoding)")
+    p.add_argument("--shape", default="llama-110m")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--tree-sizes", type=_ints, default=[0, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--prefix", type=int, default=256, help="context length for the step curve")
+    return p
+
+
+def step_curve(args) -> int:
+    import jax
+
+    from medusa_jax.bench import random_backbone, step_time_curve
+    from medusa_jax.weights import load_pretrained
+
+    if args.random_weights:
+        cfg, params = random_backbone(args.shape, args.dtype)
+        label = f"{args.shape} (random weights, {args.dtype})"
+    else:
+        cfg, params = load_pretrained(args.model, param_dtype=args.dtype, compute_dtype=args.dtype)
+        label = str(args.model or "stories260K")
+    sizes = sorted(set([0] + args.tree_sizes))
+    curve = step_time_curve(cfg, params, sizes, prefix=args.prefix, reps=args.reps)
+    weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+    rows = [{"tree_nodes": n, "tokens_fed": n + 1, "ms": 1e3 * s, "overhead": s / curve[0]}
+            for n, s in curve.items()]
+    if args.json:
+        print(json.dumps({"model": label, "device": str(jax.devices()[0]),
+                          "weight_bytes": weight_bytes, "prefix": args.prefix, "rows": rows}))
+        return 0
+    print(f"{label} on {jax.devices()[0].platform}: {weight_bytes / 2**20:.1f} MiB of weights, "
+          f"context {args.prefix}")
+    print(f"{'tree nodes':>10} {'tokens fed':>10} {'ms/step':>9} {'vs plain':>9}")
+    for r in rows:
+        print(f"{r['tree_nodes']:>10} {r['tokens_fed']:>10} {r['ms']:>9.3f} {r['overhead']:>8.2f}x")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.random_weights:
+        return step_curve(args)
+    from medusa_jax.acceptance import MODES, Sampling
+    from medusa_jax.api import Medusa
+    from medusa_jax.bench import read_prompt_file, run_decoder, run_transformers
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"error: --modes: {m!r} is not one of {', '.join(MODES)}")
+    try:
+        if args.prompts:
+            prompts = read_prompt_file(args.prompts)
+        else:
+            heldout = resources.files("medusa_jax") / "assets" / "prompts" / "heldout_openings.txt"
+            prompts = [(line, None) for line in heldout.read_text().splitlines() if line.strip()]
+        prompts = prompts[: args.num_prompts]
+        model = Medusa.load(args.model, args.heads or _default_heads(args.model))
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}")
+    if model.heads is None:
+        raise SystemExit("error: no heads: pass --heads (train some with python -m train.medusa1)")
+    ids = [model.encode(p) for p, _ in prompts]
+    trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
+    longest = max(map(len, ids))
+    from medusa_jax.decode import check_fits
+
+    for t in trees:
+        check_fits(model.cfg, longest, args.max_new_tokens, t.num_nodes)
+    common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps)
+
+    results = []
+    for bs in args.batch_sizes:
+        print(f"batch size {bs}: timing plain decoding ...", file=sys.stderr)
+        plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
+        row = _row(plain, plain, "plain jax", "greedy", "-", None)
+        results.append(row)
+        if not args.no_transformers:
+            print(f"batch size {bs}: timing transformers ...", file=sys.stderr)
+            hf = run_transformers(model.model_dir, ids, batch_size=bs,
+                                  max_new_tokens=args.max_new_tokens, eos=model.eos,
+                                  reps=args.reps)
+            if hf is not None:
+                results.append(_row(hf, plain, "transformers (torch)", "greedy", "-",
+                                    hf.rows == plain.rows))
+        for mode in modes:
+            sampling = Sampling(mode=mode, temperature=1.0 if mode == "greedy" else args.temperature)
+            base = plain
+            if mode != "greedy":  # compare against plain sampling at the same temperature
+                base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
+                                   name="plain-sample", **common)
+            for tree in trees:
+                print(f"batch size {bs}: timing medusa {mode} {tree.name} ...", file=sys.stderr)
+                med = run_decoder(model.params, model.cfg, ids, batch_size=bs, heads=model.heads,
+                                  tree=tree, sampling=sampling, name="medusa", **common)
+                same = med.rows == plain.rows if mode == "greedy" else None
+                results.append(_row(med, base, "medusa", mode, tree.name, same,
+                                    by_category=_by_category(med, prompts)))
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        _print_table(results)
+    if args.plot:
+        _plot(results, args.plot)
+    bad = [r for r in results if r["identical_to_plain"] is False and r["config"] == "medusa"]
+    if bad:
+        print("error: Medusa greedy output differs from plain greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _default_heads(model_dir):
+    if model_dir is not None:
+        return None
+    heads = resources.files("medusa_jax") / "assets" / "stories260K_heads"
+    return str(heads) if (heads / "medusa_heads.safetensors").is_file() else None
+
+
+def _row(run, base, config, mode, tree, identical, by_category=None):
+    return {
+        "config": config, "mode": mode, "tree": tree, "batch_size": run.batch_size,
+        "tokens_per_step": round(run.tokens_per_step, 3),
+        "step_ms": round(1e3 * run.step_seconds, 4),
+        "step_overhead": round(run.step_seconds / base.step_seconds, 3),
+        "tokens_per_second": round(run.tokens_per_second, 1),
+        "speedup": round(run.tokens_per_second / base.tokens_per_second, 3),
+        "new_tokens": run.new_tokens, "seconds": round(run.seconds, 4),
+        "identical_to_plain": identical, "by_category": by_category,
+    }
+
+
+def _by_category(run, prompts):
+    cats = defaultdict(lambda: [0, 0])
+    for (_, cat), row, steps in zip(prompts, run.rows, run.per_row_steps):
+        if cat is not None:
+            cats[cat][0] += len(row)
+            cats[cat][1] += steps
+    return {c: round(n / max(s, 1), 3) for c, (n, s) in sorted(cats.items())} or None
+
+
+def _print_table(results):
+    head = (f"{'config':<22}{'mode':<10}{'tree':<18}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
+            f"{'overhead':>9}{'tok/s':>9}{'speedup':>9}  identical")
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
+        print(f"{r['config']:<22}{r['mode']:<10}{r['tree']:<18}{r['batch_size']:>5}"
+              f"{r['tokens_per_step']:>9.2f}{r['step_ms']:>9.3f}{r['step_overhead']:>8.2f}x"
+              f"{r['tokens_per_second']:>9.0f}{r['speedup']:>8.2f}x  {same}")
+        if r["by_category"]:
+            print("    tokens/step by category: " +
+                  ", ".join(f"{c} {v:.2f}" for c, v in r["by_category"].items()))
+
+
+def _plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = [r for r in results if r["config"] == "medusa"]
+    labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}" for r in med]
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(med)), 4))
+    axes[0].bar(labels, [r["tokens_per_step"] for r in med])
+    axes[0].set_title("tokens per step")
+    axes[1].bar(labels, [r["speedup"] for r in med])
+    axes[1].axhline(1.0, color="k", lw=0.8)
+    axes[1].set_title("wall-clock speedup vs plain")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
