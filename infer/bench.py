@@ -47,6 +47,8 @@ def build_parser():
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
                    help="step-time curve of a random backbone of --shape (no decoding)")
+    p.add_argument("--step-curve", action="store_true",
+                   help="step-time curve of --model (default: the embedded model), no decoding")
     p.add_argument("--shape", default="llama-110m")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--tree-sizes", type=_ints, default=[0, 4, 8, 16, 32, 64, 128])
@@ -85,7 +87,7 @@ def step_curve(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.random_weights:
+    if args.random_weights or args.step_curve:
         return step_curve(args)
     from medusa_jax.acceptance import MODES, Sampling
     from medusa_jax.api import Medusa
