@@ -34,7 +34,8 @@ Params = dict
 class KVCache:
     """Preallocated keys/values, one fill length per batch row.
 
-    k, v:    [L, B, S, KVH, D]  slot s of row b holds the token at position s
+    k, v:    [L, B, KVH, S, D]  slot s of row b holds the token at position s
+                                (heads before slots: attention is then a plain batched matmul)
     lengths: [B] int32          slots [0, lengths[b]) are the row's committed context
 
     `forward` writes the new tokens at slots lengths[b] ... lengths[b] + T - 1 and leaves
@@ -48,12 +49,12 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
         dtype = as_dtype(dtype or cfg.compute_dtype)
-        shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -127,28 +128,45 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B, S, ...], new [B, T, ...]: write row b's T entries at slot starts[b]."""
+    """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b]."""
 
-    def one(c, n, s):
-        return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0)
+    def one(c, n, s):  # c [L, KVH, S, D]
+        return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2)
 
-    return jax.vmap(one)(cache, new, starts)
+    return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(cache, new, starts)
 
 
-def _attention(cfg: ModelConfig, q, k, v, mask):
-    """q [B, T, NH, D]; k, v [B, S, KVH, D]; mask [B, T, S] -> [B, T, NH*D]."""
+def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask, new_mask):
+    """Attention over the committed cache plus the T new tokens.
+
+    q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
+    only: the new tokens are written once after all layers); prefix_mask [B, T, S];
+    new_mask [B, T, T]. Returns [B, T, NH*D].
+    """
     b, t, _, d = q.shape
-    q = q.reshape(b, t, cfg.num_kv_heads, cfg.q_per_kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(d)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, cfg.num_heads * d)
+    kvh, g = cfg.num_kv_heads, cfg.q_per_kv
+    neg = jnp.finfo(jnp.float32).min
+    # [B, KVH, G*T, D]: the query heads sharing a KV head form one batched matmul
+    q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    q = q / math.sqrt(d)
+
+    def scores(keys, mask):
+        s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32)
+        s = s.reshape(b, kvh, g, t, -1)
+        return jnp.where(mask[:, None, None], s, neg)
+
+    s = jnp.concatenate([scores(k_cache, prefix_mask), scores(k_new, new_mask)], axis=-1)
+    probs = jax.nn.softmax(s, axis=-1).astype(v_new.dtype).reshape(b, kvh, g * t, -1)
+    cap = k_cache.shape[2]
+    out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :cap], v_cache)
+           + jnp.einsum("bkqs,bksd->bkqd", probs[..., cap:], v_new))  # [B, KVH, G*T, D]
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
-def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, mask, starts, inv_freq):
-    """One decoder layer. x [B, T, H]; k_cache, v_cache [B, S, KVH, D]."""
+def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
+           inv_freq):
+    """One decoder layer. x [B, T, H]; k_cache, v_cache [B, KVH, S, D].
+    Returns (x, this layer's new keys and values [B, KVH, T, D])."""
     b, t, _ = x.shape
     dt = x.dtype
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
@@ -166,16 +184,16 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, mask, starts
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    k_cache = _write_rows(k_cache, k.astype(k_cache.dtype), starts)
-    v_cache = _write_rows(v_cache, v.astype(v_cache.dtype), starts)
-    attn = _attention(cfg, q, k_cache.astype(dt), v_cache.astype(dt), mask)
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(k_cache.dtype)
+    v = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
+    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache.astype(dt),
+                      v_cache.astype(dt), prefix_mask, new_mask)
     x = x + attn @ layer["wo"].astype(dt)
 
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     gate = jax.nn.silu(h @ layer["w_gate"].astype(dt))
     x = x + (gate * (h @ layer["w_up"].astype(dt))) @ layer["w_down"].astype(dt)
-    return x, k_cache, v_cache
+    return x, k, v
 
 
 def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -192,6 +210,48 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> j
                       preferred_element_type=jnp.float32)
 
 
+def forward_uncommitted(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # [B, T] int32
+    positions: jax.Array,  # [B, T] int32
+    mask: jax.Array,  # [B, T, S] bool: query t may attend cache slot s
+    cache: KVCache,
+    *,
+    return_logits: bool = True,
+) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
+    """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
+    values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
+    just the accepted path)."""
+    dt = as_dtype(cfg.compute_dtype)
+    x = params["embed"][tokens].astype(dt)
+    inv_freq = rope_frequencies(cfg)
+    t = tokens.shape[1]
+    # Split the caller's mask: committed slots come from the cache, the T new tokens (which
+    # would occupy slots lengths .. lengths+T-1) attend each other directly. The cache is
+    # only read inside the layers: no per-layer copies of it.
+    slots = jnp.arange(cache.capacity)
+    prefix_mask = mask & (slots[None, None, :] < cache.lengths[:, None, None])
+    new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], cache.capacity - 1)
+    new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)  # [B, T, T]
+
+    def body(x, xs):
+        layer, kc, vc = xs
+        x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
+        return x, (k, v)
+
+    x, new_kv = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
+    return logits, hidden, new_kv
+
+
+def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """Write [L, B, KVH, T, D] keys/values at slots lengths[b] ... (lengths unchanged)."""
+    return cache.replace(k=_write_rows(cache.k, k_new, cache.lengths),
+                         v=_write_rows(cache.v, v_new, cache.lengths))
+
+
 def forward(
     params: Params,
     cfg: ModelConfig,
@@ -204,23 +264,14 @@ def forward(
 ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row.
 
+    Slot s of the mask is cache slot s; the new tokens occupy slots lengths[b] ...
+    lengths[b] + T - 1, so a causal mask, a tree mask or any other pattern is just a mask.
     Returns (logits [B, T, V] float32 or None, hidden [B, T, H] after the final norm, cache
-    with the new keys/values written at slots lengths[b] ... lengths[b] + T - 1).
+    with the new keys/values written at those slots; `lengths` is left to the caller).
     """
-    dt = as_dtype(cfg.compute_dtype)
-    x = params["embed"][tokens].astype(dt)
-    inv_freq = rope_frequencies(cfg)
-    starts = cache.lengths
-
-    def body(x, xs):
-        layer, kc, vc = xs
-        x, kc, vc = _layer(cfg, x, layer, kc, vc, positions, mask, starts, inv_freq)
-        return x, (kc, vc)
-
-    x, (k, v) = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
-    return logits, hidden, cache.replace(k=k, v=v)
+    logits, hidden, (k_new, v_new) = forward_uncommitted(
+        params, cfg, tokens, positions, mask, cache, return_logits=return_logits)
+    return logits, hidden, write_kv(cache, k_new, v_new)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

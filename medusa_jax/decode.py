@@ -23,7 +23,8 @@ from flax import struct
 
 from medusa_jax import acceptance
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import KVCache, Params, causal_mask, forward, tree_mask_after_prefix
+from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_uncommitted,
+                                 tree_mask_after_prefix, write_kv)
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
 from medusa_jax.tree import Tree
@@ -138,6 +139,20 @@ def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.A
     return Output(tokens=out, num_new=count, steps=count, accept_hist=hist)
 
 
+def small_top_k(x: jax.Array, k: int) -> jax.Array:
+    """Indices of the k largest entries along the last axis, largest first.
+
+    k rounds of argmax-and-mask: on CPU, XLA's TopK sorts the whole vocabulary and costs
+    more than the rest of a Medusa step; trees need k <= 10.
+    """
+    picks = []
+    for _ in range(k):
+        idx = jnp.argmax(x, axis=-1)
+        picks.append(idx)
+        x = jnp.where(jnp.arange(x.shape[-1]) == idx[..., None], -jnp.inf, x)
+    return jnp.stack(picks, axis=-1).astype(jnp.int32)
+
+
 def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.Array:
     """The head function of Medusa: hidden [B, H] -> logits [K, B, V] (lengths unused)."""
     del lengths
@@ -188,14 +203,15 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     def body(s):
         cache, live = s["cache"], ~s["done"]
         # 1. candidates: root, then each head's top-k; tree node i takes flat[cand_index[i]]
-        top = jax.lax.top_k(s["head_logits"][:depth], tree.top_k)[1]  # [D, B, k]
+        top = small_top_k(s["head_logits"][:depth], tree.top_k)  # [D, B, k]
         flat = jnp.concatenate([s["root"][:, None],
                                 jnp.transpose(top, (1, 0, 2)).reshape(b, -1)], axis=1)
         cand = flat[:, cand_index].astype(jnp.int32)  # [B, T]
         # 2. verify all nodes in one pass
         positions = cache.lengths[:, None] + node_depth[None, :]
         mask = tree_mask_after_prefix(cache.lengths, tmask, capacity)
-        logits, hidden, cache = forward(params, cfg, cand, positions, mask, cache)
+        logits, hidden, (k_new, v_new) = forward_uncommitted(params, cfg, cand, positions,
+                                                             mask, cache)
         # 3. accept
         keys, sub = _split_rows(s["keys"])
         if sampling.mode == "greedy":
@@ -217,13 +233,10 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
         out = jnp.where(live[:, None], out, s["out"])
         count = jnp.where(live, s["count"] + n_emit, s["count"])
         done = s["done"] | (live & hit_eos) | (count >= max_new_tokens)
-        # 4. move the accepted nodes' keys/values to consecutive slots after the prefix
-        src = cache.lengths[:, None] + path  # [B, D+1]
-        k = jnp.take_along_axis(cache.k, src[None, :, :, None, None], axis=2)
-        v = jnp.take_along_axis(cache.v, src[None, :, :, None, None], axis=2)
-        put = jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1),
-                       in_axes=(1, 1, 0), out_axes=1)
-        cache = cache.replace(k=put(cache.k, k, cache.lengths), v=put(cache.v, v, cache.lengths))
+        # 4. commit only the accepted path's keys/values, to consecutive slots
+        sel = path[None, :, None, :, None]  # [1, B, 1, D+1, 1] node index per kept slot
+        cache = write_kv(cache, jnp.take_along_axis(k_new, sel, axis=3),
+                         jnp.take_along_axis(v_new, sel, axis=3))
         cache = cache.advance(jnp.where(live, acc_len + 1, 0))
         # 5. heads on the last accepted node only
         last = path[rows, acc_len]
