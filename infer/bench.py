@@ -39,7 +39,8 @@ def build_parser():
     p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
     p.add_argument("--trees", default=None, help="comma list of tree names/files "
                                                  "(default: the model's default tree)")
-    p.add_argument("--batch-sizes", type=_ints, default=[1])
+    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=_ints, default=[1],
+                   help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
