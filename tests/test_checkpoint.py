@@ -1,0 +1,145 @@
+"""Checkpoints: exact resume, max_to_keep, and a save killed before it finalizes."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from medusa_jax import data
+from medusa_jax import train_step as ts
+from medusa_jax.checkpoint import CheckpointError, Checkpointer
+from test_train_step import CFG, setup  # tests/ is on sys.path under pytest
+
+TRAINED = ("heads",)
+
+
+def toy_rows(n=10, t=16, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, CFG.vocab_size, (n, t)).astype(np.int32)
+    return data.Packed(tokens=tokens, positions=np.tile(np.arange(t, dtype=np.int32), (n, 1)),
+                       segments=np.ones((n, t), np.int32),
+                       loss_mask=np.tile(np.arange(t) >= 2, (n, 1)))
+
+
+def train(state, step, it, n):
+    for _ in range(n):
+        state, _ = step(state, next(it))
+    return state
+
+
+def test_resume_equals_straight_run(tmp_path):
+    rows, n = toy_rows(), 3
+    # straight: 2N steps
+    state, step, _, _ = setup()
+    straight = train(state, step, data.BatchIterator(rows, 4, seed=5), 2 * n)
+    # N steps, checkpoint, throw everything away
+    state, step, _, _ = setup()
+    it = data.BatchIterator(rows, 4, seed=5)
+    state = train(state, step, it, n)
+    ck = Checkpointer(tmp_path / "ckpt")
+    ck.save(state, TRAINED, it.position, {"note": "test"})
+    ck.wait()
+    ck.close()
+    del state, it
+    # a fresh process would do this: rebuild from scratch, restore, continue N steps
+    fresh, step2, shardings, _ = setup()
+    ck = Checkpointer(tmp_path / "ckpt", create=False)
+    restored, meta = ck.restore(fresh, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == n and meta["data_position"] == n and meta["config"] == {"note": "test"}
+    assert int(restored.step) == n
+    restored_w = np.asarray(restored.params["heads"]["w"])  # the step donates its input
+    resumed = train(restored, step2, data.BatchIterator(rows, 4, seed=5,
+                                                         position=meta["data_position"]), n)
+    assert int(resumed.step) == int(straight.step) == 2 * n
+    for name in ("w", "b", "proj"):
+        np.testing.assert_array_equal(np.asarray(resumed.params["heads"][name]),
+                                      np.asarray(straight.params["heads"][name]))
+    for a, b in zip(jax.tree.leaves(resumed.opt_state), jax.tree.leaves(straight.opt_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # and the heads did move away from the restored point
+    assert not np.array_equal(np.asarray(resumed.params["heads"]["w"]), restored_w)
+
+
+def test_keeps_last_n_and_async_save_survives_donation(tmp_path):
+    state, step, shardings, _ = setup()
+    it = data.BatchIterator(toy_rows(), 2)
+    ck = Checkpointer(tmp_path / "ckpt", max_to_keep=2)
+    saved = {}
+    for _ in range(4):
+        state = train(state, step, it, 1)
+        saved[int(state.step)] = np.asarray(state.params["heads"]["proj"]).copy()
+        # the save runs in the background while the next step donates (frees) `state`
+        ck.save(state, TRAINED, it.position, {})
+    ck.wait()
+    assert ck.all_steps() == [3, 4] and ck.latest_step() == 4
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["3", "4"]
+    fresh, _, _, _ = setup()
+    for s in (3, 4):
+        restored, meta = ck.restore(fresh, shardings, TRAINED, step=s)
+        assert meta["step"] == s
+        np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), saved[s])
+    ck.close()
+
+
+def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
+    state, _, shardings, _ = setup()
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        Checkpointer(tmp_path / "missing", create=False)
+    ck = Checkpointer(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no finished checkpoint"):
+        ck.restore(state, shardings, TRAINED)
+    ck.close()
+
+
+KILLED_SAVE = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from orbax.checkpoint._src.path import atomicity
+    from medusa_jax import data
+    from medusa_jax.checkpoint import Checkpointer
+    from test_train_step import setup
+    from test_checkpoint import toy_rows, train
+
+    state, step, _, _ = setup()
+    it = data.BatchIterator(toy_rows(), 2)
+    ck = Checkpointer(sys.argv[1], max_to_keep=3)
+    state = train(state, step, it, 1)
+    ck.save(state, ("heads",), it.position, {})
+    ck.wait()
+    np.save(sys.argv[2], np.asarray(state.params["heads"]["w"]))
+
+    async def die(self, *a, **k):  # the process dies after writing, before the commit
+        os._exit(17)
+    atomicity.AtomicRenameTemporaryPath.finalize = die
+    atomicity.CommitFileTemporaryPath.finalize = die
+    state = train(state, step, it, 1)
+    ck.save(state, ("heads",), it.position, {})
+    ck.wait()
+    os._exit(0)  # not reached
+""")
+
+
+def test_killed_save_leaves_no_valid_checkpoint(tmp_path):
+    ckdir, saved = tmp_path / "ckpt", tmp_path / "w1.npy"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(ckdir), str(saved)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 17, proc.stderr[-2000:]
+    names = sorted(p.name for p in ckdir.iterdir())
+    assert "1" in names and "2" not in names
+    assert any(n.startswith("2.orbax-checkpoint-tmp") for n in names), names  # the dead save
+    ck = Checkpointer(ckdir, create=False)
+    assert ck.all_steps() == [1]
+    state, _, shardings, _ = setup()
+    restored, meta = ck.restore(state, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 1
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["w"]), np.load(saved))
