@@ -155,11 +155,16 @@ def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
         s = s.reshape(b, kvh, g, t, -1)
         return jnp.where(mask[:, None, None], s, neg)
 
-    s = jnp.concatenate([scores(k_cache, prefix_mask), scores(k_new, new_mask)], axis=-1)
-    probs = jax.nn.softmax(s, axis=-1).astype(v_new.dtype).reshape(b, kvh, g * t, -1)
-    cap = k_cache.shape[2]
-    out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :cap], v_cache)
-           + jnp.einsum("bkqs,bksd->bkqd", probs[..., cap:], v_new))  # [B, KVH, G*T, D]
+    if k_cache is None:  # empty cache (prefill, training): the new tokens only
+        probs = jax.nn.softmax(scores(k_new, new_mask), axis=-1)
+        probs = probs.astype(v_new.dtype).reshape(b, kvh, g * t, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v_new)
+    else:
+        s = jnp.concatenate([scores(k_cache, prefix_mask), scores(k_new, new_mask)], axis=-1)
+        probs = jax.nn.softmax(s, axis=-1).astype(v_new.dtype).reshape(b, kvh, g * t, -1)
+        cap = k_cache.shape[2]
+        out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :cap], v_cache)
+               + jnp.einsum("bkqs,bksd->bkqd", probs[..., cap:], v_new))  # [B, KVH, G*T, D]
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
@@ -184,10 +189,13 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask,
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(k_cache.dtype)
-    v = v.transpose(0, 2, 1, 3).astype(v_cache.dtype)
-    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache.astype(dt),
-                      v_cache.astype(dt), prefix_mask, new_mask)
+    kv_dtype = dt if k_cache is None else k_cache.dtype
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(kv_dtype)
+    v = v.transpose(0, 2, 1, 3).astype(kv_dtype)
+    if k_cache is not None:
+        k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
+    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
+                      new_mask)
     x = x + attn @ layer["wo"].astype(dt)
 
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
@@ -219,10 +227,15 @@ def forward_uncommitted(
     cache: KVCache,
     *,
     return_logits: bool = True,
+    empty_cache: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
-    just the accepted path)."""
+    just the accepted path).
+
+    `empty_cache=True` promises every row's cache is empty (prefill, training): attention
+    then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
+    fully masked block."""
     dt = as_dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)
     inv_freq = rope_frequencies(cfg)
@@ -236,11 +249,12 @@ def forward_uncommitted(
     new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)  # [B, T, T]
 
     def body(x, xs):
-        layer, kc, vc = xs
+        layer, kc, vc = xs if not empty_cache else (xs, None, None)
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
-    x, new_kv = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+    x, new_kv = jax.lax.scan(body, x, xs)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
     return logits, hidden, new_kv
@@ -261,6 +275,7 @@ def forward(
     cache: KVCache,
     *,
     return_logits: bool = True,
+    empty_cache: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row.
 
@@ -270,7 +285,8 @@ def forward(
     with the new keys/values written at those slots; `lengths` is left to the caller).
     """
     logits, hidden, (k_new, v_new) = forward_uncommitted(
-        params, cfg, tokens, positions, mask, cache, return_logits=return_logits)
+        params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+        empty_cache=empty_cache)
     return logits, hidden, write_kv(cache, k_new, v_new)
 
 

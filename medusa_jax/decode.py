@@ -84,7 +84,8 @@ def _prefill(params, cfg, tokens, lengths, capacity):
     cache = KVCache.init(cfg, b, capacity)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, hidden, cache = forward(params, cfg, tokens, positions,
-                                    causal_mask(cache.lengths, p, capacity), cache)
+                                    causal_mask(cache.lengths, p, capacity), cache,
+                                    empty_cache=True)
     last = lengths - 1
     rows = jnp.arange(b)
     return logits[rows, last], hidden[rows, last], cache.replace(lengths=lengths)
