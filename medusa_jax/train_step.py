@@ -66,7 +66,8 @@ def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch) -> jax.Array
     b, t = batch["tokens"].shape
     cache = KVCache.init(cfg, b, t)  # scratch: training attends within the batch only
     _, hidden, _ = forward(params, cfg, batch["tokens"], batch["positions"],
-                           packed_mask(batch["segments"]), cache, return_logits=False)
+                           packed_mask(batch["segments"]), cache, return_logits=False,
+                           empty_cache=True)
     return hidden
 
 

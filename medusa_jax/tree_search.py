@@ -40,7 +40,8 @@ def head_rank_accuracy(params: Params, cfg: ModelConfig, heads: Params,
         b, t = seq.shape
         cache = KVCache.init(cfg, b, t)
         _, hidden, _ = forward(params, cfg, seq, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                               causal_mask(cache.lengths, t, t), cache, return_logits=False)
+                               causal_mask(cache.lengths, t, t), cache, return_logits=False,
+                               empty_cache=True)
         top = jax.lax.top_k(apply_heads(heads, hidden), top_k)[1]  # [K, B, T, k]
         out = []
         for d in range(k_heads):  # head d (0-based) at position i guesses token i + d + 2
