@@ -204,7 +204,8 @@ def resolve_template(template: str, tokenizer) -> str:
     return template
 
 
-def _enc(tokenizer, text: str) -> list[int]:
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` alone, without BOS/EOS."""
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
@@ -221,7 +222,7 @@ def _segments(conv: Conversation, tokenizer, template: str,
     `upto_first_answer`: stop where the first assistant answer would start (the prompt).
     """
     if conv and conv[0][0] == "text":  # plain document: every token is a label
-        return [(_bos(tokenizer), False), (_enc(tokenizer, conv[0][1]), True)]
+        return [(_bos(tokenizer), False), (encode(tokenizer, conv[0][1]), True)]
     if template == "chat":
         return _chat_segments(conv, tokenizer, upto_first_answer)
     segs: list[tuple[list[int], bool]] = [(_bos(tokenizer), False)]
@@ -229,7 +230,7 @@ def _segments(conv: Conversation, tokenizer, template: str,
         for role, text in conv:
             if role == "assistant" and upto_first_answer:
                 break
-            segs.append((_enc(tokenizer, text), role == "assistant"))
+            segs.append((encode(tokenizer, text), role == "assistant"))
         return segs
     # vicuna
     system = " ".join(t for r, t in conv if r == "system") or VICUNA_SYSTEM
@@ -241,13 +242,13 @@ def _segments(conv: Conversation, tokenizer, template: str,
         if role == "user":
             pending += f"USER: {text} ASSISTANT:"
             continue
-        segs.append((_enc(tokenizer, pending), False))
+        segs.append((encode(tokenizer, pending), False))
         pending = ""
         if upto_first_answer:
             return segs
-        segs.append((_enc(tokenizer, " " + text) + eos, True))
+        segs.append((encode(tokenizer, " " + text) + eos, True))
     if pending and upto_first_answer:
-        segs.append((_enc(tokenizer, pending), False))
+        segs.append((encode(tokenizer, pending), False))
     return segs
 
 
@@ -269,7 +270,7 @@ def _chat_segments(conv: Conversation, tokenizer, upto_first_answer: bool):
         text = render(i + 1, role != "assistant" and next_is_answer)
         if not text.startswith(done):
             raise ValueError("chat template does not render conversation prefixes consistently")
-        segs.append((_enc(tokenizer, text[len(done):]), role == "assistant"))
+        segs.append((encode(tokenizer, text[len(done):]), role == "assistant"))
         done = text
         if upto_first_answer and next_is_answer:
             break

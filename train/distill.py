@@ -98,7 +98,7 @@ def generate_answers(params, cfg, tokenizer, prompts: list[str], *, template: st
             answer = answer[:cut]
             text = tokenizer.decode(answer, skip_special_tokens=True)
             # the trainer re-tokenizes the text: count answers that do not round-trip
-            mismatched += data._enc(tokenizer, text) != answer
+            mismatched += data.encode(tokenizer, text) != answer
             new_tokens += len(answer)
             records.append({"id": f"{desc}-{i}", "conversations": [
                 {"from": "human", "value": prompts[i % len(prompts)]},

@@ -79,7 +79,9 @@ class TrainConfig:
     # low temperature: the heads are judged on greedy decoding, so near-greedy data helps
     # (0.1 beat 0.3 and pure greedy, which has only one answer per opening)
     distill_temperature: float = 0.1
-    distill_max_new_tokens: int = 240  # + a <=16-token opening fits seq_len 256
+    # with a ~20-token opening this nearly fills seq_len 256 (long openings lose a few tail
+    # tokens to truncation, which the data summary counts)
+    distill_max_new_tokens: int = 240
     distill_batch_size: int = 64
     eval_prompts: int = 64  # held-out prompts for the decoding benchmark (0 = skip)
     eval_max_new_tokens: int = 128
@@ -294,12 +296,16 @@ def benchmark(params, heads, mcfg, prompts: list[list[int]], tree: Tree,
     (t_plain, plain_out), (t_medusa, medusa_out) = res["plain"], res["medusa"]
     new = sum(int(o.num_new[0]) for o in medusa_out)
     steps = sum(int(o.steps[0]) for o in medusa_out)
+    plain_steps = sum(int(o.steps[0]) for o in plain_out)
     same = sum(int(a.num_new[0]) == int(b.num_new[0]) and
                np.array_equal(a.tokens[0, :a.num_new[0]], b.tokens[0, :b.num_new[0]])
                for a, b in zip(plain_out, medusa_out))
     return {"prompts": len(prompts), "tree": tree.name, "max_new_tokens": max_new_tokens,
             "new_tokens": new, "medusa_steps": steps, "tokens_per_step": new / max(steps, 1),
             "plain_s": t_plain, "medusa_s": t_medusa, "speedup": t_plain / t_medusa,
+            # cost of one decoding step: the tree step verifies tree.num_nodes tokens at once
+            "plain_ms_per_step": 1e3 * t_plain / max(plain_steps, 1),
+            "medusa_ms_per_step": 1e3 * t_medusa / max(steps, 1),
             "identical_outputs": same,
             "plain_tok_s": sum(int(o.num_new[0]) for o in plain_out) / t_plain,
             "medusa_tok_s": new / t_medusa}
@@ -350,6 +356,7 @@ def run(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = No
     from transformers import AutoTokenizer
 
     t_start = time.perf_counter()
+    cfg = cfg.resolve()
     run_dir = Path(cfg.output_dir or f"runs/medusa1-{time.strftime('%Y%m%d-%H%M%S')}")
     if resume is None and (run_dir / "checkpoints").is_dir() and \
             any((run_dir / "checkpoints").iterdir()):
@@ -484,9 +491,11 @@ def run(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = No
         summary["benchmark"] = b
         print(f"\ngreedy decoding, {b['prompts']} held-out prompts, batch 1, up to "
               f"{b['max_new_tokens']} new tokens, tree {b['tree']} (compile excluded):")
-        print(f"  plain : {b['plain_s']:.2f}s  {b['plain_tok_s']:.0f} tok/s  1.00 tokens/step")
+        print(f"  plain : {b['plain_s']:.2f}s  {b['plain_tok_s']:.0f} tok/s  1.00 tokens/step  "
+              f"{b['plain_ms_per_step']:.2f} ms/step")
         print(f"  medusa: {b['medusa_s']:.2f}s  {b['medusa_tok_s']:.0f} tok/s  "
-              f"{b['tokens_per_step']:.2f} tokens/step")
+              f"{b['tokens_per_step']:.2f} tokens/step  {b['medusa_ms_per_step']:.2f} ms/step "
+              f"({tree.num_nodes} tokens verified per step)")
         print(f"  speedup {b['speedup']:.2f}x; outputs identical to plain greedy for "
               f"{b['identical_outputs']}/{b['prompts']} prompts")
         (run_dir / "benchmark.json").write_text(json.dumps(b, indent=2))
