@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
-    p.add_argument("--heads", help="Medusa heads artifact (omit for plain decoding)")
+    p.add_argument("--heads", help="Medusa heads artifact, or 'default' for the embedded model's "
+                                   "shipped heads (omit for plain decoding)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     p.add_argument("--mode", choices=MODES, default="greedy")

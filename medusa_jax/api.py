@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from importlib import resources
 from pathlib import Path
 
 import jax
@@ -44,6 +45,11 @@ class Generation:
         return dataclasses.asdict(self)
 
 
+def default_heads_dir() -> Path:
+    """The heads trained by the default `python -m train.medusa1`, shipped for stories260K."""
+    return Path(str(resources.files("medusa_jax") / "assets" / "stories260K_heads"))
+
+
 def _load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -67,10 +73,15 @@ class Medusa:
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
              param_dtype: str = "float32", compute_dtype: str = "float32") -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
-        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1`."""
+        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1`, or
+        "default" for the heads shipped with the embedded model."""
         model_dir = Path(model) if model is not None else default_model_dir()
         cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
                                       compute_dtype=compute_dtype)
+        if heads == "default":
+            if model is not None:
+                raise ValueError('heads="default" is only defined for the embedded model')
+            heads = default_heads_dir()
         head_params = load_heads(heads, cfg)[0] if heads is not None else None
         tree = DEFAULT_TREE
         if model is None:
