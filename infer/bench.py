@@ -44,6 +44,9 @@ def build_parser():
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--hf-prompts", type=int, default=4,
+                   help="prompts for the (slow) transformers baseline, first batch size only")
+    p.add_argument("--hf-reps", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
@@ -125,14 +128,22 @@ def main(argv=None) -> int:
         plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
         row = _row(plain, plain, "plain jax", "greedy", "-", None)
         results.append(row)
-        if not args.no_transformers:
-            print(f"batch size {bs}: timing transformers ...", file=sys.stderr)
-            hf = run_transformers(model.model_dir, ids, batch_size=bs,
+        if not args.no_transformers and bs == args.batch_sizes[0]:
+            # transformers is slow on this model: time it on the first --hf-prompts prompts,
+            # against our plain decoding of the same prompts
+            sub = ids[: args.hf_prompts]
+            print(f"batch size {bs}: timing transformers on {len(sub)} prompts ...",
+                  file=sys.stderr)
+            hf = run_transformers(model.model_dir, sub, batch_size=bs,
                                   max_new_tokens=args.max_new_tokens, eos=model.eos,
-                                  reps=args.reps)
+                                  reps=args.hf_reps)
             if hf is not None:
-                results.append(_row(hf, plain, "transformers (torch)", "greedy", "-",
-                                    hf.rows == plain.rows))
+                ours = run_decoder(model.params, model.cfg, sub, batch_size=bs, name="plain",
+                                   **common)
+                row = _row(hf, ours, f"transformers ({len(sub)} prompts)", "greedy", "-",
+                           hf.rows == ours.rows)
+                row["jax_plain_tokens_per_second"] = round(ours.tokens_per_second, 1)
+                results.append(row)
         for mode in modes:
             sampling = Sampling(mode=mode, temperature=1.0 if mode == "greedy" else args.temperature)
             base = plain
