@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from medusa_jax import data
-from medusa_jax import train_step as ts
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from test_train_step import CFG, setup  # tests/ is on sys.path under pytest
 

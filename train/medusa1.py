@@ -361,13 +361,12 @@ def run(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = No
     if resume is None and (run_dir / "checkpoints").is_dir() and \
             any((run_dir / "checkpoints").iterdir()):
         raise CheckpointError(f"{run_dir} already holds checkpoints; use --resume {run_dir}")
+    mesh = sharding.make_mesh(cfg.mesh)  # fail on a bad mesh before creating anything
+    sharding.check_batch_size(cfg.batch_size, mesh)
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
     print(f"run directory: {run_dir}", flush=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
-
-    mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_batch_size(cfg.batch_size, mesh)
     mcfg, backbone = weights.load_pretrained(cfg.model)
     model_dir = cfg.model or str(weights.default_model_dir())
     try:
