@@ -10,37 +10,20 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 from medusa_jax.acceptance import MODES
 
 
 def read_prompts_file(path: str) -> list[str]:
     """Text lines, or JSONL with a `prompt` field or a `turns` list (its first turn is used)."""
-    file = Path(path)
-    if not file.is_file():
-        raise SystemExit(f"error: --prompts-file {file}: no such file")
-    prompts = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"error: {file}:{n}: invalid JSON ({e.msg})") from None
-            if isinstance(record.get("prompt"), str):
-                prompts.append(record["prompt"])
-            elif isinstance(record.get("turns"), list) and record["turns"]:
-                prompts.append(str(record["turns"][0]))
-            else:
-                raise SystemExit(f"error: {file}:{n}: JSON line has no 'prompt' or 'turns' field")
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise SystemExit(f"error: --prompts-file {file}: no prompts in it")
-    return prompts
+    from medusa_jax.bench import read_prompt_file
+
+    try:
+        return [prompt for prompt, _ in read_prompt_file(path)]
+    except FileNotFoundError:
+        raise SystemExit(f"error: --prompts-file {path}: no such file") from None
+    except ValueError as e:
+        raise SystemExit(f"error: --prompts-file {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
