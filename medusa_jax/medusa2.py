@@ -13,7 +13,8 @@ Loss = lm_weight * L_LM + lambda(step) * sum_k decay^k * CE_k
     it now back-propagates into the backbone through the shared last hidden state;
   - L_LM ("ce") is next-token cross-entropy on the labels, or ("kl", for self-distilled data)
     the per-position KL(p_teacher || p_backbone) over the same positions, so the fine-tuned
-    model keeps the original's output distribution (zero loss, zero gradient at the start);
+    model keeps the original's output distribution (at the start loss and gradient are zero
+    up to float rounding, ~1e-9);
   - lambda(step) is constant (paper: 0.2) or rises as lambda_peak * sin(pi/2 * step/ramp)
     (the paper's variant, peak 0.01). The step comes in the batch as `batch["step"]`, one
     copy per row ([B] int32) so it shards over the data axes like every other batch array.

@@ -1,6 +1,5 @@
 """Medusa-2: the joint loss, the two-rate optimizer, the frozen teacher, export, sharding, CLI."""
 
-import functools
 import json
 import subprocess
 import sys
@@ -262,11 +261,11 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
     text = tmp_path / "eval.txt"
     text.write_text("Once upon a time, there was a cat.\n\nThe cat liked to sleep in the sun.\n")
     run = tmp_path / "run"
-    proc = _cli("--init", str(init.parent), "--data", str(data_file), "--lm-loss", "kl", "--template", "plain",
-                "--steps", "3", "--batch-size", "4", "--seq-len", "64", "--log-every", "1",
-                "--eval-every", "2", "--save-every", "2", "--eval-prompts", "0",
-                "--heldout-fraction", "0.2", "--eval-text", str(text), "--tree", "mc_sim_7b_63:4",
-                "--output-dir", str(run))
+    proc = _cli("--init", str(init.parent), "--data", str(data_file), "--lm-loss", "kl",
+                "--template", "plain", "--steps", "3", "--batch-size", "4", "--seq-len", "64",
+                "--log-every", "1", "--eval-every", "2", "--save-every", "2",
+                "--eval-prompts", "0", "--heldout-fraction", "0.2", "--eval-text", str(text),
+                "--tree", "mc_sim_7b_63:4", "--output-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "held-out accuracy" in out and "perplexity" in out and "KL(original" in out
@@ -283,7 +282,10 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
                         "--prompt", "Once upon a time", "--max-new-tokens", "6",
                         "--tree", "mc_sim_7b_63:4", "--json"])
     assert rc == 0
-    # a finished run refuses to start over in place
-    again = _cli("--init", str(init.parent), "--data", str(data_file), "--output-dir", str(run))
-    assert again.returncode != 0 and "already holds checkpoints" in again.stderr
-    assert "Traceback" not in again.stderr
+    # a finished run refuses to start over in place (checked before any work is done)
+    from medusa_jax.checkpoint import CheckpointError
+    from train.medusa2 import TrainConfig, run as train_run
+
+    with pytest.raises(CheckpointError, match="already holds checkpoints; use --resume"):
+        train_run(TrainConfig(init=str(init.parent), data=(str(data_file),),
+                              output_dir=str(run)))
