@@ -1,13 +1,17 @@
-"""Rebuild medusa_jax/assets/prompts/{train,heldout}_openings.txt from TinyStories text.
+"""Rebuild the TinyStories-derived assets from TinyStories text: story openings
+(medusa_jax/assets/prompts/{train,heldout}_openings.txt) and the stories themselves
+(medusa_jax/assets/text/tinystories_{train,heldout}.txt).
 
 The source is plain text with stories separated by blank lines, but paragraphs inside a
 story are separated by blank lines too, so a story's start is recognised by its opener
 ("Once upon a time", "Once there was", "One day, a ...", "There was ...", "Long ago ...").
 The opening is the story's first sentence when it has at most 12 words, else its first 10
 words (an unfinished sentence is a fine prompt for a story model). Duplicates are dropped
-and a stable hash of the text sends about one opening in five to the held-out file.
+and a stable hash of the text sends about one opening in five to the held-out file. A story
+goes where its opening goes: held-out stories are only ever evaluated on (perplexity), the
+training stories anchor Medusa-2's self-distillation (train.medusa2 --anchor-text).
 
-    python -m train.make_openings [--source FILE] [--out-dir DIR]
+    python -m train.make_openings [--source FILE] [--out-dir DIR] [--text-dir DIR]
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ import hashlib
 import re
 from pathlib import Path
 
-DEFAULT_SOURCE = "/work/shared/data/tinystories/train_head.txt"
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "medusa_jax" / "assets" / "prompts"
+DEFAULT_SOURCE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
+                     / "train_head.txt")  # ../shared next to the project
+ASSETS = Path(__file__).resolve().parent.parent / "medusa_jax" / "assets"
+DEFAULT_OUT = ASSETS / "prompts"
+DEFAULT_TEXT_OUT = ASSETS / "text"
 
 OPENER = re.compile(
     r"^(Once\b|One (sunny |bright |warm |cold |rainy |beautiful )?day, (a|an|there)\b"
@@ -29,10 +36,23 @@ CUT_WORDS = 10
 HELDOUT_EVERY = 5
 
 
-def story_starts(text: str) -> list[str]:
-    """The first paragraph of each story (the file's first paragraph always starts one)."""
+def stories(text: str) -> list[list[str]]:
+    """The stories as lists of paragraphs (whitespace normalised): a story is an opener
+    paragraph and the paragraphs up to the next one (the file's first paragraph always
+    starts one)."""
+    out: list[list[str]] = []
     paragraphs = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text) if p.strip()]
-    return [p for i, p in enumerate(paragraphs) if i == 0 or OPENER.match(p)]
+    for i, p in enumerate(paragraphs):
+        if i == 0 or OPENER.match(p):
+            out.append([p])
+        else:
+            out[-1].append(p)
+    return out
+
+
+def story_starts(text: str) -> list[str]:
+    """The first paragraph of each story."""
+    return [s[0] for s in stories(text)]
 
 
 def opening(paragraph: str) -> str:
@@ -59,10 +79,20 @@ def build(source: Path) -> tuple[list[str], list[str]]:
     return train, heldout
 
 
+def split_stories(source: Path) -> tuple[list[str], list[str]]:
+    """(train, held-out) stories, each one string with its paragraphs joined by newlines; a
+    story is held out exactly when its opening is."""
+    train, heldout = [], []
+    for s in stories(source.read_text(encoding="utf-8")):
+        (heldout if is_heldout(opening(s[0])) else train).append("\n".join(s))
+    return train, heldout
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=DEFAULT_SOURCE)
     ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
+    ap.add_argument("--text-dir", default=str(DEFAULT_TEXT_OUT))
     args = ap.parse_args(argv)
     source = Path(args.source)
     if not source.is_file():
@@ -73,6 +103,13 @@ def main(argv=None):
     (out / "train_openings.txt").write_text("\n".join(train) + "\n", encoding="utf-8")
     (out / "heldout_openings.txt").write_text("\n".join(heldout) + "\n", encoding="utf-8")
     print(f"{len(train)} train and {len(heldout)} held-out openings written to {out}")
+    train_s, heldout_s = split_stories(source)
+    text_out = Path(args.text_dir)
+    text_out.mkdir(parents=True, exist_ok=True)
+    # one story per document: stories separated by blank lines (data's plain-text format)
+    for name, rows in (("tinystories_train.txt", train_s), ("tinystories_heldout.txt", heldout_s)):
+        (text_out / name).write_text("\n\n".join(rows) + "\n", encoding="utf-8")
+    print(f"{len(train_s)} train and {len(heldout_s)} held-out stories written to {text_out}")
 
 
 if __name__ == "__main__":
