@@ -164,8 +164,9 @@ def read_file(path: str | Path, fmt: str = "auto",
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-        # documents are separated by blank lines
-        docs = [" ".join(d.split()) for d in re.split(r"\n\s*\n", text)]
+        # documents are separated by blank lines; a document keeps its line breaks
+        docs = ["\n".join(" ".join(ln.split()) for ln in d.splitlines() if ln.strip())
+                for d in re.split(r"\n\s*\n", text)]
         convs = [[("text", d)] for d in docs if d]
     else:
         records = _json_records(path)
@@ -189,6 +190,29 @@ def read_file(path: str | Path, fmt: str = "auto",
     report.records += len(convs)
     report.skipped.update(skipped)
     return convs
+
+
+def split_documents(convs: list[Conversation], tokenizer, max_tokens: int
+                    ) -> list[Conversation]:
+    """Plain documents longer than `max_tokens` (with BOS) cut at line breaks into several,
+    so packing keeps all of their text instead of truncating it; a single line too long
+    stays whole (and is truncated when packed). Conversations pass unchanged."""
+    out: list[Conversation] = []
+    for conv in convs:
+        if len(conv) != 1 or conv[0][0] != "text":
+            out.append(conv)
+            continue
+        part: list[str] = []
+        used = len(_bos(tokenizer))
+        for line in conv[0][1].split("\n"):
+            n = len(encode(tokenizer, line)) + 1  # the line and its newline
+            if part and used + n > max_tokens:
+                out.append([("text", "\n".join(part))])
+                part, used = [], len(_bos(tokenizer))
+            part.append(line)
+            used += n
+        out.append([("text", "\n".join(part))])
+    return out
 
 
 # ----------------------------------------------------------------------------- templates
@@ -301,12 +325,15 @@ def prompt_conversation(text: str) -> Conversation:
 
 @dataclasses.dataclass
 class Packed:
-    """Examples packed into fixed-length rows. All arrays [N, T]."""
+    """Examples packed into fixed-length rows. Arrays [N, T] (lm_only: [N])."""
 
     tokens: np.ndarray  # int32
     positions: np.ndarray  # int32, restarting at 0 for each example
     segments: np.ndarray  # int32, 1.. per example in the row, 0 = padding
     loss_mask: np.ndarray  # bool, True where the token is a label (an assistant token)
+    # bool per row, True: its labels train the LM term only, never the heads (Medusa-2's
+    # anchor text); None: every row trains everything
+    lm_only: np.ndarray | None = None
 
     def __len__(self):
         return self.tokens.shape[0]
@@ -316,7 +343,21 @@ class Packed:
         return self.tokens.shape[1]
 
     def rows(self, idx) -> dict[str, np.ndarray]:
-        return {k: getattr(self, k)[idx] for k in ("tokens", "positions", "segments", "loss_mask")}
+        keys = ("tokens", "positions", "segments", "loss_mask")
+        if self.lm_only is not None:
+            keys += ("lm_only",)
+        return {k: getattr(self, k)[idx] for k in keys}
+
+
+def concat(parts: Sequence[Packed], lm_only: Sequence[bool]) -> Packed:
+    """Row sets of one seq_len stacked, each part's rows flagged lm_only or not."""
+    if len({p.seq_len for p in parts}) > 1:
+        raise DataError(f"cannot mix row lengths {sorted({p.seq_len for p in parts})}")
+    cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+    return Packed(tokens=cat("tokens"), positions=cat("positions"), segments=cat("segments"),
+                  loss_mask=cat("loss_mask"),
+                  lm_only=np.concatenate([np.full(len(p), f, bool)
+                                          for p, f in zip(parts, lm_only)]))
 
 
 def pack(examples: Sequence[tuple[Sequence[int], Sequence[bool]]], seq_len: int,

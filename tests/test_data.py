@@ -134,7 +134,7 @@ def test_sharegpt_alpaca_text_and_skipped_counts(tmp_path, tok):
     assert rep.records == len(convs) == 2 + 1 + 2
     assert sum(rep.skipped.values()) == 4
     assert convs[2] == [("user", "Add\n\n1 and 2"), ("assistant", "3")]
-    assert convs[3] == [("text", "First doc line one. line two.")]
+    assert convs[3] == [("text", "First doc line one.\nline two.")]  # line breaks kept
     ids, mask = data.render(convs[3], tok, "vicuna")  # text documents: all labels but BOS
     assert ids[0] == tok.bos_token_id and not mask[0] and all(mask[1:])
     packed, rep2 = data.load([f1], tok, seq_len=64, template="plain")
@@ -220,3 +220,34 @@ def test_eval_batches_pad_with_label_free_rows():
     last = batches[-1]
     assert last["tokens"].shape == (2, 4)
     assert not last["loss_mask"][1].any() and not last["segments"][1].any()
+
+
+def test_concat_flags_rows_and_batches_carry_the_flag():
+    a = data.pack([([1, 2, 3], [False, True, True])] * 3, seq_len=4)
+    b = data.pack([([4, 5, 6, 7], [True] * 4)] * 2, seq_len=4)
+    both = data.concat([a, b], lm_only=[False, True])
+    assert len(both) == 5 and both.lm_only.tolist() == [False, False, False, True, True]
+    np.testing.assert_array_equal(both.tokens[3:], b.tokens)
+    batch = next(data.BatchIterator(both, batch_size=5))
+    assert batch["lm_only"].shape == (5,)
+    # each row keeps its own flag through the shuffle
+    assert batch["lm_only"].tolist() == [t == 4 for t in batch["tokens"][:, 0]]
+    assert "lm_only" not in a.rows(np.arange(2))
+    with pytest.raises(DataError, match="row lengths"):
+        data.concat([a, data.pack([([1, 2], [False, True])], seq_len=3)], [False, True])
+
+
+def test_text_documents_keep_line_breaks_and_split_at_them(tmp_path, tok):
+    f = tmp_path / "t.txt"
+    f.write_text("First line of  one.\nSecond line of one.\n\n\nDoc two.\n")
+    convs = data.read_file(f, "text")
+    assert convs == [[("text", "First line of one.\nSecond line of one.")],
+                     [("text", "Doc two.")]]
+    lines = [f"Line number {i} of a long story about a cat." for i in range(40)]
+    long_doc = [("text", "\n".join(lines))]
+    parts = data.split_documents([long_doc, [("user", "hi"), ("assistant", "yo")]], tok, 64)
+    assert parts[-1] == [("user", "hi"), ("assistant", "yo")]
+    texts = [p[0][1] for p in parts[:-1]]
+    assert len(texts) > 2 and "\n".join(texts) == long_doc[0][1]  # nothing lost or reordered
+    for t in texts:
+        assert len(data.render([("text", t)], tok, "plain")[0]) <= 64
