@@ -19,6 +19,10 @@ Loss = lm_weight * L_LM + lambda(step) * sum_k decay^k * CE_k
     (the paper's variant, peak 0.01). The step comes in the batch as `batch["step"]`, one
     copy per row ([B] int32) so it shards over the data axes like every other batch array.
 
+Rows flagged `batch["lm_only"]` ([B] bool, from `data.concat`) count in the LM term only: real
+text added to self-distilled answers so the KL also holds the model in place on text it did
+not write (the heads must learn the model's own continuations, not the text's).
+
 The training step itself is `train_step.make_train_step` (sharded jit, frozen subtrees kept
 bit-identical); only the loss, the labels and the optimizer are Medusa-2's.
 """
@@ -147,6 +151,8 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig()) -> LossF
             lm = nll
         head_logits = apply_heads(params["heads"], hidden)  # [K, B, T, V]
         h_targets, h_valid = medusa_targets(batch, head_logits.shape[0])
+        if "lm_only" in batch:  # anchor rows train the LM term only
+            h_valid = h_valid & ~batch["lm_only"][None, :, None]
         heads_loss, head_metrics = medusa_loss(head_logits, h_targets, h_valid, loss_cfg.decay)
         # eval batches carry no step: they are scored with the peak weight
         lam = lam_fn(jnp.max(batch["step"])) if "step" in batch else \

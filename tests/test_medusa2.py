@@ -99,6 +99,31 @@ def test_kl_term_is_zero_with_zero_gradient_at_the_original():
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g["backbone"])) > 1e-3
 
 
+def test_lm_only_rows_train_the_lm_term_but_not_the_heads():
+    params = make_params("kl", perturb=0.05)
+    loss_fn = medusa2.make_loss_fn(CFG, medusa2.LossConfig("kl"))
+    grad = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    batch = medusa2.with_step(random_batch(), 0)
+    flags = np.zeros(8, bool)
+    (_, m_all), _ = grad(params, dict(batch, lm_only=flags))
+    (_, m_ref), _ = grad(params, batch)  # no flag: the same as all False
+    np.testing.assert_allclose(float(m_all["loss"]), float(m_ref["loss"]), rtol=1e-6)
+    # half the rows anchor text: the heads see only the other half, the KL sees both
+    flags[4:] = True
+    (_, m_half), _ = grad(params, dict(batch, lm_only=flags))
+    first = {k: v[:4] for k, v in batch.items()}
+    (_, m_first), _ = grad(params, first)
+    np.testing.assert_allclose(m_half["count"], m_first["count"])
+    np.testing.assert_allclose(float(m_half["heads_loss"]), float(m_first["heads_loss"]),
+                               rtol=1e-5)
+    np.testing.assert_allclose(float(m_half["kl"]), float(m_ref["kl"]), rtol=1e-5)
+    # only anchor rows: no head signal at all, yet the backbone still learns from the KL
+    (_, m_none), g = grad(params, dict(batch, lm_only=np.ones(8, bool)))
+    assert float(m_none["heads_loss"]) == 0.0 and not np.any(m_none["count"])
+    assert all(not np.any(x) for x in jax.tree.leaves(g["heads"]))
+    assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g["backbone"])) > 1e-4
+
+
 def test_head_weight_schedules_and_heads_train_the_backbone():
     sine = medusa2.head_weight_schedule(medusa2.LossConfig(head_schedule="sine",
                                                            head_ramp_steps=100))
@@ -237,6 +262,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
              (["--init", str(tmp_path)], "neither a Medusa-1 run directory"),
              (["--head-lr-ratio", "0"], "--head-lr-ratio must be > 0"),
              (["--eval-text", str(tmp_path / "x.txt")], "no such file"),
+             (["--anchor-text", str(tmp_path / "a.txt")], "--anchor-text"),
              (["--steps", "0"], "--steps must be >= 1"),
              (["--resume", str(tmp_path)], "no config.json there")]
     for args, message in cases:
@@ -265,9 +291,10 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
                 "--template", "plain", "--steps", "3", "--batch-size", "4", "--seq-len", "64",
                 "--log-every", "1", "--eval-every", "2", "--save-every", "2",
                 "--eval-prompts", "0", "--heldout-fraction", "0.2", "--eval-text", str(text),
-                "--tree", "mc_sim_7b_63:4", "--output-dir", str(run))
+                "--anchor-text", str(text), "--tree", "mc_sim_7b_63:4", "--output-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
+    assert "anchor text (LM term only)" in out and "2 records" in out.split("anchor")[1]
     assert "held-out accuracy" in out and "perplexity" in out and "KL(original" in out
     lines = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in lines if r["split"] == "train"]
