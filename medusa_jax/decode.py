@@ -188,6 +188,9 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     # typical acceptance keeps the first token greedy (the paper's rule)
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
     root = jax.vmap(lambda k, l: acceptance.sample(k, l, root_rule))(sub, base_logits)
+    if head_fn is standard_heads:
+        # heads deeper than the tree never propose a candidate: do not run them
+        heads = jax.tree.map(lambda x: x[:depth], heads)
     head_logits = head_fn(heads, hidden, lengths)  # [K, B, V]
     if head_logits.shape[0] < depth:
         raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
