@@ -25,8 +25,8 @@ backbone in the Hugging Face layout), heads/ (the heads artifact), accuracy.png,
 summary.json and a final report: held-out per-head accuracy; perplexity of the original and
 the fine-tuned model and their mean per-token KL on held-out TinyStories text (the shipped
 stories whose openings are in heldout_openings.txt; none of their text reaches training) and
-on the held-out set; Medusa greedy decoding with
-the fine-tuned model against its own plain greedy decoding. Then:
+on the held-out set; Medusa greedy decoding with the fine-tuned model against its own plain
+greedy decoding. Then:
 
     python -m infer.bench --model <run>/model --heads <run>/heads
 """
