@@ -162,8 +162,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def parse_args(argv=None) -> tuple[TrainConfig, str | None, int | None]:
-    ap = build_parser()
+def merge_resumed(ap: argparse.ArgumentParser, config_cls, given: dict, resume: str,
+                  resumable: set[str]):
+    """The config of `--resume RUN_DIR`: its saved config.json with the flags `given` on the
+    command line applied; only `resumable` fields may change (ap.error otherwise)."""
+    run_dir = Path(resume)
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        ap.error(f"--resume {resume}: no config.json there (not a run directory)")
+    try:
+        base = config_cls(**{k: tuple(v) if k == "data" else v
+                             for k, v in json.loads(saved.read_text()).items()})
+    except (json.JSONDecodeError, TypeError) as e:
+        ap.error(f"--resume {resume}: unreadable config.json ({e})")
+    changed = sorted(k for k, v in given.items()
+                     if k not in resumable and k != "output_dir" and v != getattr(base, k))
+    if changed:
+        ap.error(f"cannot change {', '.join('--' + c.replace('_', '-') for c in changed)} "
+                 f"when resuming (only {', '.join(sorted(resumable))})")
+    given = dict(given)
+    if "steps" in given:
+        given["epochs"] = None
+    if "epochs" in given:
+        given["steps"] = None
+    given["output_dir"] = str(run_dir)
+    return dataclasses.replace(base, **given)
+
+
+def split_args(ap: argparse.ArgumentParser, argv) -> tuple[dict, str | None, int | None]:
+    """(the flags given, --resume, --stop-after) from the command line."""
     args = vars(ap.parse_args(argv))
     resume, stop_after = args.pop("resume"), args.pop("stop_after")
     given = {k: v for k, v in args.items() if v is not None}
@@ -171,29 +198,14 @@ def parse_args(argv=None) -> tuple[TrainConfig, str | None, int | None]:
         given["data"] = tuple(given["data"])
     if stop_after is not None and stop_after < 1:
         ap.error("--stop-after must be >= 1")
-    if resume is not None:
-        run_dir = Path(resume)
-        saved = run_dir / "config.json"
-        if not saved.is_file():
-            ap.error(f"--resume {resume}: no config.json there (not a run directory)")
-        try:
-            base = TrainConfig(**{k: tuple(v) if k == "data" else v
-                                  for k, v in json.loads(saved.read_text()).items()})
-        except (json.JSONDecodeError, TypeError) as e:
-            ap.error(f"--resume {resume}: unreadable config.json ({e})")
-        changed = sorted(k for k, v in given.items()
-                         if k not in RESUMABLE and k != "output_dir" and v != getattr(base, k))
-        if changed:
-            ap.error(f"cannot change {', '.join('--' + c.replace('_', '-') for c in changed)} "
-                     f"when resuming (only {', '.join(sorted(RESUMABLE))})")
-        if "steps" in given:
-            given["epochs"] = None
-        if "epochs" in given:
-            given["steps"] = None
-        given["output_dir"] = str(run_dir)
-        cfg = dataclasses.replace(base, **given)
-    else:
-        cfg = TrainConfig(**given)
+    return given, resume, stop_after
+
+
+def parse_args(argv=None) -> tuple[TrainConfig, str | None, int | None]:
+    ap = build_parser()
+    given, resume, stop_after = split_args(ap, argv)
+    cfg = (merge_resumed(ap, TrainConfig, given, resume, RESUMABLE) if resume is not None
+           else TrainConfig(**given))
     try:
         cfg = cfg.validate().resolve()
     except ValueError as e:
@@ -309,6 +321,19 @@ def benchmark(params, heads, mcfg, prompts: list[list[int]], tree: Tree,
             "identical_outputs": same,
             "plain_tok_s": sum(int(o.num_new[0]) for o in plain_out) / t_plain,
             "medusa_tok_s": new / t_medusa}
+
+
+def print_benchmark(b: dict, tree: Tree, title: str):
+    """The decoding benchmark of `benchmark`, as the training CLIs print it."""
+    print(f"\n{title}, {b['prompts']} held-out prompts, batch 1, up to "
+          f"{b['max_new_tokens']} new tokens, tree {b['tree']} (compile excluded):")
+    print(f"  plain : {b['plain_s']:.2f}s  {b['plain_tok_s']:.0f} tok/s  1.00 tokens/step"
+          f"  {b['plain_ms_per_step']:.2f} ms/step")
+    print(f"  medusa: {b['medusa_s']:.2f}s  {b['medusa_tok_s']:.0f} tok/s  "
+          f"{b['tokens_per_step']:.2f} tokens/step  {b['medusa_ms_per_step']:.2f} ms/step "
+          f"({tree.num_nodes} tokens verified per step)")
+    print(f"  speedup {b['speedup']:.2f}x; outputs identical to plain greedy for "
+          f"{b['identical_outputs']}/{b['prompts']} prompts")
 
 
 def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
@@ -495,15 +520,7 @@ def run(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = No
             b = benchmark(backbone, jax.device_put(heads), mcfg, prompts, tree,
                           cfg.eval_max_new_tokens, stops)
             summary["benchmarks"].append(b)
-            print(f"\ngreedy decoding, {b['prompts']} held-out prompts, batch 1, up to "
-                  f"{b['max_new_tokens']} new tokens, tree {b['tree']} (compile excluded):")
-            print(f"  plain : {b['plain_s']:.2f}s  {b['plain_tok_s']:.0f} tok/s  1.00 tokens/step"
-                  f"  {b['plain_ms_per_step']:.2f} ms/step")
-            print(f"  medusa: {b['medusa_s']:.2f}s  {b['medusa_tok_s']:.0f} tok/s  "
-                  f"{b['tokens_per_step']:.2f} tokens/step  {b['medusa_ms_per_step']:.2f} ms/step "
-                  f"({tree.num_nodes} tokens verified per step)")
-            print(f"  speedup {b['speedup']:.2f}x; outputs identical to plain greedy for "
-                  f"{b['identical_outputs']}/{b['prompts']} prompts")
+            print_benchmark(b, tree, "greedy decoding")
         summary["benchmark"] = summary["benchmarks"][0]
         (run_dir / "benchmark.json").write_text(json.dumps(summary["benchmarks"], indent=2))
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)

@@ -235,36 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> tuple[TrainConfig, str | None, int | None]:
     ap = build_parser()
-    args = vars(ap.parse_args(argv))
-    resume, stop_after = args.pop("resume"), args.pop("stop_after")
-    given = {k: v for k, v in args.items() if v is not None}
-    if "data" in given:
-        given["data"] = tuple(given["data"])
-    if stop_after is not None and stop_after < 1:
-        ap.error("--stop-after must be >= 1")
-    if resume is not None:
-        run_dir = Path(resume)
-        saved = run_dir / "config.json"
-        if not saved.is_file():
-            ap.error(f"--resume {resume}: no config.json there (not a run directory)")
-        try:
-            base = TrainConfig(**{k: tuple(v) if k == "data" else v
-                                  for k, v in json.loads(saved.read_text()).items()})
-        except (json.JSONDecodeError, TypeError) as e:
-            ap.error(f"--resume {resume}: unreadable config.json ({e})")
-        changed = sorted(k for k, v in given.items()
-                         if k not in RESUMABLE and k != "output_dir" and v != getattr(base, k))
-        if changed:
-            ap.error(f"cannot change {', '.join('--' + c.replace('_', '-') for c in changed)} "
-                     f"when resuming (only {', '.join(sorted(RESUMABLE))})")
-        if "steps" in given:
-            given["epochs"] = None
-        if "epochs" in given:
-            given["steps"] = None
-        given["output_dir"] = str(run_dir)
-        cfg = dataclasses.replace(base, **given)
-    else:
-        cfg = TrainConfig(**given)
+    given, resume, stop_after = m1.split_args(ap, argv)
+    cfg = (m1.merge_resumed(ap, TrainConfig, given, resume, RESUMABLE) if resume is not None
+           else TrainConfig(**given))
     try:
         cfg.validate()
     except (ValueError, FileNotFoundError) as e:
@@ -572,15 +545,7 @@ def run(cfg: TrainConfig, resume: str | None = None, stop_after: int | None = No
             b = m1.benchmark(jax.device_put(finetuned), jax.device_put(heads), mcfg, prompts,
                              tree, cfg.eval_max_new_tokens, stops)
             summary["benchmarks"].append(b)
-            print(f"\ngreedy decoding with the fine-tuned model, {b['prompts']} held-out "
-                  f"prompts, batch 1, up to {b['max_new_tokens']} new tokens, tree {b['tree']} "
-                  f"(compile excluded):")
-            print(f"  plain : {b['plain_s']:.2f}s  {b['plain_tok_s']:.0f} tok/s  1.00 tokens/step")
-            print(f"  medusa: {b['medusa_s']:.2f}s  {b['medusa_tok_s']:.0f} tok/s  "
-                  f"{b['tokens_per_step']:.2f} tokens/step ({tree.num_nodes} tokens verified "
-                  f"per step)")
-            print(f"  speedup {b['speedup']:.2f}x; outputs identical to plain greedy for "
-                  f"{b['identical_outputs']}/{b['prompts']} prompts")
+            m1.print_benchmark(b, tree, "greedy decoding with the fine-tuned model")
         summary["benchmark"] = summary["benchmarks"][0]
         (run_dir / "benchmark.json").write_text(json.dumps(summary["benchmarks"], indent=2))
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
