@@ -16,37 +16,30 @@ import argparse
 import json
 import sys
 from collections import defaultdict
-from importlib import resources
-from pathlib import Path
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+from medusa_jax import cli
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
-    p.add_argument("--heads", help="heads artifact (default: the embedded model's shipped heads)")
+    cli.add_model_flags(p)
     p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
                                      "(default: held-out TinyStories openings)")
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=cli.positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
     p.add_argument("--trees", default=None, help="comma list of tree names/files "
                                                  "(default: the model's default tree)")
-    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=_ints, default=[1],
+    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=cli.int_list(1),
+                   default=[1],
                    help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=cli.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
-    p.add_argument("--hf-prompts", type=int, default=4,
+    p.add_argument("--hf-prompts", type=cli.positive_int, default=4,
                    help="prompts for the (slow) transformers baseline, first batch size only")
-    p.add_argument("--hf-reps", type=int, default=1)
+    p.add_argument("--hf-reps", type=cli.positive_int, default=1)
     p.add_argument("--json", action="store_true", help="print results as JSON")
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
@@ -55,8 +48,9 @@ def build_parser():
                    help="step-time curve of --model (default: the embedded model), no decoding")
     p.add_argument("--shape", default="llama-110m")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tree-sizes", type=_ints, default=[0, 4, 8, 16, 32, 64, 128])
-    p.add_argument("--prefix", type=int, default=256, help="context length for the step curve")
+    p.add_argument("--tree-sizes", type=cli.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--prefix", type=cli.positive_int, default=256,
+                   help="context length for the step curve")
     return p
 
 
@@ -94,40 +88,27 @@ def main(argv=None) -> int:
     if args.random_weights or args.step_curve:
         return step_curve(args)
     from medusa_jax.acceptance import MODES, Sampling
-    from medusa_jax.api import Medusa
-    from medusa_jax.bench import read_prompt_file, run_decoder, run_transformers
+    from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
+    from medusa_jax.decode import check_fits
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
         if m not in MODES:
             raise SystemExit(f"error: --modes: {m!r} is not one of {', '.join(MODES)}")
-    try:
-        if args.prompts:
-            prompts = read_prompt_file(args.prompts)
-        else:
-            heldout = resources.files("medusa_jax") / "assets" / "prompts" / "heldout_openings.txt"
-            prompts = [(line, None) for line in heldout.read_text().splitlines() if line.strip()]
-        prompts = prompts[: args.num_prompts]
-        model = Medusa.load(args.model, args.heads or _default_heads(args.model))
-    except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"error: {e}")
-    if model.heads is None:
-        raise SystemExit("error: no heads: pass --heads (train some with python -m train.medusa1)")
+    prompts = cli.read_prompts(args.prompts, args.num_prompts)
+    model = cli.load_with_heads(args.model, args.heads)
     ids = [model.encode(p) for p, _ in prompts]
-    trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
-    longest = max(map(len, ids))
-    from medusa_jax.decode import check_fits
-
-    for t in trees:
-        check_fits(model.cfg, longest, args.max_new_tokens, t.num_nodes)
+    with cli.errors_to_exit():
+        trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
+        for t in trees:
+            check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, t.num_nodes)
     common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps)
 
     results = []
     for bs in args.batch_sizes:
         print(f"batch size {bs}: timing plain decoding ...", file=sys.stderr)
         plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
-        row = _row(plain, plain, "plain jax", "greedy", "-", None)
-        results.append(row)
+        results.append(_row(plain, plain, "plain jax", "greedy", "-", None))
         if not args.no_transformers and bs == args.batch_sizes[0]:
             # transformers is slow on this model: time it on the first --hf-prompts prompts,
             # against our plain decoding of the same prompts
@@ -152,11 +133,11 @@ def main(argv=None) -> int:
                                    name="plain-sample", **common)
             for tree in trees:
                 print(f"batch size {bs}: timing medusa {mode} {tree.name} ...", file=sys.stderr)
-                med = run_decoder(model.params, model.cfg, ids, batch_size=bs, heads=model.heads,
-                                  tree=tree, sampling=sampling, name="medusa", **common)
-                same = med.rows == plain.rows if mode == "greedy" else None
-                results.append(_row(med, base, "medusa", mode, tree.name, same,
-                                    by_category=_by_category(med, prompts)))
+                c = compare_decoding(model.params, model.heads, model.cfg, ids, tree,
+                                     batch_size=bs, sampling=sampling, plain=base, **common)
+                same = c.identical_rows == len(ids) if mode == "greedy" else None
+                results.append(_row(c.medusa, base, "medusa", mode, tree.name, same,
+                                    by_category=_by_category(c.medusa, prompts)))
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -168,10 +149,6 @@ def main(argv=None) -> int:
         print("error: Medusa greedy output differs from plain greedy output", file=sys.stderr)
         return 1
     return 0
-
-
-def _default_heads(model_dir):
-    return None if model_dir is not None else "default"
 
 
 def _row(run, base, config, mode, tree, identical, by_category=None):

@@ -11,6 +11,7 @@ import json
 import sys
 import time
 
+from medusa_jax import cli
 from medusa_jax.acceptance import MODES
 
 
@@ -29,26 +30,28 @@ def read_prompts_file(path: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
-    p.add_argument("--heads", help="Medusa heads artifact, or 'default' for the embedded model's "
-                                   "shipped heads (omit for plain decoding)")
+    cli.add_model_flags(p, heads_help="Medusa heads artifact, or 'default' for the embedded "
+                                      "model's shipped heads (omit for plain decoding)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     p.add_argument("--mode", choices=MODES, default="greedy")
     p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=cli.positive_int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.tree and not args.heads:
+        ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts += read_prompts_file(args.prompts_file)

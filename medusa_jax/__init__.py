@@ -2,7 +2,9 @@
 
 Modules, one concept each: `config` (model config), `backbone` (the decoder), `heads`
 (Medusa heads), `weights` (Hugging Face I/O), `tree` (static tree buffers), `acceptance`
-(greedy / typical / rejection), `decode` (jitted decoders), `api` (the notebook API).
+(greedy / typical / rejection), `decode` (jitted decoders), `api` (the notebook API),
+`assets` (what ships), `data`, `distill`, `train_step`, `trainer`, `medusa1`, `medusa2`,
+`checkpoint`, `sharding` (training), `bench`, `tree_search` (measuring), `cli`.
 """
 
 from medusa_jax.acceptance import Sampling

@@ -173,3 +173,19 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys):
         return best, acc_len, bonus.astype(jnp.int32)
 
     return jax.vmap(one_row)(logp, tokens, keys)
+
+
+# Every rule as (logits, tokens, tree, sampling, keys) -> (best path, accepted length, next
+# root), looked up by `Sampling.mode`.
+RULES = {
+    "greedy": lambda logits, tokens, tree, s, keys: greedy(logits, tokens, tree),
+    "typical": lambda logits, tokens, tree, s, keys: typical(logits, tokens, tree, s),
+    "rejection": rejection,
+}
+assert set(RULES) == set(MODES)
+
+
+def accept(logits, tokens, tree: Tree, s: Sampling, keys):
+    """The acceptance rule of `s.mode`: (best path [B], accepted non-root nodes [B],
+    next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only)."""
+    return RULES[s.mode](logits, tokens, tree, s, keys)

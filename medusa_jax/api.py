@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from importlib import resources
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from medusa_jax import assets
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import Params
-from medusa_jax.config import ModelConfig
+from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_config_of, load_heads
 from medusa_jax.tree import DEFAULT_TREE, Tree
@@ -47,7 +47,7 @@ class Generation:
 
 def default_heads_dir() -> Path:
     """The heads trained by the default `python -m train.medusa1`, shipped for stories260K."""
-    return Path(str(resources.files("medusa_jax") / "assets" / "stories260K_heads"))
+    return assets.heads_dir()
 
 
 def _load_tokenizer(path: Path):
@@ -64,10 +64,7 @@ class Medusa:
         self.cfg, self.params, self.tokenizer, self.heads = cfg, params, tokenizer, heads
         self.model_dir = model_dir
         self.default_tree = default_tree
-        eos = set(cfg.eos_token_id)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        self.eos = tuple(sorted(eos))
+        self.eos = stop_tokens(cfg, tokenizer)
 
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
@@ -83,12 +80,8 @@ class Medusa:
                 raise ValueError('heads="default" is only defined for the embedded model')
             heads = default_heads_dir()
         head_params = load_heads(heads, cfg)[0] if heads is not None else None
-        tree = DEFAULT_TREE
-        if model is None:
-            from medusa_jax.tree import published_trees
-
-            tree = "stories260K_cpu" if "stories260K_cpu" in published_trees() else DEFAULT_TREE
-        return cls(cfg, params, _load_tokenizer(model_dir), head_params, model_dir, tree)
+        return cls(cfg, params, _load_tokenizer(model_dir), head_params, model_dir,
+                   assets.default_tree(model))
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

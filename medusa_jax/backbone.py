@@ -20,6 +20,7 @@ attention code: a tree mask is just another mask.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -266,18 +267,10 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
                          v=_write_rows(cache.v, v_new, cache.lengths))
 
 
-def forward(
-    params: Params,
-    cfg: ModelConfig,
-    tokens: jax.Array,  # [B, T] int32
-    positions: jax.Array,  # [B, T] int32
-    mask: jax.Array,  # [B, T, S] bool: query t may attend cache slot s
-    cache: KVCache,
-    *,
-    return_logits: bool = True,
-    empty_cache: bool = False,
-) -> tuple[jax.Array | None, jax.Array, KVCache]:
-    """Run the decoder on T new tokens per row.
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
+            empty_cache: bool = False) -> tuple[jax.Array | None, jax.Array, KVCache]:
+    """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
     Slot s of the mask is cache slot s; the new tokens occupy slots lengths[b] ...
     lengths[b] + T - 1, so a causal mask, a tree mask or any other pattern is just a mask.
@@ -290,30 +283,56 @@ def forward(
     return logits, hidden, write_kv(cache, k_new, v_new)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The backbone's parameter tree as {name: shape}; the single source of truth for
-    initialisation, loading and sharding."""
+class ParamSpec(NamedTuple):
+    """A parameter's shape and the logical name of each dimension (what `sharding.RULES`
+    maps to mesh axes)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The backbone's parameter tree as {name: ParamSpec}: the single source of truth for
+    initialisation, loading and sharding. Layers are stacked on a leading "layers" axis."""
     h, f, lyr = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    S = ParamSpec
     layers = {
-        "attn_norm": (lyr, h),
-        "wq": (lyr, h, qd),
-        "wk": (lyr, h, kvd),
-        "wv": (lyr, h, kvd),
-        "wo": (lyr, qd, h),
-        "mlp_norm": (lyr, h),
-        "w_gate": (lyr, h, f),
-        "w_up": (lyr, h, f),
-        "w_down": (lyr, f, h),
+        "attn_norm": S((lyr, h), ("layers", "norm")),
+        "wq": S((lyr, h, qd), ("layers", "embed", "qkv")),
+        "wk": S((lyr, h, kvd), ("layers", "embed", "qkv")),
+        "wv": S((lyr, h, kvd), ("layers", "embed", "qkv")),
+        "wo": S((lyr, qd, h), ("layers", "qkv", "embed")),
+        "mlp_norm": S((lyr, h), ("layers", "norm")),
+        "w_gate": S((lyr, h, f), ("layers", "embed", "mlp")),
+        "w_up": S((lyr, h, f), ("layers", "embed", "mlp")),
+        "w_down": S((lyr, f, h), ("layers", "mlp", "embed")),
     }
     if cfg.attention_bias:
-        layers.update(bq=(lyr, qd), bk=(lyr, kvd), bv=(lyr, kvd))
+        layers.update(bq=S((lyr, qd), ("layers", "qkv")), bk=S((lyr, kvd), ("layers", "qkv")),
+                      bv=S((lyr, kvd), ("layers", "qkv")))
     if cfg.qk_norm:
-        layers.update(q_norm=(lyr, cfg.head_dim), k_norm=(lyr, cfg.head_dim))
-    shapes = {"embed": (cfg.vocab_size, h), "layers": layers, "final_norm": (h,)}
+        layers.update(q_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")),
+                      k_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")))
+    specs = {"embed": S((cfg.vocab_size, h), ("vocab", "embed")), "layers": layers,
+             "final_norm": S((h,), ("norm",))}
     if not cfg.tie_word_embeddings:
-        shapes["lm_head"] = (h, cfg.vocab_size)
-    return shapes
+        specs["lm_head"] = S((h, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """{name: shape} of `param_specs`."""
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """{name: logical axes} of `param_specs`."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:

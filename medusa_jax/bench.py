@@ -143,6 +143,72 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
                      loop_steps)
 
 
+@dataclasses.dataclass
+class Comparison:
+    """Plain vs Medusa decoding of the same prompts, timed in the same process."""
+
+    plain: RunResult
+    medusa: RunResult
+    tree: Tree
+    mode: str
+    max_new_tokens: int
+
+    @property
+    def identical_rows(self) -> int:
+        """Prompts whose Medusa output equals the plain output token for token."""
+        return sum(a == b for a, b in zip(self.plain.rows, self.medusa.rows))
+
+    @property
+    def speedup(self) -> float:
+        return self.medusa.tokens_per_second / self.plain.tokens_per_second
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds of a Medusa step over seconds of a plain step."""
+        return self.medusa.step_seconds / self.plain.step_seconds
+
+    def to_json(self) -> dict:
+        p, m = self.plain, self.medusa
+        return {"prompts": len(m.rows), "tree": self.tree.name, "mode": self.mode,
+                "batch_size": m.batch_size, "max_new_tokens": self.max_new_tokens,
+                "new_tokens": m.new_tokens, "medusa_steps": m.steps,
+                "tokens_per_step": m.tokens_per_step, "plain_s": p.seconds, "medusa_s": m.seconds,
+                "speedup": self.speedup, "step_overhead": self.step_overhead,
+                "plain_ms_per_step": 1e3 * p.step_seconds,
+                "medusa_ms_per_step": 1e3 * m.step_seconds,
+                "identical_outputs": self.identical_rows,
+                "plain_tok_s": p.tokens_per_second, "medusa_tok_s": m.tokens_per_second}
+
+
+def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], tree: Tree, *,
+                     max_new_tokens: int, eos: tuple[int, ...], batch_size: int = 1,
+                     sampling: Sampling = Sampling(), reps: int = 1,
+                     plain: RunResult | None = None) -> Comparison:
+    """Time Medusa decoding against plain decoding (`plain`, or timed here with the same
+    sampling) of the same prompts. The one plain-vs-Medusa comparison of the project: the
+    training commands, `infer.bench` and `infer.tree` all report through it."""
+    common = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, eos=eos,
+                  sampling=sampling, reps=reps)
+    if plain is None:
+        plain = run_decoder(params, cfg, prompts, name="plain", **common)
+    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa", **common)
+    return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
+
+
+def print_comparison(c: Comparison, title: str):
+    """The comparison as the training commands print it."""
+    p, m = c.plain, c.medusa
+    print(f"\n{title}, {len(m.rows)} held-out prompts, batch {m.batch_size}, up to "
+          f"{c.max_new_tokens} new tokens, tree {c.tree.name} (compile excluded):")
+    print(f"  plain : {p.seconds:.2f}s  {p.tokens_per_second:.0f} tok/s  1.00 tokens/step"
+          f"  {1e3 * p.step_seconds:.2f} ms/step")
+    print(f"  medusa: {m.seconds:.2f}s  {m.tokens_per_second:.0f} tok/s  "
+          f"{m.tokens_per_step:.2f} tokens/step  {1e3 * m.step_seconds:.2f} ms/step "
+          f"({c.tree.num_nodes} tokens verified per step)")
+    print(f"  speedup {c.speedup:.2f}x; outputs identical to plain {c.mode} for "
+          f"{c.identical_rows}/{len(m.rows)} prompts")
+
+
 def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_size: int,
                      max_new_tokens: int, eos: tuple[int, ...], reps: int = 3) -> RunResult | None:
     """transformers' PyTorch greedy `generate` on the same prompts (None without torch)."""

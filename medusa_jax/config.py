@@ -163,3 +163,14 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ValueError(f"{file}: invalid JSON ({e})") from None
         return cls.from_hf_dict(cfg, source=str(file))
+
+
+def stop_tokens(cfg: ModelConfig, tokenizer=None) -> tuple[int, ...]:
+    """The token ids that end a generation, for every caller (API, CLIs, benchmarks,
+    self-distillation): the config's EOS ids, the tokenizer's EOS, and its BOS (a base model
+    that emits BOS has started a new document)."""
+    ids = set(cfg.eos_token_id)
+    for t in (getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "bos_token_id", None)):
+        if t is not None:
+            ids.add(int(t))
+    return tuple(sorted(ids))

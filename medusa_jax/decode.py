@@ -4,12 +4,15 @@ Each is ONE jitted function: prefill, then a `lax.while_loop` that runs until ev
 done. Nothing goes back to the host per token. Shapes are static: prompts are right-padded
 to a power-of-two bucket, so a new prompt length only recompiles when it crosses a bucket.
 
-Per Medusa step (all rows at once, each row at its own cache length):
-  1. candidates: the root (already chosen) and the top-k of each head at the last position;
-  2. one backbone pass over root + tree nodes, the tree mask placed after the prefix;
-  3. acceptance picks a path and the next root;
-  4. the accepted path's keys/values are moved to consecutive slots;
-  5. the heads run on the last accepted node's hidden state only.
+A Medusa step (all rows at once, each row at its own cache length) is five named stages,
+in the paper's order:
+  1. `propose_candidates`: the root (already chosen) and each head's top-k fill the tree;
+  2. `verify`: one backbone pass over root + tree nodes, the tree mask after the prefix;
+  3. `accept`: the acceptance rule of the sampling mode picks a path and the next root;
+  4. `emit` + `commit`: the accepted tokens go to the output (cut at EOS) and the accepted
+     path's keys/values to consecutive cache slots;
+  5. the heads (`head_fn`) run on the last accepted node's hidden state only.
+The loop state of each decoder is a typed `flax.struct` dataclass.
 """
 
 from __future__ import annotations
@@ -101,6 +104,22 @@ def _split_rows(keys):
     return both[:, 0], both[:, 1]
 
 
+@struct.dataclass
+class PlainState:
+    """The plain loop's carry (per row: B)."""
+
+    cache: KVCache
+    next_token: jax.Array  # [B] int32: sampled, not yet emitted
+    out: jax.Array  # [B, max_new_tokens] int32
+    count: jax.Array  # [B] int32: tokens emitted
+    done: jax.Array  # [B] bool
+    keys: jax.Array  # [B] PRNG keys, one stream per row
+
+
+def _sample_rows(keys, logits, sampling):
+    return jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(keys, logits)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos"))
 def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
              key: jax.Array, *, sampling: Sampling = Sampling(), max_new_tokens: int = 128,
@@ -109,35 +128,29 @@ def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.A
     b, p = tokens.shape
     capacity = p + max_new_tokens + 1
     logits, _, cache = _prefill(params, cfg, tokens, lengths, capacity)
-    keys = _row_keys(key, b)
-    keys, sub = _split_rows(keys)
-    nxt = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, logits)
-    out = jnp.zeros((b, max_new_tokens), jnp.int32)
+    keys, sub = _split_rows(_row_keys(key, b))
     zeros = jnp.zeros((b,), jnp.int32)
-    state = (cache, nxt, out, zeros, jnp.zeros((b,), bool), keys)
+    state = PlainState(cache=cache, next_token=_sample_rows(sub, logits, sampling),
+                       out=jnp.zeros((b, max_new_tokens), jnp.int32), count=zeros,
+                       done=jnp.zeros((b,), bool), keys=keys)
 
-    def cond(state):
-        return ~jnp.all(state[4])
+    def body(s: PlainState) -> PlainState:
+        live = ~s.done
+        at = live[:, None] & (jnp.arange(max_new_tokens)[None] == s.count[:, None])
+        out = jnp.where(at, s.next_token[:, None], s.out)
+        count = s.count + live
+        done = s.done | (live & _eos_mask(s.next_token, eos)) | (count >= max_new_tokens)
+        logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
+                                   causal_mask(s.cache.lengths, 1, capacity), s.cache)
+        keys, sub = _split_rows(s.keys)
+        new = _sample_rows(sub, logits[:, 0], sampling)
+        return PlainState(cache=cache.advance(~done),
+                          next_token=jnp.where(done, s.next_token, new), out=out, count=count,
+                          done=done, keys=keys)
 
-    def body(state):
-        cache, nxt, out, count, done, keys = state
-        live = ~done
-        out = jnp.where(live[:, None] & (jnp.arange(max_new_tokens)[None] == count[:, None]),
-                        nxt[:, None], out)
-        count = count + live
-        done = done | (live & _eos_mask(nxt, eos)) | (count >= max_new_tokens)
-        positions = cache.lengths[:, None]
-        logits, _, cache = forward(params, cfg, nxt[:, None], positions,
-                                   causal_mask(cache.lengths, 1, capacity), cache)
-        cache = cache.advance(~done)
-        keys, sub = _split_rows(keys)
-        new = jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(sub, logits[:, 0])
-        nxt = jnp.where(done, nxt, new)
-        return cache, nxt, out, count, done, keys
-
-    _, _, out, count, _, _ = jax.lax.while_loop(cond, body, state)
-    hist = jnp.zeros((b, 3), jnp.int32).at[:, 1].set(count)
-    return Output(tokens=out, num_new=count, steps=count, accept_hist=hist)
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    hist = jnp.zeros((b, 3), jnp.int32).at[:, 1].set(s.count)
+    return Output(tokens=s.out, num_new=s.count, steps=s.count, accept_hist=hist)
 
 
 def small_top_k(x: jax.Array, k: int) -> jax.Array:
@@ -152,6 +165,69 @@ def small_top_k(x: jax.Array, k: int) -> jax.Array:
         picks.append(idx)
         x = jnp.where(jnp.arange(x.shape[-1]) == idx[..., None], -jnp.inf, x)
     return jnp.stack(picks, axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class MedusaState:
+    """The Medusa loop's carry (per row: B; K heads, D tree depth)."""
+
+    cache: KVCache
+    root: jax.Array  # [B] int32: the next token, already chosen by the model
+    head_logits: jax.Array  # [K, B, V]: the heads' guesses for the tokens after the root
+    out: jax.Array  # [B, max_new_tokens + D + 1] int32 (a chunk may overshoot, then is cut)
+    count: jax.Array  # [B] int32: tokens emitted
+    steps: jax.Array  # [B] int32: verification steps taken
+    hist: jax.Array  # [B, D + 2] int32: steps that emitted 0 .. D + 1 tokens
+    done: jax.Array  # [B] bool
+    keys: jax.Array  # [B] PRNG keys, one stream per row
+
+
+def propose_candidates(root: jax.Array, head_logits: jax.Array, tree: Tree) -> jax.Array:
+    """Stage 1. root [B], head_logits [K, B, V] -> each tree node's token [B, T]: node i
+    takes entry `tree.cand_index[i]` of [root, top-k of head 1, top-k of head 2, ...]."""
+    b = root.shape[0]
+    top = small_top_k(head_logits[:tree.depth], tree.top_k)  # [D, B, k]
+    flat = jnp.concatenate([root[:, None], jnp.transpose(top, (1, 0, 2)).reshape(b, -1)],
+                           axis=1)
+    return flat[:, jnp.asarray(tree.cand_index)].astype(jnp.int32)
+
+
+def verify(params: Params, cfg: ModelConfig, cand: jax.Array, cache: KVCache, tree: Tree):
+    """Stage 2. One backbone pass over the tree's tokens cand [B, T], each at position
+    length + its depth, attending the prefix and its own ancestors. Returns (logits
+    [B, T, V], hidden [B, T, H], the new keys/values [L, B, KVH, T, D] each, uncommitted)."""
+    positions = cache.lengths[:, None] + jnp.asarray(tree.node_depth)[None, :]
+    mask = tree_mask_after_prefix(cache.lengths, jnp.asarray(tree.mask), cache.capacity)
+    return forward_uncommitted(params, cfg, cand, positions, mask, cache)
+
+
+def emit(s: MedusaState, chunk: jax.Array, acc_len: jax.Array, eos: tuple[int, ...],
+         max_new_tokens: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Stage 4a. Append the accepted chunk [B, D+1] (root + acc_len accepted nodes) to the
+    output, stopping at its first EOS. Returns (out, count, done, tokens kept this step)."""
+    live = ~s.done
+    in_chunk = jnp.arange(chunk.shape[1])[None] <= acc_len[:, None]
+    is_eos = _eos_mask(chunk, eos) & in_chunk
+    hit_eos = jnp.any(is_eos, axis=1)
+    n_emit = jnp.where(hit_eos, jnp.argmax(is_eos, axis=1) + 1, acc_len + 1)
+    out = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(
+        s.out, chunk, s.count)
+    out = jnp.where(live[:, None], out, s.out)
+    count = jnp.where(live, s.count + n_emit, s.count)
+    done = s.done | (live & hit_eos) | (count >= max_new_tokens)
+    # what the histogram counts: the last step may be cut by max_new_tokens
+    kept = jnp.where(live, jnp.minimum(n_emit, max_new_tokens - s.count), 0)
+    return out, count, done, kept
+
+
+def commit(cache: KVCache, k_new: jax.Array, v_new: jax.Array, path: jax.Array,
+           advance: jax.Array) -> KVCache:
+    """Stage 4b. Keep only the accepted path's keys/values: node path[b, j] of the verify
+    pass goes to slot lengths[b] + j; then each row's length grows by advance [B]."""
+    sel = path[None, :, None, :, None]  # [1, B, 1, D+1, 1]
+    cache = write_kv(cache, jnp.take_along_axis(k_new, sel, axis=3),
+                     jnp.take_along_axis(v_new, sel, axis=3))
+    return cache.advance(advance)
 
 
 def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.Array:
@@ -173,21 +249,16 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     Medusa heads. Tests plug in oracle heads here.
     """
     b, p = tokens.shape
-    t, depth = tree.num_nodes, tree.depth
-    capacity = p + max_new_tokens + t + 1
-    width = max_new_tokens + depth + 1  # an accepted chunk may overshoot before truncation
-    cand_index = jnp.asarray(tree.cand_index)
-    node_depth = jnp.asarray(tree.node_depth)
-    tmask = jnp.asarray(tree.mask)
+    depth = tree.depth
+    capacity = p + max_new_tokens + tree.num_nodes + 1
     paths = jnp.asarray(tree.paths)
     rows = jnp.arange(b)
 
     base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
-    keys = _row_keys(key, b)
-    keys, sub = _split_rows(keys)
+    keys, sub = _split_rows(_row_keys(key, b))
     # typical acceptance keeps the first token greedy (the paper's rule)
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
-    root = jax.vmap(lambda k, l: acceptance.sample(k, l, root_rule))(sub, base_logits)
+    root = _sample_rows(sub, base_logits, root_rule)
     if head_fn is standard_heads:
         # heads deeper than the tree never propose a candidate: do not run them
         heads = jax.tree.map(lambda x: x[:depth], heads)
@@ -196,64 +267,30 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
         raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
                          f"{head_logits.shape[0]} Medusa heads")
     zeros = jnp.zeros((b,), jnp.int32)
-    state = dict(cache=cache, root=root, head_logits=head_logits,
-                 out=jnp.zeros((b, width), jnp.int32), count=zeros, steps=zeros,
-                 hist=jnp.zeros((b, depth + 2), jnp.int32), done=jnp.zeros((b,), bool),
-                 keys=keys)
+    state = MedusaState(cache=cache, root=root, head_logits=head_logits,
+                        out=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32), count=zeros,
+                        steps=zeros, hist=jnp.zeros((b, depth + 2), jnp.int32),
+                        done=jnp.zeros((b,), bool), keys=keys)
 
-    def cond(s):
-        return ~jnp.all(s["done"])
-
-    def body(s):
-        cache, live = s["cache"], ~s["done"]
-        # 1. candidates: root, then each head's top-k; tree node i takes flat[cand_index[i]]
-        top = small_top_k(s["head_logits"][:depth], tree.top_k)  # [D, B, k]
-        flat = jnp.concatenate([s["root"][:, None],
-                                jnp.transpose(top, (1, 0, 2)).reshape(b, -1)], axis=1)
-        cand = flat[:, cand_index].astype(jnp.int32)  # [B, T]
-        # 2. verify all nodes in one pass
-        positions = cache.lengths[:, None] + node_depth[None, :]
-        mask = tree_mask_after_prefix(cache.lengths, tmask, capacity)
-        logits, hidden, (k_new, v_new) = forward_uncommitted(params, cfg, cand, positions,
-                                                             mask, cache)
-        # 3. accept
-        keys, sub = _split_rows(s["keys"])
-        if sampling.mode == "greedy":
-            best, acc_len, next_root = acceptance.greedy(logits, cand, tree)
-        elif sampling.mode == "typical":
-            best, acc_len, next_root = acceptance.typical(logits, cand, tree, sampling)
-        else:
-            best, acc_len, next_root = acceptance.rejection(logits, cand, tree, sampling, sub)
+    def body(s: MedusaState) -> MedusaState:
+        live = ~s.done
+        cand = propose_candidates(s.root, s.head_logits, tree)  # 1
+        logits, hidden, (k_new, v_new) = verify(params, cfg, cand, s.cache, tree)  # 2
+        keys, sub = _split_rows(s.keys)
+        best, acc_len, next_root = acceptance.accept(logits, cand, tree, sampling, sub)  # 3
         path = paths[best]  # [B, D+1] node indices, root first
-        chunk = jnp.take_along_axis(cand, path, axis=1)  # [B, D+1]
-        # stop at the first EOS inside the accepted chunk
-        in_chunk = jnp.arange(depth + 1)[None] <= acc_len[:, None]
-        is_eos = _eos_mask(chunk, eos) & in_chunk
-        first_eos = jnp.argmax(is_eos, axis=1)
-        hit_eos = jnp.any(is_eos, axis=1)
-        n_emit = jnp.where(hit_eos, first_eos + 1, acc_len + 1)
-        out = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(
-            s["out"], chunk, s["count"])
-        out = jnp.where(live[:, None], out, s["out"])
-        count = jnp.where(live, s["count"] + n_emit, s["count"])
-        done = s["done"] | (live & hit_eos) | (count >= max_new_tokens)
-        # 4. commit only the accepted path's keys/values, to consecutive slots
-        sel = path[None, :, None, :, None]  # [1, B, 1, D+1, 1] node index per kept slot
-        cache = write_kv(cache, jnp.take_along_axis(k_new, sel, axis=3),
-                         jnp.take_along_axis(v_new, sel, axis=3))
-        cache = cache.advance(jnp.where(live, acc_len + 1, 0))
-        # 5. heads on the last accepted node only
-        last = path[rows, acc_len]
-        new_head_logits = head_fn(heads, hidden[rows, last], cache.lengths)
-        # histogram of tokens actually kept (the last step may be cut by max_new_tokens)
-        kept = jnp.minimum(n_emit, max_new_tokens - s["count"])
-        hist = s["hist"].at[rows, jnp.clip(kept, 0, depth + 1)].add(live.astype(jnp.int32))
-        return dict(cache=cache, root=jnp.where(live, next_root, s["root"]),
-                    head_logits=jnp.where(live[None, :, None], new_head_logits, s["head_logits"]),
-                    out=out, count=count, steps=s["steps"] + live, hist=hist, done=done,
-                    keys=keys)
+        chunk = jnp.take_along_axis(cand, path, axis=1)
+        out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
+        cache = commit(s.cache, k_new, v_new, path, jnp.where(live, acc_len + 1, 0))
+        new_head_logits = head_fn(heads, hidden[rows, path[rows, acc_len]], cache.lengths)  # 5
+        return MedusaState(
+            cache=cache, root=jnp.where(live, next_root, s.root),
+            head_logits=jnp.where(live[None, :, None], new_head_logits, s.head_logits),
+            out=out, count=count, steps=s.steps + live,
+            hist=s.hist.at[rows, jnp.clip(kept, 0, depth + 1)].add(live.astype(jnp.int32)),
+            done=done, keys=keys)
 
-    s = jax.lax.while_loop(cond, body, state)
-    count = jnp.minimum(s["count"], max_new_tokens)
-    return Output(tokens=s["out"][:, :max_new_tokens], num_new=count, steps=s["steps"],
-                  accept_hist=s["hist"])
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    count = jnp.minimum(s.count, max_new_tokens)
+    return Output(tokens=s.out[:, :max_new_tokens], num_new=count, steps=s.steps,
+                  accept_hist=s.hist)

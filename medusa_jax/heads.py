@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from medusa_jax.backbone import Params, output_projection
+from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
 
 
@@ -37,14 +37,29 @@ class HeadsConfig:
             raise ValueError(f"need at least one head and one layer, got {self}")
 
 
+def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsConfig()) -> dict:
+    """{name: ParamSpec}: each heads parameter's shape and logical axes (see sharding)."""
+    k, lyr, h, v = heads_cfg.num_heads, heads_cfg.num_layers, hidden, vocab
+    return {
+        "w": ParamSpec((k, lyr, h, h), ("medusa_heads", "medusa_layers", "embed", "embed_out")),
+        "b": ParamSpec((k, lyr, h), ("medusa_heads", "medusa_layers", "embed_out")),
+        "proj": ParamSpec((k, h, v), ("medusa_heads", "embed", "vocab")),
+    }
+
+
+def heads_axes() -> dict:
+    """{name: logical axes} of the heads parameters (they do not depend on the sizes)."""
+    return {name: s.axes for name, s in heads_param_specs(1, 1).items()}
+
+
 def init_heads(cfg: ModelConfig, backbone: Params, heads_cfg: HeadsConfig = HeadsConfig()) -> Params:
     """Zero residual blocks and copies of the output projection (exact base logits at init)."""
-    k, lyr, h = heads_cfg.num_heads, heads_cfg.num_layers, cfg.hidden_size
+    specs = heads_param_specs(cfg.hidden_size, cfg.vocab_size, heads_cfg)
     proj = output_projection(cfg, backbone).astype(jnp.float32)
     return {
-        "w": jnp.zeros((k, lyr, h, h), jnp.float32),
-        "b": jnp.zeros((k, lyr, h), jnp.float32),
-        "proj": jnp.broadcast_to(proj, (k, *proj.shape)).copy(),
+        "w": jnp.zeros(specs["w"].shape, jnp.float32),
+        "b": jnp.zeros(specs["b"].shape, jnp.float32),
+        "proj": jnp.broadcast_to(proj, specs["proj"].shape).copy(),
     }
 
 

@@ -24,25 +24,34 @@ text added to self-distilled answers so the KL also holds the model in place on 
 not write (the heads must learn the model's own continuations, not the text's).
 
 The training step itself is `train_step.make_train_step` (sharded jit, frozen subtrees kept
-bit-identical); only the loss, the labels and the optimizer are Medusa-2's.
+bit-identical) and the loop `trainer.train`; Medusa-2 is its loss, labels and optimizer here,
+plus `Medusa2Config` and the `Medusa2` recipe: the first stage (a Medusa-1 run, or --init),
+anchor text, the fine-tuned backbone's export and the perplexity/KL report.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import shutil
+from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from medusa_jax import data
+from medusa_jax import assets, data, trainer, weights
+from medusa_jax import heads as heads_lib
 from medusa_jax.backbone import Params, logits_from_hidden
+from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
-from medusa_jax.train_step import (Batch, LossFn, OptimConfig, backbone_hidden, medusa_loss,
-                                   medusa_targets)
+from medusa_jax.medusa1 import Medusa1, Medusa1Config
+from medusa_jax.train_step import (Batch, LossFn, OptimConfig, TrainState, backbone_hidden,
+                                   medusa_loss, medusa_targets)
 
 LM_LOSSES = ("kl", "ce")
 HEAD_SCHEDULES = ("constant", "sine")
@@ -193,7 +202,7 @@ def make_params(backbone: Params, heads: Params, lm_loss: str = "kl") -> Params:
     return params
 
 
-def make_optimizer2(opt: OptimConfig, total_steps: int, labels: dict,
+def make_joint_optimizer(opt: OptimConfig, total_steps: int, labels: dict,
                     head_lr_ratio: float = 4.0
                     ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW per partition: backbone at `opt.lr`, heads at `head_lr_ratio * opt.lr`, both
@@ -262,3 +271,288 @@ def lm_report(cfg: ModelConfig, original: Params, finetuned: Params, rows: data.
     ppl_o, ppl_f = math.exp(sums["nll_original"] / n), math.exp(sums["nll_finetuned"] / n)
     return {"tokens": int(sums["count"]), "ppl_original": ppl_o, "ppl_finetuned": ppl_f,
             "ppl_change": ppl_f / ppl_o - 1.0, "kl_mean": sums["kl"] / n}
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class Medusa2Config(trainer.TrainConfig):
+    """The shared fields (their names, meanings and defaults: equal distillation settings
+    let a Medusa-1 run's cached data be reused) plus Medusa-2's own."""
+
+    init: str | None = option(None, "Medusa-1 run dir or heads artifact to start from "
+                                    "(default: run stage 1 here)", metavar="PATH")
+    stage1_steps: int = option(Medusa1Config.DEFAULT_STEPS,
+                               "heads-only steps first, without --init (default {default})")
+    stage1_lr: float | None = option(None, "stage 1's learning rate (default: train.medusa1's)")
+    lr: float | None = option(1e-3, "the backbone's peak learning rate (default {default})")
+    head_lr_ratio: float = option(4.0, "heads' lr = this x the backbone's (default {default})")
+    lm_loss: str = option("auto", "kl: KL(original || fine-tuned); ce: next-token "
+                                  "cross-entropy (default auto: kl when self-distilling, ce "
+                                  "with --data)", choices=("auto", *LM_LOSSES))
+    lm_weight: float = option(1.0, "weight of the LM term (default {default})")
+    head_schedule: str = option("constant", "lambda of the heads' loss: constant, or sine "
+                                            "rising over the run (default {default})",
+                                choices=HEAD_SCHEDULES)
+    head_weight: float | None = option(None, "lambda (constant) or its peak (sine); default "
+                                             "0.2 / 0.01")
+    eval_text: str | None = option(None, "plain text (documents separated by blank lines) for "
+                                         "the perplexity/KL report (default: held-out "
+                                         "TinyStories stories)", metavar="FILE")
+    anchor_text: str = option(
+        "auto", "real text (documents separated by blank lines) trained with the LM term only,"
+                " next to the training data: with the KL term it keeps the original's "
+                "predictions on text the model did not write (default auto: the shipped "
+                "TinyStories training stories when self-distilling the embedded model)",
+        metavar="FILE|auto|none")
+
+    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (~6 min here; with lr 1e-3 and the
+    # anchor text, held-out perplexity +2.5%: see README)
+    RUN_PREFIX: ClassVar[str] = "medusa2"
+    HELP: ClassVar[dict] = {
+        "steps": f"joint optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
+        "epochs": "joint passes over the training data (instead of --steps)",
+        "num_heads": "heads to train in stage 1 (with --init the artifact decides; "
+                     "default {default})",
+        "num_layers": "residual blocks per head in stage 1 (default {default})",
+        "output_dir": "run directory (default runs/medusa2-<timestamp>)"}
+    RESUMABLE: ClassVar[frozenset] = trainer.TrainConfig.RESUMABLE | {"eval_text"}
+
+    def validate(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(msg)
+        super().validate()
+        need(self.stage1_steps >= 1, "--stage1-steps must be >= 1")
+        need(self.stage1_lr is None or self.stage1_lr > 0, "--stage1-lr must be > 0")
+        need(self.head_lr_ratio > 0, "--head-lr-ratio must be > 0")
+        need(self.lm_loss in ("auto", *LM_LOSSES),
+             f"--lm-loss must be one of auto, {', '.join(LM_LOSSES)}")
+        need(self.lm_weight >= 0, "--lm-weight must be >= 0")
+        need(self.head_schedule in HEAD_SCHEDULES,
+             f"--head-schedule must be one of {', '.join(HEAD_SCHEDULES)}")
+        need(self.head_weight is None or self.head_weight >= 0, "--head-weight must be >= 0")
+        if self.eval_text is not None and not Path(self.eval_text).is_file():
+            raise ValueError(f"--eval-text {self.eval_text}: no such file")
+        if self.anchor_text not in ("auto", "none") and not Path(self.anchor_text).is_file():
+            raise ValueError(f"--anchor-text {self.anchor_text}: no such file")
+        if self.init is not None:
+            resolve_init(self.init)
+        return self
+
+    def stage1_config(self, run_dir: Path) -> Medusa1Config:
+        """The first stage as a Medusa-1 run in <run>/stage1 (no decoding benchmark)."""
+        return Medusa1Config(**self.shared(output_dir=str(run_dir / "stage1"),
+                                           steps=self.stage1_steps, epochs=None,
+                                           lr=self.stage1_lr, eval_prompts=0))
+
+    @property
+    def resolved_lm_loss(self) -> str:
+        if self.lm_loss != "auto":
+            return self.lm_loss
+        return "ce" if self.data else "kl"
+
+    @property
+    def resolved_anchor_text(self) -> Path | None:
+        if self.anchor_text == "none":
+            return None
+        if self.anchor_text == "auto":
+            own = assets.is_embedded(self.model) and not self.data and \
+                self.resolved_lm_loss == "kl"
+            return assets.text_file("train") if own else None
+        return Path(self.anchor_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Init:
+    heads: Path  # the heads artifact (file or directory)
+    run_dir: Path | None  # the Medusa-1 run it came from, if any
+
+
+def resolve_init(path: str | Path) -> Init:
+    """A Medusa-1 run directory (with heads/) or a heads artifact; ValueError otherwise."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"--init {p}: no such file or directory")
+    if (p / "heads" / heads_lib.HEADS_FILE).is_file():
+        return Init(heads=p / "heads", run_dir=p)
+    if (p / heads_lib.HEADS_FILE).is_file() or (p.is_file() and p.suffix == ".safetensors"):
+        return Init(heads=p, run_dir=None)
+    if (p / "checkpoints").is_dir():
+        raise ValueError(f"--init {p}: this Medusa-1 run has no heads/ yet "
+                         f"(finish it: python -m train.medusa1 --resume {p})")
+    raise ValueError(f"--init {p}: neither a Medusa-1 run directory (with heads/) "
+                     f"nor a heads artifact ({heads_lib.HEADS_FILE})")
+
+
+class Medusa2(trainer.Recipe):
+    name = "medusa2"
+
+    def setup(self, ctx: trainer.Context) -> None:
+        """Heads first: --init, or a Medusa-1 run in <run>/stage1 (resumed if interrupted);
+        then its self-distilled data is reused when the settings match."""
+        cfg = ctx.cfg
+        if cfg.init is not None:
+            self.init = resolve_init(cfg.init)
+        else:
+            self.init = self._stage1(cfg, ctx.run_dir)
+        check_init_model(cfg, self.init)
+        self.heads, _ = heads_lib.load_heads(self.init.heads, ctx.model_cfg)
+        reuse_distilled(self.init, ctx.run_dir)
+
+    @staticmethod
+    def _stage1(cfg: Medusa2Config, run_dir: Path) -> Init:
+        stage_dir = run_dir / "stage1"
+        if (stage_dir / "heads" / heads_lib.HEADS_FILE).is_file():
+            print(f"stage 1 (heads only) already done: {stage_dir}", flush=True)
+            return Init(heads=stage_dir / "heads", run_dir=stage_dir)
+        ckpts = stage_dir / "checkpoints"
+        resume = str(stage_dir) if ckpts.is_dir() and any(ckpts.iterdir()) else None
+        print(f"stage 1: heads only, {cfg.stage1_steps} steps (train.medusa1 in {stage_dir})",
+              flush=True)
+        trainer.train(cfg.stage1_config(run_dir), Medusa1(), resume)
+        print("stage 2: backbone and heads jointly", flush=True)
+        return Init(heads=stage_dir / "heads", run_dir=stage_dir)
+
+    def training_rows(self, ctx, rows):
+        anchor = ctx.cfg.resolved_anchor_text
+        if anchor is None:
+            return rows
+        report = data.LoadReport()
+        docs = data.split_documents(data.read_file(anchor, "text", report), ctx.tokenizer,
+                                     ctx.cfg.seq_len)
+        a_rows = data.build(docs, ctx.tokenizer, seq_len=ctx.cfg.seq_len, template="plain",
+                            seed=ctx.cfg.seed, report=report, what=f"--anchor-text {anchor}")
+        print(f"anchor text (LM term only) {anchor}: {report.summary()}", flush=True)
+        return data.concat([rows, a_rows], lm_only=[False, True])
+
+    def build(self, ctx, total_steps):
+        cfg = ctx.cfg
+        lm_loss = cfg.resolved_lm_loss
+        loss_cfg = LossConfig(lm_loss=lm_loss, lm_weight=cfg.lm_weight,
+                              head_schedule=cfg.head_schedule, head_weight=cfg.head_weight,
+                              head_ramp_steps=total_steps, decay=cfg.loss_decay)
+        # the state takes the backbone over (the train step donates its buffers); the original
+        # stays as the frozen teacher (KL) or is reloaded for the final report
+        params = make_params(ctx.backbone, self.heads, lm_loss)
+        ctx.backbone, self.heads = None, None
+        lbl = labels(params)
+        tx, schedule = make_joint_optimizer(
+            OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
+                        grad_clip=cfg.grad_clip), total_steps, lbl, cfg.head_lr_ratio)
+        print(f"joint training: {total_steps} steps, LM term {lm_loss}, heads weight "
+              f"{cfg.head_schedule} {loss_cfg.peak_head_weight}, lr {cfg.lr:g} (backbone) / "
+              f"{cfg.lr * cfg.head_lr_ratio:g} (heads)", flush=True)
+        self.head_lr_ratio = cfg.head_lr_ratio
+        return trainer.Method(params, lbl, tx, schedule, make_loss_fn(ctx.model_cfg, loss_cfg))
+
+    def batch(self, batch, step):
+        return with_step(batch, step)
+
+    def train_log(self, m):
+        rec = {"lm_loss": float(m["lm_loss"]), "lm_nll": float(m["lm_nll"]),
+               "heads_loss": float(m["heads_loss"]), "head_weight": float(m["head_weight"]),
+               "lr_heads": float(m["lr"]) * self.head_lr_ratio}
+        if "kl" in m:
+            rec["kl"] = float(m["kl"])
+        return rec
+
+    def postfix(self, m):
+        lm = f"kl={float(m['kl']):.4f}" if "kl" in m else f"nll={float(m['lm_nll']):.3f}"
+        return f"{lm} heads={float(m['heads_loss']):.3f}"
+
+    def artifact_extra(self, ctx):
+        return {"stage": "medusa2", "backbone": str(ctx.run_dir / "model"),
+                "init": str(self.init.heads)}
+
+    def finish(self, ctx, state: TrainState, summary: dict) -> Params:
+        """Export the fine-tuned backbone; report how far it moved from the original."""
+        cfg, mcfg = ctx.cfg, ctx.model_cfg
+        summary["init"] = str(self.init.heads)
+        finetuned = jax.device_get(state.params["backbone"])
+        source = cfg.model or str(assets.model_dir())
+        model_out = weights.save_pretrained(mcfg, finetuned, ctx.run_dir / "model",
+                                            source_dir=source)
+        print(f"fine-tuned backbone (Hugging Face layout): {model_out} "
+              f"(the heads artifact is for this backbone)")
+        print("\noriginal vs fine-tuned model (next-token perplexity, KL):")
+        # whole stories where the context allows (training rows may be shorter)
+        text_rows, what = eval_text_rows(
+            cfg, ctx.tokenizer, max(cfg.seq_len, min(mcfg.max_position_embeddings, 1024)))
+        original = state.params["teacher"] if "teacher" in state.params else \
+            weights.load_pretrained(cfg.model)[1]
+        closeness = {}
+        if text_rows is not None:
+            closeness["eval_text"] = dict(lm_report(
+                mcfg, original, state.params["backbone"], text_rows, cfg.batch_size, ctx.put),
+                source=what)
+            print_lm_report(f"held-out text [{what}]", closeness["eval_text"])
+        else:
+            print(f"  held-out text: skipped ({what})")
+        if ctx.held_rows is not None:
+            closeness["heldout"] = lm_report(mcfg, original, state.params["backbone"],
+                                             ctx.held_rows, cfg.batch_size, ctx.put)
+            print_lm_report("held-out set (label tokens)", closeness["heldout"])
+        summary["closeness"] = closeness
+        num_heads = heads_lib.heads_config_of(state.params["heads"]).num_heads
+        trees = ",".join(t.name for t in trainer.benchmark_trees(cfg, num_heads))
+        print(f"compare: python -m infer.bench --model {model_out} --heads "
+              f"{ctx.run_dir / 'heads'} --trees {trees}")
+        return finetuned
+
+
+def reuse_distilled(init: Init, run_dir: Path):
+    """Copy the first stage's self-distilled data (and its settings sidecar) into this run:
+    `distill.distill_cached` then reuses it when the settings match, and regenerates in this
+    run's directory (never the other run's) when they do not."""
+    if init.run_dir is None or init.run_dir.resolve() == run_dir.resolve():
+        return
+    src, dst = init.run_dir / "distill", run_dir / "distill"
+    if not src.is_dir():
+        return
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name.endswith((".jsonl", ".jsonl.meta.json")) and \
+                not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+
+
+def check_init_model(cfg: Medusa2Config, init: Init):
+    """A Medusa-1 run trained on another backbone is refused (its heads would not match)."""
+    if init.run_dir is None or not (init.run_dir / "config.json").is_file():
+        return
+    try:
+        theirs = json.loads((init.run_dir / "config.json").read_text()).get("model")
+    except json.JSONDecodeError:
+        return
+    where = lambda m: None if m is None else Path(m).resolve()  # noqa: E731
+    if where(theirs) != where(cfg.model):
+        raise ValueError(f"--init {init.run_dir}: trained on model {theirs or 'stories260K'}, "
+                         f"this run uses {cfg.model or 'stories260K'}")
+
+
+def eval_text_rows(cfg: Medusa2Config, tokenizer, seq_len: int) -> tuple[data.Packed | None, str]:
+    """(packed rows, description) of the perplexity text; (None, why) when there is none.
+    Documents longer than `seq_len` tokens are cut there (and counted)."""
+    if cfg.eval_text is not None:
+        convs = data.read_file(cfg.eval_text, "text")
+        what = f"{cfg.eval_text} ({len(convs)} documents)"
+    elif assets.is_embedded(cfg.model):
+        file = assets.text_file("heldout")
+        convs = data.read_file(file, "text")
+        what = f"{len(convs)} held-out TinyStories stories, {file.name}"
+    else:
+        return None, "no --eval-text given for this model"
+    report = data.LoadReport()
+    rows = data.build(convs, tokenizer, seq_len=seq_len, template="plain", seed=cfg.seed,
+                      report=report, what="evaluation text")
+    if report.truncated:
+        what += f"; {report.truncated} cut to {seq_len} tokens"
+    return rows, what
+
+
+def print_lm_report(title: str, r: dict):
+    print(f"  {title}: {r['tokens']} tokens, perplexity {r['ppl_original']:.4f} (original) -> "
+          f"{r['ppl_finetuned']:.4f} (fine-tuned), {100 * r['ppl_change']:+.2f}%; "
+          f"mean KL(original || fine-tuned) {r['kl_mean']:.5f} nats/token")

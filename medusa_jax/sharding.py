@@ -2,12 +2,13 @@
 
 The mesh has two axes: "data" (pure data parallelism: parameters replicated) and "fsdp"
 (data parallel too, but parameters and optimizer state are split across it). Every parameter
-dimension has a logical name; `RULES` maps logical names to mesh axes in priority order, and
-a tensor takes the first rule whose dimension divides evenly by the mesh axis (a mesh axis is
+dimension has a logical name, declared next to its shape (`backbone.param_specs`,
+`heads.heads_param_specs`); `RULES` maps logical names to mesh axes in priority order, and a
+tensor takes the first rule whose dimension divides evenly by the mesh axis (a mesh axis is
 used at most once per tensor). Anything else is replicated, so any model runs on any mesh.
 
-Leaves are recognised by their last dict key (e.g. "wq", "proj"), so the same rules shard
-the parameters and every parameter-shaped leaf of the optimizer state (Adam's moments).
+The optimizer state holds parameter-shaped leaves (Adam's moments) under its own nesting;
+each takes the sharding of the parameter whose path ends its own path.
 """
 
 from __future__ import annotations
@@ -19,32 +20,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp")
-
-# leaf name -> logical axes of its dims (backbone names from backbone.param_shapes, heads
-# names from heads.init_heads)
-LOGICAL_AXES: dict[str, tuple[str, ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    "final_norm": ("norm",),
-    "attn_norm": ("layers", "norm"),
-    "mlp_norm": ("layers", "norm"),
-    "wq": ("layers", "embed", "qkv"),
-    "wk": ("layers", "embed", "qkv"),
-    "wv": ("layers", "embed", "qkv"),
-    "wo": ("layers", "qkv", "embed"),
-    "bq": ("layers", "qkv"),
-    "bk": ("layers", "qkv"),
-    "bv": ("layers", "qkv"),
-    "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"),
-    "w_gate": ("layers", "embed", "mlp"),
-    "w_up": ("layers", "embed", "mlp"),
-    "w_down": ("layers", "mlp", "embed"),
-    # Medusa heads: w [K, L, H, H], b [K, L, H], proj [K, H, V]
-    "w": ("medusa_heads", "medusa_layers", "embed", "embed_out"),
-    "b": ("medusa_heads", "medusa_layers", "embed_out"),
-    "proj": ("medusa_heads", "embed", "vocab"),
-}
 
 # (logical axis, mesh axis), highest priority first: the big vocab/MLP dims before hidden
 RULES: tuple[tuple[str, str], ...] = (
@@ -92,10 +67,10 @@ def make_mesh(spec: str = "1,1", devices=None) -> Mesh:
     return Mesh(grid, AXES)
 
 
-def spec_for(name: str | None, shape: tuple[int, ...], mesh: Mesh,
+def spec_for(axes: tuple[str, ...] | None, shape: tuple[int, ...], mesh: Mesh,
              rules=RULES) -> P:
-    """PartitionSpec for a leaf called `name` of this shape (replicated when unknown)."""
-    axes = LOGICAL_AXES.get(name or "")
+    """PartitionSpec for a tensor of this shape whose dims are named `axes` (None or a
+    length mismatch: replicated)."""
     if axes is None or len(axes) != len(shape):
         return P()
     assigned: list[str | None] = [None] * len(shape)
@@ -111,19 +86,37 @@ def spec_for(name: str | None, shape: tuple[int, ...], mesh: Mesh,
     return P(*assigned)
 
 
-def _leaf_name(path) -> str | None:
-    for entry in reversed(path):
-        if isinstance(entry, jax.tree_util.DictKey):
-            return str(entry.key)
-    return None
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(a, str) for a in x)
 
 
-def tree_shardings(tree, mesh: Mesh, rules=RULES):
-    """NamedSharding for every array leaf of `tree` (params, or an optimizer state)."""
+def tree_shardings(axes, tree, mesh: Mesh, rules=RULES):
+    """NamedSharding for every leaf of `tree` (arrays or ShapeDtypeStructs), given `axes`: a
+    tree of the same structure whose leaves are tuples of logical axis names."""
+    return jax.tree.map(lambda a, x: NamedSharding(mesh, spec_for(a, tuple(x.shape), mesh,
+                                                                  rules)),
+                        axes, tree, is_leaf=_is_axes)
+
+
+def _dict_keys(path) -> tuple:
+    return tuple(e.key for e in path if isinstance(e, jax.tree_util.DictKey))
+
+
+def like_params(tree, params, param_shardings, mesh: Mesh):
+    """Shardings for an optimizer state: a leaf whose dict-key path ends with a parameter's
+    path (and has its shape) is sharded like that parameter; everything else replicated."""
+    by_path = {}
+    for (path, p), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                            jax.tree.leaves(param_shardings)):
+        by_path[_dict_keys(path)] = (tuple(p.shape), s)
 
     def one(path, leaf):
-        shape = tuple(getattr(leaf, "shape", ()))
-        return NamedSharding(mesh, spec_for(_leaf_name(path), shape, mesh, rules))
+        keys = _dict_keys(path)
+        for start in range(len(keys)):
+            hit = by_path.get(keys[start:])
+            if hit is not None and hit[0] == tuple(getattr(leaf, "shape", ())):
+                return hit[1]
+        return replicated(mesh)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 

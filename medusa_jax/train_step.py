@@ -26,8 +26,9 @@ from flax import struct
 
 from medusa_jax import sharding
 from medusa_jax.backbone import KVCache, Params, forward
+from medusa_jax.backbone import param_axes as backbone_param_axes
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import apply_heads
+from medusa_jax.heads import apply_heads, heads_axes
 
 Batch = dict  # tokens, positions, segments [B, T] int32; loss_mask [B, T] bool
 LossFn = Callable[[Params, Batch], tuple[jax.Array, dict]]
@@ -162,21 +163,34 @@ def init_state(params: Params, tx: optax.GradientTransformation) -> TrainState:
 # ----------------------------------------------------------------------------- sharded jit
 
 
-def state_shardings(state_or_abstract: TrainState, mesh) -> TrainState:
-    """NamedShardings for a TrainState (pass an abstract one from `jax.eval_shape`)."""
+def param_axes(cfg: ModelConfig, params: Params) -> dict:
+    """The logical axes of a training params tree: "backbone" and "teacher" are backbones,
+    "heads" are Medusa heads."""
+    kinds = {"backbone": lambda: backbone_param_axes(cfg), "teacher": lambda: backbone_param_axes(cfg),
+             "heads": heads_axes}
+    unknown = set(params) - set(kinds)
+    if unknown:
+        raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")
+    return {k: kinds[k]() for k in params}
+
+
+def state_shardings(state_or_abstract: TrainState, axes: dict, mesh) -> TrainState:
+    """NamedShardings for a TrainState (pass an abstract one from `jax.eval_shape`);
+    `axes` is `param_axes` of its params."""
+    params = sharding.tree_shardings(axes, state_or_abstract.params, mesh)
     return TrainState(
-        step=sharding.replicated(mesh),
-        params=sharding.tree_shardings(state_or_abstract.params, mesh),
-        opt_state=sharding.tree_shardings(state_or_abstract.opt_state, mesh))
+        step=sharding.replicated(mesh), params=params,
+        opt_state=sharding.like_params(state_or_abstract.opt_state, state_or_abstract.params,
+                                       params, mesh))
 
 
-def create_state(params: Params, tx: optax.GradientTransformation, mesh
+def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: dict
                  ) -> tuple[TrainState, TrainState]:
     """Place params on the mesh and build the optimizer state there, already sharded.
 
     Returns (state, its shardings)."""
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
-    shardings = state_shardings(abstract, mesh)
+    shardings = state_shardings(abstract, axes, mesh)
     params = jax.device_put(params, shardings.params)
     state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)(params)
     return state, shardings

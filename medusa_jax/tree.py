@@ -20,18 +20,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
-DEFAULT_TREE = "mc_sim_7b_63"
+from medusa_jax import assets
+
+DEFAULT_TREE = assets.PUBLISHED_DEFAULT_TREE
 
 
 @functools.cache
 def published_trees() -> dict[str, list[list[int]]]:
     """The trees shipped with the package, by name (the published Medusa trees and ours)."""
-    root = resources.files("medusa_jax") / "assets" / "trees"
+    root = assets.trees_dir()
     trees = {}
     for entry in sorted(root.iterdir(), key=lambda e: e.name):
         if entry.name.endswith(".json"):

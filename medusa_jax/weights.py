@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from importlib import resources
 from pathlib import Path
 
 import jax
@@ -20,6 +19,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from medusa_jax import assets
 from medusa_jax.backbone import Params, param_shapes
 from medusa_jax.config import ModelConfig, as_dtype
 
@@ -30,7 +30,7 @@ class WeightsError(ValueError):
 
 def default_model_dir() -> Path:
     """The embedded stories260K model shipped inside the package."""
-    return Path(str(resources.files("medusa_jax") / "assets" / "stories260K"))
+    return assets.model_dir()
 
 
 # HF name -> (our layer key, transpose?) for the per-layer tensors.
@@ -192,3 +192,15 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         cfg_json.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
     return out
+
+
+def load_tokenizer(model: str | Path | None = None):
+    """The tokenizer of a Hugging Face model folder (default: the embedded model)."""
+    from transformers import AutoTokenizer
+
+    path = Path(model) if model is not None else default_model_dir()
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") \
+            from None

@@ -59,10 +59,11 @@ def make_trainer(lm_loss, lr=1e-3, ratio=4.0, mesh_spec="1,1", devices=None):
     """(fresh_state(params), jitted step, shardings): compiled once, shared by tests."""
     params = make_params(lm_loss)
     labels = medusa2.labels(params)
-    tx, schedule = medusa2.make_optimizer2(ts.OptimConfig(lr=lr, warmup_ratio=0.0), 20,
+    tx, schedule = medusa2.make_joint_optimizer(ts.OptimConfig(lr=lr, warmup_ratio=0.0), 20,
                                            labels, ratio)
     mesh = sharding.make_mesh(mesh_spec, devices)
-    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params), mesh)
+    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
+                                   ts.param_axes(CFG, params), mesh)
     init = jax.jit(lambda p: ts.init_state(p, tx), out_shardings=shardings)
     loss_fn = medusa2.make_loss_fn(CFG, medusa2.LossConfig(lm_loss=lm_loss))
     step = ts.make_train_step(loss_fn, tx, labels, shardings, mesh, schedule)
@@ -256,7 +257,7 @@ def _cli(*args, **kw):
 
 
 def test_bad_flags_are_one_line_errors(tmp_path, capsys):
-    from train.medusa2 import parse_args
+    from train.medusa2 import command
 
     cases = [(["--init", str(tmp_path / "nope")], "no such file or directory"),
              (["--init", str(tmp_path)], "neither a Medusa-1 run directory"),
@@ -267,7 +268,7 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
              (["--resume", str(tmp_path)], "no config.json there")]
     for args, message in cases:
         with pytest.raises(SystemExit):
-            parse_args(args)
+            command.parse_args(args)
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (args, err)
 
@@ -311,8 +312,9 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
     assert rc == 0
     # a finished run refuses to start over in place (checked before any work is done)
     from medusa_jax.checkpoint import CheckpointError
-    from train.medusa2 import TrainConfig, run as train_run
+    from medusa_jax.medusa2 import Medusa2Config
+    from train.medusa2 import command
 
     with pytest.raises(CheckpointError, match="already holds checkpoints; use --resume"):
-        train_run(TrainConfig(init=str(init.parent), data=(str(data_file),),
+        command.run(Medusa2Config(init=str(init.parent), data=(str(data_file),),
                               output_dir=str(run)))

@@ -81,7 +81,7 @@ def test_train_stop_resume_and_use_the_heads(tmp_path, stories):
 ])
 def test_bad_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        medusa1.parse_args(argv)
+        medusa1.command.parse_args(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert message in err[-1] and "Traceback" not in "\n".join(err)
@@ -93,6 +93,6 @@ def test_bad_data_files_are_one_line_errors(tmp_path):
     for data_file, message in ((tmp_path / "missing.jsonl", "missing.jsonl: no such data file"),
                                (bad, "bad.jsonl:2: invalid JSON")):
         with pytest.raises(SystemExit) as e:
-            medusa1.main(["--data", str(data_file), "--output-dir", str(tmp_path / "run")])
+            medusa1.command.main(["--data", str(data_file), "--output-dir", str(tmp_path / "run")])
         assert isinstance(e.value.code, str) and e.value.code.startswith("error: ")
         assert message in e.value.code and "\n" not in e.value.code

@@ -42,7 +42,8 @@ def _compiled(mesh_spec: str, lr: float, total: int):
     labels = ts.medusa1_labels(params)
     tx, schedule = ts.make_optimizer(ts.OptimConfig(lr=lr, warmup_ratio=0.0), total, labels)
     mesh = sharding.make_mesh(mesh_spec)
-    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params), mesh)
+    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
+                                   ts.param_axes(CFG, params), mesh)
     step = ts.make_train_step(ts.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
                               schedule)
     return tx, step, shardings, mesh
@@ -149,14 +150,15 @@ def test_no_valid_positions_gives_zero_not_nan():
 
 def test_sharding_rules_shard_only_divisible_dims():
     mesh = sharding.make_mesh("data=2,fsdp=4")
-    assert sharding.spec_for("proj", (3, 16, 64), mesh) == jax.sharding.PartitionSpec(
+    proj = heads_lib.heads_axes()["proj"]
+    assert sharding.spec_for(proj, (3, 16, 64), mesh) == jax.sharding.PartitionSpec(
         None, None, "fsdp")
     # vocab 30 does not divide by 4: fall back to the hidden dim, then to replication
-    assert sharding.spec_for("proj", (3, 16, 30), mesh) == jax.sharding.PartitionSpec(
+    assert sharding.spec_for(proj, (3, 16, 30), mesh) == jax.sharding.PartitionSpec(
         None, "fsdp", None)
-    assert sharding.spec_for("proj", (3, 6, 30), mesh) == jax.sharding.PartitionSpec(
+    assert sharding.spec_for(proj, (3, 6, 30), mesh) == jax.sharding.PartitionSpec(
         None, None, None)
-    assert sharding.spec_for("count", (), mesh) == jax.sharding.PartitionSpec()
+    assert sharding.spec_for(None, (), mesh) == jax.sharding.PartitionSpec()
     with pytest.raises(ValueError, match="needs 16 devices"):
         sharding.make_mesh("4,4")
     with pytest.raises(ValueError, match="not divisible"):

@@ -1,150 +1,20 @@
-"""Self-distillation: the backbone answers a prompt file; the answers become training data.
-
-Medusa heads should predict what the backbone itself will say, so the best training data is
-the backbone's own output. Prompts are rendered with the training template, answered in
-batches by the jitted `decode.generate`, and written as ShareGPT JSONL:
-
-    {"id": "distill-0", "conversations": [{"from": "human", "value": PROMPT},
-                                          {"from": "gpt", "value": ANSWER}]}
+"""`python -m train.distill`: self-distill a prompt file into ShareGPT JSONL.
 
     python -m train.distill --prompts FILE --output OUT.jsonl [--num-samples N]
         [--temperature 0.3] [--max-new-tokens 256] [--batch-size 64] [--model DIR]
 
-Temperature 0 decodes greedily (one answer per prompt); above 0, prompts are reused
-round-robin for `--num-samples` different samples.
+The backbone answers each prompt (see `medusa_jax.distill`); temperature 0 decodes greedily.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
-from pathlib import Path
 
-import jax
-import numpy as np
-from tqdm import tqdm
-
-from medusa_jax import data, decode
-from medusa_jax.acceptance import Sampling
-from medusa_jax.data import DataError
+from medusa_jax import data
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per non-empty line of a text file, or the first user turn of each record
-    of a ShareGPT/Alpaca JSON(L) file."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such prompt file")
-    if path.suffix.lower() in (".json", ".jsonl"):
-        convs = data.read_file(path)
-        prompts = [next((t for r, t in c if r == "user"), "") for c in convs]
-    else:
-        prompts = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
-    prompts = [p for p in prompts if p]
-    if not prompts:
-        raise DataError(f"{path}: no prompt in the file")
-    return prompts
-
-
-def stop_tokens(cfg, tokenizer) -> tuple[int, ...]:
-    """EOS ids, plus BOS: a base model that emits BOS has started a new document."""
-    ids = set(cfg.eos_token_id)
-    for t in (tokenizer.eos_token_id, tokenizer.bos_token_id):
-        if t is not None:
-            ids.add(int(t))
-    return tuple(sorted(ids))
-
-
-def sampling_for(temperature: float) -> Sampling:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    return Sampling() if temperature == 0 else Sampling(mode="rejection", temperature=temperature)
-
-
-def generate_answers(params, cfg, tokenizer, prompts: list[str], *, template: str,
-                     num_samples: int | None = None, temperature: float = 0.3,
-                     max_new_tokens: int = 256, batch_size: int = 64, seed: int = 0,
-                     progress: bool = True, desc: str = "distill") -> tuple[list[dict], dict]:
-    """Answer `num_samples` prompts (round-robin over `prompts`). Returns (ShareGPT records,
-    stats). Every batch has the same shape (the last one is padded), so it compiles once."""
-    num_samples = len(prompts) if num_samples is None else int(num_samples)
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-    template = data.resolve_template(template, tokenizer)
-    stops = stop_tokens(cfg, tokenizer)
-    sampling = sampling_for(temperature)
-    ids = [data.render_prompt(data.prompt_conversation(p), tokenizer, template) for p in prompts]
-    bucket = decode.prompt_bucket(max(len(i) for i in ids))
-    decode.check_fits(cfg, bucket, max_new_tokens)
-    batch_size = min(batch_size, num_samples)
-    records, new_tokens, mismatched, t0 = [], 0, 0, time.perf_counter()
-    key = jax.random.key(seed)
-    bar = tqdm(total=num_samples, desc=desc, unit="sample", disable=not progress,
-               file=sys.stdout, dynamic_ncols=True)
-    for b, start in enumerate(range(0, num_samples, batch_size)):
-        which = list(range(start, min(start + batch_size, num_samples)))
-        rows = [ids[i % len(ids)] for i in which]
-        rows += [rows[0]] * (batch_size - len(rows))  # fixed batch shape: one compile
-        tokens, lengths = decode.pad_prompts(rows, bucket)
-        out = decode.generate(params, cfg, tokens, lengths, jax.random.fold_in(key, b),
-                              sampling=sampling, max_new_tokens=max_new_tokens, eos=stops)
-        out_tokens, num_new = np.asarray(out.tokens), np.asarray(out.num_new)
-        for r, i in enumerate(which):
-            answer = [int(t) for t in out_tokens[r, :num_new[r]]]
-            cut = next((j for j, t in enumerate(answer) if t in stops), len(answer))
-            answer = answer[:cut]
-            text = tokenizer.decode(answer, skip_special_tokens=True)
-            # the trainer re-tokenizes the text: count answers that do not round-trip
-            mismatched += data.encode(tokenizer, text) != answer
-            new_tokens += len(answer)
-            records.append({"id": f"{desc}-{i}", "conversations": [
-                {"from": "human", "value": prompts[i % len(prompts)]},
-                {"from": "gpt", "value": text}]})
-        bar.update(len(which))
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-    bar.close()
-    stats = {"samples": len(records), "new_tokens": new_tokens, "retokenize_mismatch": mismatched,
-             "seconds": round(time.perf_counter() - t0, 2)}
-    return records, stats
-
-
-def write_jsonl(records: list[dict], path: str | Path) -> Path:
-    """Atomically (temp file + rename): a killed run never leaves a half file behind."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def distill_cached(path: str | Path, settings: dict, make) -> tuple[Path, dict | None]:
-    """Reuse `path` when its sidecar `<path>.meta.json` records the same settings; else
-    call make() -> (records, stats), write both. Returns (path, stats or None if cached)."""
-    path = Path(path)
-    meta = path.with_name(path.name + ".meta.json")
-    if path.is_file() and meta.is_file():
-        try:
-            if json.loads(meta.read_text()).get("settings") == settings:
-                return path, None
-        except json.JSONDecodeError:
-            pass
-    records, stats = make()
-    write_jsonl(records, path)
-    meta.write_text(json.dumps({"settings": settings, "stats": stats}, indent=2))
-    return path, stats
-
-
-def main(argv=None):
-    from transformers import AutoTokenizer
-
-    from medusa_jax import weights
-
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m train.distill",
                                  description="Self-distill ShareGPT JSONL from a prompt file.")
     ap.add_argument("--prompts", required=True, help="text file (one prompt a line) or JSON(L)")
@@ -157,6 +27,11 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def main(argv=None):
+    ap = build_parser()
     args = ap.parse_args(argv)
     for name in ("num_samples", "max_new_tokens", "batch_size"):
         v = getattr(args, name)
@@ -164,18 +39,19 @@ def main(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
+    from medusa_jax import distill, weights
+
     try:
-        prompts = read_prompts(args.prompts)
+        prompts = distill.read_prompts(args.prompts)
         cfg, params = weights.load_pretrained(args.model)
-        model_dir = args.model or str(weights.default_model_dir())
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        records, stats = generate_answers(
+        tokenizer = weights.load_tokenizer(args.model)
+        records, stats = distill.generate_answers(
             params, cfg, tokenizer, prompts, template=args.template,
             num_samples=args.num_samples, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
-    except (DataError, FileNotFoundError, weights.WeightsError, ValueError) as e:
+    except (data.DataError, FileNotFoundError, weights.WeightsError, ValueError) as e:
         sys.exit(f"error: {e}")
-    write_jsonl(records, args.output)
+    distill.write_jsonl(records, args.output)
     print(f"wrote {stats['samples']} answers ({stats['new_tokens']} tokens, "
           f"{stats['seconds']}s) to {args.output}")
 

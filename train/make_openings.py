@@ -21,11 +21,12 @@ import hashlib
 import re
 from pathlib import Path
 
+from medusa_jax import assets
+
 DEFAULT_SOURCE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
                      / "train_head.txt")  # ../shared next to the project
-ASSETS = Path(__file__).resolve().parent.parent / "medusa_jax" / "assets"
-DEFAULT_OUT = ASSETS / "prompts"
-DEFAULT_TEXT_OUT = ASSETS / "text"
+DEFAULT_OUT = assets.prompts_file("train").parent
+DEFAULT_TEXT_OUT = assets.text_file("train").parent
 
 OPENER = re.compile(
     r"^(Once\b|One (sunny |bright |warm |cold |rainy |beautiful )?day, (a|an|there)\b"

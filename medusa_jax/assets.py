@@ -1,0 +1,76 @@
+"""What ships inside the package, in one place: the embedded model and its heads, the trees,
+the TinyStories prompts and text, and which tree a model decodes with by default.
+
+    stories260K/          Karpathy's llama2.c stories260K in the Hugging Face layout (MIT)
+    stories260K_heads/    the heads the default `python -m train.medusa1` trains
+    trees/                published Medusa trees (by name) and the tree searched for CPUs
+    prompts/              TinyStories story openings, split train / held-out
+    text/                 the whole stories behind those openings, split the same way
+
+Nothing here imports JAX: entry points call it before the heavy imports.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+EMBEDDED_MODEL = "stories260K"  # how the embedded model is named in configs and messages
+PUBLISHED_DEFAULT_TREE = "mc_sim_7b_63"  # the Medusa paper's tree, for any other model
+# the tree `python -m infer.tree` searched for the embedded model on a 2-core CPU
+EMBEDDED_DEFAULT_TREE = "stories260K_cpu"
+
+
+def root() -> Path:
+    return Path(str(resources.files("medusa_jax") / "assets"))
+
+
+def model_dir() -> Path:
+    """The embedded stories260K model."""
+    return root() / "stories260K"
+
+
+def heads_dir() -> Path:
+    """The heads trained by the default `python -m train.medusa1`, shipped for stories260K."""
+    return root() / "stories260K_heads"
+
+
+def trees_dir() -> Path:
+    return root() / "trees"
+
+
+def prompts_file(split: str) -> Path:
+    """TinyStories story openings: split "train" or "heldout"."""
+    return root() / "prompts" / f"{_split(split)}_openings.txt"
+
+
+def text_file(split: str) -> Path:
+    """Whole TinyStories stories (blank-line separated): split "train" or "heldout"."""
+    return root() / "text" / f"tinystories_{_split(split)}.txt"
+
+
+def heldout_prompts() -> list[str]:
+    """The held-out openings, one per line: the default prompts of every benchmark."""
+    return [line for line in prompts_file("heldout").read_text().splitlines() if line.strip()]
+
+
+def is_embedded(model: str | Path | None) -> bool:
+    """Whether `model` (None = the default) is the embedded stories260K."""
+    return model is None or Path(model).resolve() == model_dir().resolve()
+
+
+def default_tree(model: str | Path | None) -> str:
+    """The tree a model decodes with when none is named: the CPU-searched tree for the
+    embedded model, the published `mc_sim_7b_63` for any other."""
+    return EMBEDDED_DEFAULT_TREE if is_embedded(model) else PUBLISHED_DEFAULT_TREE
+
+
+def default_heads(model: str | Path | None) -> Path | None:
+    """The shipped heads for the embedded model; None for any other model."""
+    return heads_dir() if is_embedded(model) else None
+
+
+def _split(split: str) -> str:
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    return split

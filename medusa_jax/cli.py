@@ -1,0 +1,189 @@
+"""Command-line plumbing shared by the entry points in train/ and infer/.
+
+- `add_config_flags` turns a config dataclass into flags: one `--flag-name` per field, its
+  type from the annotation, its help and choices from the field's metadata (`option`; a
+  subclass rewords inherited help in its `HELP` class attribute).
+  Defaults stay None on the command line, so "given" means typed by the user.
+- `parse_config` builds the config from the flags, or from a run's saved config.json
+  plus the flags allowed to change on `--resume`.
+- `int_list` parses "1,4,16"; `errors_to_exit` turns the library's errors into one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+
+def option(default, help: str, **flag):
+    """A config field with its command-line help (`{default}` is filled in) and any extra
+    argparse keywords (choices, metavar)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
+def _base_type(annotation):
+    """int for `int`, `int | None`; str for `tuple[str, ...]` (an appendable flag)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is tuple:
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()):
+    """One flag per field of the dataclass `cls` (fields without `option` metadata and those
+    in `skip` get none)."""
+    hints = typing.get_type_hints(cls)
+    helps = getattr(cls, "HELP", {})  # a subclass's own wording for an inherited field
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        typ = _base_type(hints[f.name])
+        kw = dict(f.metadata["flag"])
+        kw["help"] = helps.get(f.name, f.metadata["help"]).format(default=f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if typing.get_origin(hints[f.name]) is tuple:
+            ap.add_argument(flag, action="append", default=None, **kw)
+        elif typ is bool:
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **kw)
+        else:
+            if "choices" not in kw:
+                kw.setdefault("metavar", typ.__name__.upper())
+            ap.add_argument(flag, type=typ, default=None, **kw)
+
+
+def add_run_flags(ap: argparse.ArgumentParser):
+    """--resume and --stop-after, which every training command takes."""
+    ap.add_argument("--resume", metavar="RUN_DIR",
+                    help="continue the run in RUN_DIR from its last checkpoint")
+    ap.add_argument("--stop-after", type=int, metavar="N",
+                    help="stop after N steps in this invocation (as if preempted; resume later)")
+
+
+def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
+    """(config, --resume, --stop-after) from the command line. With --resume the run's saved
+    config.json is the base and only the fields in `cls.RESUMABLE` may change; the config
+    is validated; every problem is an `ap.error` (one line, exit 2)."""
+    args = vars(ap.parse_args(argv))
+    resume, stop_after = args.pop("resume"), args.pop("stop_after")
+    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in args.items()
+             if v is not None}
+    if stop_after is not None and stop_after < 1:
+        ap.error("--stop-after must be >= 1")
+    try:
+        cfg = _resumed(cls, given, resume) if resume is not None else cls(**given)
+        cfg = cfg.validate()
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(str(e))
+    return cfg, resume, stop_after
+
+
+def _resumed(cls, given: dict, resume: str):
+    run_dir = Path(resume)
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        raise ValueError(f"--resume {resume}: no config.json there (not a run directory)")
+    try:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        raw = json.loads(saved.read_text())
+        base = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()
+                      if k in fields})
+    except (json.JSONDecodeError, TypeError) as e:
+        raise ValueError(f"--resume {resume}: unreadable config.json ({e})") from None
+    changed = sorted(k for k, v in given.items()
+                     if k not in cls.RESUMABLE and k != "output_dir" and v != getattr(base, k))
+    if changed:
+        raise ValueError(f"cannot change {', '.join('--' + c.replace('_', '-') for c in changed)}"
+                         f" when resuming (only {', '.join(sorted(cls.RESUMABLE))})")
+    # --steps and --epochs replace each other (a saved run has one of them)
+    given = dict(given, output_dir=str(run_dir))
+    if "steps" in given and "epochs" not in given:
+        given["epochs"] = None
+    elif "epochs" in given and "steps" not in given:
+        given["steps"] = None
+    return dataclasses.replace(base, **given)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def int_list(minimum: int | None = None):
+    """argparse type: comma-separated integers, each >= `minimum` when given."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+        bad = [v for v in values if minimum is not None and v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {bad[0]}")
+        return values
+
+    return parse
+
+
+@contextlib.contextmanager
+def errors_to_exit():
+    """The library's input errors (bad files, configs, checkpoints) as `error: ...` and
+    exit status 1, without a traceback."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
+        sys.exit(f"error: {e}")
+
+
+# ----------------------------------------------------------------------------- infer/
+
+
+def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None):
+    """--model and --heads as every decoding command takes them."""
+    ap.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
+    ap.add_argument("--heads", help=heads_help or "Medusa heads artifact, or 'default' for the "
+                    "embedded model's shipped heads (default: the shipped heads for the "
+                    "embedded model)")
+
+
+def load_with_heads(model: str | None, heads: str | None):
+    """`Medusa.load` for the benchmarking commands: heads are required, and default to the
+    shipped ones for the embedded model. Errors exit with one line."""
+    from medusa_jax import assets
+    from medusa_jax.api import Medusa
+
+    with errors_to_exit():
+        m = Medusa.load(model, heads or assets.default_heads(model))
+    if m.heads is None:
+        sys.exit("error: no heads: pass --heads (train some with python -m train.medusa1)")
+    return m
+
+
+def read_prompts(path: str | None, num: int | None = None) -> list[tuple[str, str | None]]:
+    """(prompt, category) pairs from a prompts file (see `bench.read_prompt_file`), or the
+    embedded held-out TinyStories openings; the first `num`. Errors exit with one line."""
+    from medusa_jax import assets
+    from medusa_jax.bench import read_prompt_file
+
+    with errors_to_exit():
+        prompts = read_prompt_file(path) if path else \
+            [(p, None) for p in assets.heldout_prompts()]
+    return prompts[:num] if num is not None else prompts

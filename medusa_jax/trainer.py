@@ -1,0 +1,548 @@
+"""The training loop shared by Medusa-1 and Medusa-2.
+
+A run is a `TrainConfig` (the fields every method shares; each method's config adds its
+own) and a `Recipe` (the method: its parameters, loss and optimizer, and what it reports).
+`train` does everything else, the same way for every method:
+
+    run directory   config.json, metrics.jsonl, checkpoints/ (Orbax), heads/, accuracy.png,
+                    benchmark.json, summary.json
+    data            --data files (a seeded fraction held out), or self-distilled answers to
+                    the TinyStories openings (cached in <run>/distill/)
+    loop            sharded jitted steps, tqdm progress, metrics every --log-every steps,
+                    held-out accuracy every --eval-every, a checkpoint every --save-every
+    resume          --resume restores the last checkpoint and the data position, and drops
+                    metrics logged after it (those steps are trained again)
+    report          per-head held-out accuracy, the heads artifact, a plot, the recipe's own
+                    report, then Medusa vs plain greedy decoding on held-out prompts
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from medusa_jax import assets, bench, data, distill, sharding, weights
+from medusa_jax import heads as heads_lib
+from medusa_jax import train_step as ts
+from medusa_jax.backbone import Params
+from medusa_jax.checkpoint import CheckpointError, Checkpointer
+from medusa_jax.cli import option
+from medusa_jax.config import ModelConfig, stop_tokens
+from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
+from medusa_jax.tree import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """What every training run needs; saved as <run>/config.json and reused by --resume.
+    Medusa-1 and Medusa-2 extend it (equal distillation settings let a Medusa-2 run reuse a
+    Medusa-1 run's self-distilled data)."""
+
+    model: str | None = option(None, "Hugging Face model dir (default: embedded stories260K)",
+                               metavar="DIR")
+    data: tuple[str, ...] = option((), "training data (repeatable); default: self-distilled "
+                                       "TinyStories", metavar="FILE")
+    data_format: str = option("auto", "format of the --data files (default {default}: from "
+                                      "the file)", choices=FORMATS)
+    template: str = option("auto", "how conversations become tokens (default {default}: the "
+                                   "tokenizer's chat template if any, else plain when "
+                                   "self-distilling, vicuna with --data)", choices=TEMPLATES)
+    output_dir: str | None = option(None, "run directory (default runs/<method>-<timestamp>)",
+                                    metavar="DIR")
+    num_heads: int = option(5, "Medusa heads to train (default {default})")
+    num_layers: int = option(1, "residual blocks per head (default {default})")
+    steps: int | None = option(None, "optimizer steps (default: the method's, unless --epochs)")
+    epochs: float | None = option(None, "passes over the training data (instead of --steps)")
+    batch_size: int = option(16, "packed rows per optimizer step (default {default})")
+    seq_len: int = option(256, "tokens per packed row (default {default})")
+    lr: float | None = option(None, "peak learning rate (default: the method's)")
+    warmup_ratio: float = option(0.1, "linear warmup, as a fraction of the steps, then cosine "
+                                      "decay (default {default})")
+    weight_decay: float = option(0.0, "AdamW weight decay (default {default})")
+    grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
+    loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
+    seed: int = option(0, "data order, held-out split and sampling (default {default})")
+    mesh: str = option("1,1", "device mesh, e.g. 'data=1,fsdp=8' or '2,4' (default {default})")
+    keep: int = option(3, "checkpoints kept (default {default})")
+    save_every: int = option(250, "steps between checkpoints (default {default})")
+    log_every: int = option(10, "steps between metrics.jsonl records (default {default})")
+    eval_every: int = option(150, "steps between held-out evaluations (default {default})")
+    heldout_fraction: float = option(0.02, "with --data: records held out for evaluation "
+                                           "(default {default})")
+    distill_samples: int = option(640, "self-distilled answers when no --data (default {default})")
+    # low temperature: the heads are judged on greedy decoding, so near-greedy data helps
+    # (0.1 beat 0.3 and pure greedy, which has only one answer per opening)
+    distill_temperature: float = option(0.1, "sampling temperature of the self-distilled "
+                                             "answers, 0 = greedy (default {default})")
+    # with a ~20-token opening this nearly fills seq_len 256 (long openings lose a few tail
+    # tokens to truncation, which the data summary counts)
+    distill_max_new_tokens: int = option(240, "tokens per self-distilled answer "
+                                              "(default {default})")
+    distill_batch_size: int = option(64, "prompts answered at once (default {default})")
+    eval_prompts: int = option(64, "held-out prompts for the decoding benchmark, 0 = skip "
+                                   "(default {default})")
+    eval_max_new_tokens: int = option(128, "tokens per prompt in the decoding benchmark "
+                                           "(default {default})")
+    tree: str = option(assets.PUBLISHED_DEFAULT_TREE,
+                       "Medusa tree for the benchmark (default {default}; the embedded model "
+                       "is also benchmarked on its CPU tree)")
+
+    DEFAULT_STEPS: ClassVar[int] = 600
+    RUN_PREFIX: ClassVar[str] = "medusa"
+    # flags that may change on --resume (everything else must match the saved run)
+    RESUMABLE: ClassVar[frozenset] = frozenset({
+        "steps", "epochs", "keep", "save_every", "log_every", "eval_every", "mesh",
+        "eval_prompts", "eval_max_new_tokens", "tree"})
+
+    def resolve(self):
+        """Fill the defaults that depend on the kind of run (saved resolved)."""
+        return self
+
+    def validate(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(msg)
+        need(self.data_format in data.FORMATS, f"--data-format must be one of {data.FORMATS}")
+        need(self.template in data.TEMPLATES, f"--template must be one of {data.TEMPLATES}")
+        for name in ("num_heads", "num_layers", "batch_size", "keep", "save_every",
+                     "log_every", "eval_every", "distill_samples", "distill_max_new_tokens",
+                     "distill_batch_size", "eval_max_new_tokens"):
+            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        need(self.seq_len >= 2 + self.num_heads,
+             f"--seq-len must be > num_heads + 1 (got {self.seq_len})")
+        need(self.steps is None or self.steps >= 1, "--steps must be >= 1")
+        need(self.epochs is None or self.epochs > 0, "--epochs must be > 0")
+        need(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
+        need(self.lr is None or self.lr > 0, "--lr must be > 0")
+        need(0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)")
+        need(0 < self.loss_decay <= 1, "--loss-decay must be in (0, 1]")
+        need(self.distill_temperature >= 0, "--distill-temperature must be >= 0")
+        need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
+        need(0 <= self.heldout_fraction < 1, "--heldout-fraction must be in [0, 1)")
+        sharding.parse_mesh_spec(self.mesh)
+        return self
+
+    def total_steps(self, num_rows: int) -> int:
+        if self.steps:
+            return self.steps
+        if self.epochs:
+            return math.ceil(self.epochs * num_rows / self.batch_size)
+        return self.DEFAULT_STEPS
+
+    def shared(self, **changes) -> dict:
+        """The fields of `TrainConfig` itself, with changes: what another method's config
+        is built from (Medusa-2's first stage is a Medusa-1 run)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
+        out.update(changes)
+        return out
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class Context:
+    """What a recipe sees of the run."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    mesh: jax.sharding.Mesh
+    model_cfg: ModelConfig
+    backbone: Params  # the pretrained backbone, as loaded
+    tokenizer: object
+    template: str
+    stops: tuple[int, ...]
+    held_rows: data.Packed | None = None  # the held-out set, once the data is read
+
+    def put(self, batch: dict) -> dict:
+        return sharding.shard_batch(batch, self.mesh)
+
+
+@dataclasses.dataclass
+class Method:
+    """What a recipe builds for the loop: parameters, their labels (which optax partition
+    trains each top-level subtree; "frozen" ones are never saved), optimizer, loss."""
+
+    params: Params
+    labels: dict
+    tx: object
+    schedule: Callable
+    loss_fn: Callable
+
+    @property
+    def trained(self) -> tuple[str, ...]:
+        return tuple(k for k, v in self.labels.items() if v != "frozen")
+
+
+class Recipe:
+    """A training method. Override what differs; the defaults do nothing extra."""
+
+    name = "medusa"  # progress-bar label
+
+    def setup(self, ctx: Context) -> None:
+        """Before the data is read (Medusa-2: its first stage)."""
+
+    def training_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
+        return rows
+
+    def build(self, ctx: Context, total_steps: int) -> Method:
+        raise NotImplementedError
+
+    def batch(self, batch: dict, step: int) -> dict:
+        """A host batch before it is sharded (Medusa-2 adds the step)."""
+        return batch
+
+    def train_log(self, m: dict) -> dict:
+        """Extra fields of a train record in metrics.jsonl."""
+        return {}
+
+    def postfix(self, m: dict) -> str:
+        return f"loss={float(m['loss']):.3f}"
+
+    def artifact_extra(self, ctx: Context) -> dict:
+        return {}
+
+    def finish(self, ctx: Context, state: ts.TrainState, summary: dict) -> Params:
+        """After the heads artifact is written; returns the backbone to decode with."""
+        return ctx.backbone
+
+
+def open_run_dir(cfg: TrainConfig, resume: str | None) -> Path:
+    """The run directory, refused when a fresh run would overwrite checkpoints."""
+    run_dir = Path(cfg.output_dir or f"runs/{cfg.RUN_PREFIX}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if resume is None:
+        for d in (run_dir / "checkpoints", run_dir / "stage1" / "checkpoints"):
+            if d.is_dir() and any(d.iterdir()):
+                raise CheckpointError(f"{run_dir} already holds checkpoints; "
+                                      f"use --resume {run_dir}")
+    return run_dir
+
+
+def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
+          stop_after: int | None = None) -> dict:
+    """Run (or resume) training; returns the summary (also saved as summary.json)."""
+    t_start = time.perf_counter()
+    cfg = cfg.validate().resolve()
+    run_dir = open_run_dir(cfg, resume)
+    mesh = sharding.make_mesh(cfg.mesh)  # fail on a bad mesh before creating anything
+    sharding.check_batch_size(cfg.batch_size, mesh)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
+    print(f"run directory: {run_dir}", flush=True)
+    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+
+    model_cfg, backbone = weights.load_pretrained(cfg.model)
+    tokenizer = weights.load_tokenizer(cfg.model)
+    ctx = Context(cfg, run_dir, mesh, model_cfg, backbone, tokenizer,
+                  resolve_template(cfg, tokenizer), stop_tokens(model_cfg, tokenizer))
+    recipe.setup(ctx)
+    train_rows, held_rows, bench_prompts, report = prepare_data(ctx)
+    ctx.held_rows = held_rows
+    print(f"data ({ctx.template} template): {report.summary()}", flush=True)
+    train_rows = recipe.training_rows(ctx, train_rows)
+    total = cfg.total_steps(len(train_rows))
+
+    method = recipe.build(ctx, total)
+    state, shardings = ts.create_state(method.params, method.tx, mesh,
+                                       ts.param_axes(model_cfg, method.params))
+    method.params = None  # the state owns them now (the train step donates its buffers)
+    num_heads = heads_lib.heads_config_of(state.params["heads"]).num_heads
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep)
+    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    position = 0
+    if resume is not None and ckpt.latest_step() is not None:
+        state, meta = ckpt.restore(state, shardings, method.trained)
+        position = meta["data_position"]
+        metrics.truncate(meta["step"])
+        print(f"resumed at step {meta['step']} (data position {position})", flush=True)
+    else:
+        metrics.truncate(-1)
+
+    train_step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
+                                    method.schedule)
+    eval_step = ts.make_eval_step(method.loss_fn, shardings, mesh)
+    held_batches = data.eval_batches(held_rows, cfg.batch_size) if held_rows else []
+    batches = data.BatchIterator(train_rows, cfg.batch_size, seed=cfg.seed, position=position)
+    step = int(state.step)
+    end = total if stop_after is None else min(total, step + stop_after)
+
+    def held_eval(step):
+        if not held_batches:
+            return None
+        m = evaluate(eval_step, state.params, held_batches, mesh)
+        metrics.write({"step": step, "split": "heldout", "top1": m["top1"].tolist(),
+                       "top5": m["top5"].tolist(), "head_loss": m["head_loss"].tolist()})
+        return m
+
+    if step == 0:
+        held_eval(0)  # the starting point
+    bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step", file=sys.stdout,
+               dynamic_ncols=True)
+    t_train, tokens_seen, t_last = time.perf_counter(), 0, time.perf_counter()
+    while step < end:
+        batch = recipe.batch(next(batches), step)
+        tokens_seen += int((batch["segments"] > 0).sum())
+        state, m = train_step(state, ctx.put(batch))
+        step += 1
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == end:
+            m = jax.device_get(m)
+            now = time.perf_counter()
+            tok_s = tokens_seen / (now - t_last)
+            tokens_seen, t_last = 0, now
+            metrics.write({"step": step, "split": "train", "epoch": round(batches.epoch(), 4),
+                           "loss": float(m["loss"]), "top1": m["top1"].tolist(),
+                           "top5": m["top5"].tolist(), "lr": float(m["lr"]),
+                           "grad_norm": float(m["grad_norm"]), "tokens_per_s": round(tok_s, 1),
+                           **recipe.train_log(m)})
+            bar.set_postfix_str(f"{recipe.postfix(m)} top1={fmt_heads(m['top1'])} "
+                                f"tok/s={tok_s:.0f}")
+        if step % cfg.eval_every == 0 and step != end:
+            held_eval(step)
+        if step % cfg.save_every == 0 or step == end:
+            ckpt.save(state, method.trained, batches.position, dataclasses.asdict(cfg),
+                      force=True)
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    ckpt.wait()
+    summary = {"run_dir": str(run_dir), "step": step, "total_steps": total,
+               "train_seconds": round(train_s, 1), "checkpoints": ckpt.all_steps()}
+    ckpt.close()
+    if step < total:
+        print(f"stopped at step {step} of {total}; continue with --resume {run_dir}")
+        return summary
+
+    final = held_eval(step)
+    heads = jax.device_get(state.params["heads"])
+    extra = {"step": step, "template": ctx.template, "config": dataclasses.asdict(cfg),
+             **recipe.artifact_extra(ctx)}
+    if final is not None:
+        extra.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
+        summary.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
+        print_accuracy(final, num_heads)
+    artifact = heads_lib.save_heads(run_dir / "heads", heads, model_cfg, extra)
+    print(f"heads artifact: {artifact}")
+    plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads)
+    print(f"accuracy plot: {run_dir / 'accuracy.png'}")
+    decode_backbone = recipe.finish(ctx, state, summary)
+
+    if cfg.eval_prompts and not bench_prompts:
+        print("no held-out conversations to benchmark decoding on (plain-text data)")
+    if cfg.eval_prompts and bench_prompts:
+        summary["benchmarks"] = []
+        for tree in benchmark_trees(cfg, num_heads):
+            c = bench.compare_decoding(jax.device_put(decode_backbone), jax.device_put(heads),
+                                       model_cfg, bench_prompts[:cfg.eval_prompts], tree,
+                                       max_new_tokens=cfg.eval_max_new_tokens, eos=ctx.stops)
+            summary["benchmarks"].append(c.to_json())
+            bench.print_comparison(c, f"greedy decoding ({recipe.name})")
+        summary["benchmark"] = summary["benchmarks"][0]
+        (run_dir / "benchmark.json").write_text(json.dumps(summary["benchmarks"], indent=2))
+    summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"\ndone in {summary['wall_seconds']:.0f}s; run directory: {run_dir}")
+    return summary
+
+
+def benchmark_trees(cfg: TrainConfig, num_heads: int) -> list[Tree]:
+    """--tree, and the model's default tree when that differs and fits these heads."""
+    trees = [Tree.load(cfg.tree, num_heads=num_heads)]
+    default = assets.default_tree(cfg.model)
+    if default != cfg.tree:
+        try:
+            trees.append(Tree.load(default, num_heads=num_heads))
+        except ValueError:  # deeper than these heads
+            pass
+    return trees
+
+
+class MetricsLog:
+    """metrics.jsonl: one JSON record per line, appended as training goes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def write(self, rec: dict):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def truncate(self, step: int):
+        """Keep the records up to `step` (-1: none): later steps are trained again."""
+        if not self.path.is_file():
+            return
+        keep = [ln for ln in self.path.read_text().splitlines()
+                if ln.strip() and json.loads(ln)["step"] <= step]
+        self.path.write_text("".join(ln + "\n" for ln in keep))
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def resolve_template(cfg: TrainConfig, tokenizer) -> str:
+    if cfg.template == "auto" and not cfg.data and not getattr(tokenizer, "chat_template", None):
+        return "plain"  # self-distilling story openings with a base model
+    return data.resolve_template(cfg.template, tokenizer)
+
+
+def prepare_data(ctx: Context):
+    """-> (train rows, held-out rows or None, benchmark prompts as token lists, report)."""
+    cfg, report = ctx.cfg, data.LoadReport()
+    if cfg.data:
+        convs = data.read_files(cfg.data, cfg.data_format, report)
+        order = np.random.default_rng(cfg.seed).permutation(len(convs))
+        n_held = int(len(convs) * cfg.heldout_fraction) if len(convs) > 1 else 0
+        if cfg.heldout_fraction > 0 and len(convs) > 1:
+            n_held = max(1, n_held)
+        held = [convs[i] for i in order[:n_held]]
+        train = [convs[i] for i in order[n_held:]]
+    else:
+        train_file, held_file = self_distill(ctx)
+        train = data.read_file(train_file, "sharegpt", report)
+        held = data.read_file(held_file, "sharegpt", data.LoadReport())
+    build = lambda convs, what, rep=None: data.build(  # noqa: E731
+        convs, ctx.tokenizer, seq_len=cfg.seq_len, template=ctx.template, seed=cfg.seed,
+        report=rep, what=what)
+    train_rows = build(train, "training data", report)
+    held_rows = build(held, "held-out data") if held else None
+    # benchmark prompts: what each held-out conversation feeds before its first answer
+    prompts = [data.render_prompt(c, ctx.tokenizer, ctx.template) for c in held
+               if c[0][0] != "text"]
+    return train_rows, held_rows, prompts, report
+
+
+def self_distill(ctx: Context) -> tuple[Path, Path]:
+    """The backbone's answers to the shipped TinyStories openings (training, temperature
+    --distill-temperature) and its greedy answers to the held-out ones (greedy: that is how
+    the benchmark decodes), cached in <run>/distill/."""
+    cfg = ctx.cfg
+
+    def settings(**kw):
+        return dict(model=cfg.model or assets.EMBEDDED_MODEL, template=ctx.template,
+                    max_new_tokens=cfg.distill_max_new_tokens, seed=cfg.seed, **kw)
+
+    def answers(prompts, n, temperature, desc):
+        return lambda: distill.generate_answers(
+            ctx.backbone, ctx.model_cfg, ctx.tokenizer, prompts, template=ctx.template,
+            num_samples=n, temperature=temperature, max_new_tokens=cfg.distill_max_new_tokens,
+            batch_size=cfg.distill_batch_size, seed=cfg.seed, desc=desc)
+
+    train_prompts = distill.read_prompts(assets.prompts_file("train"))
+    held_prompts = distill.read_prompts(assets.prompts_file("heldout"))
+    train_file, stats = distill.distill_cached(
+        ctx.run_dir / "distill" / "train.jsonl",
+        settings(samples=cfg.distill_samples, temperature=cfg.distill_temperature),
+        answers(train_prompts, cfg.distill_samples, cfg.distill_temperature, "distill"))
+    print(f"distilled training data: {train_file}" + (f" ({stats})" if stats else " (cached)"),
+          flush=True)
+    held_file, _ = distill.distill_cached(
+        ctx.run_dir / "distill" / "heldout.jsonl", settings(samples=len(held_prompts)),
+        answers(held_prompts, len(held_prompts), 0.0, "heldout"))
+    return train_file, held_file
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def evaluate(eval_step, params, batches, mesh) -> dict[str, np.ndarray]:
+    """Per-head top-1/top-5 over all valid positions of the batches (count-weighted)."""
+    sums = None
+    for batch in batches:
+        m = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        part = {k: m[k] * m["count"] for k in ("top1", "top5", "head_loss")}
+        part["count"] = m["count"]
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+    n = np.maximum(sums["count"], 1)
+    return {"top1": sums["top1"] / n, "top5": sums["top5"] / n,
+            "head_loss": sums["head_loss"] / n, "count": sums["count"]}
+
+
+def fmt_heads(values) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def print_accuracy(m: dict, num_heads: int):
+    print("\nheld-out accuracy (%d label positions for head 1)" % int(m["count"][0]))
+    print(f"  {'head':>4} {'predicts':>8} {'top-1':>7} {'top-5':>7}")
+    for k in range(num_heads):
+        print(f"  {k + 1:>4} {f't+{k + 2}':>8} {m['top1'][k]:>7.3f} {m['top5'][k]:>7.3f}")
+
+
+def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train, held = {}, {}
+    for line in metrics_file.read_text().splitlines():
+        rec = json.loads(line)
+        (held if rec.get("split") == "heldout" else train)[rec["step"]] = rec
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k in range(num_heads):
+        c = colors[k % len(colors)]
+        steps = sorted(train)
+        if steps:
+            ax.plot(steps, [train[s]["top1"][k] for s in steps], color=c, alpha=0.35, lw=1)
+        hs = sorted(held)
+        if hs:
+            ax.plot(hs, [held[s]["top1"][k] for s in hs], "o-", color=c, lw=2,
+                    label=f"head {k + 1} (t+{k + 2})")
+        elif steps:
+            ax.lines[-1].set_label(f"head {k + 1} (t+{k + 2})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("top-1 accuracy")
+    ax.set_title("Medusa head top-1 accuracy (thin: train batches, dots: held-out)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+class Command:
+    """A training command (train/medusa1.py, train/medusa2.py): its flags come from the
+    config class, its run is `train` with the recipe."""
+
+    def __init__(self, prog: str, doc: str, config_cls, recipe_cls):
+        self.prog, self.doc = prog, doc
+        self.config_cls, self.recipe_cls = config_cls, recipe_cls
+
+    def build_parser(self):
+        import argparse
+
+        from medusa_jax import cli
+
+        ap = argparse.ArgumentParser(prog=self.prog, description=self.doc.split("\n")[0])
+        cli.add_config_flags(ap, self.config_cls)
+        cli.add_run_flags(ap)
+        return ap
+
+    def parse_args(self, argv=None):
+        """(config, --resume, --stop-after); bad flags exit with one line (status 2)."""
+        from medusa_jax import cli
+
+        return cli.parse_config(self.build_parser(), self.config_cls, argv)
+
+    def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
+        return train(cfg, self.recipe_cls(), resume, stop_after)
+
+    def main(self, argv=None):
+        from medusa_jax import cli
+
+        cfg, resume, stop_after = self.parse_args(argv)
+        with cli.errors_to_exit():
+            self.run(cfg, resume, stop_after)

@@ -1,0 +1,81 @@
+"""Command-line plumbing: flags generated from the config dataclasses, --resume merging, the
+shipped defaults in one place, one stop-token rule for every caller."""
+
+import dataclasses
+import json
+
+import pytest
+
+from medusa_jax import assets, cli
+from medusa_jax.config import stop_tokens
+from medusa_jax.medusa1 import Medusa1Config
+from medusa_jax.medusa2 import Medusa2Config
+from medusa_jax.trainer import Command, Recipe, TrainConfig
+
+
+@pytest.mark.parametrize("cls", [Medusa1Config, Medusa2Config])
+def test_every_config_field_is_a_flag_of_its_type(cls):
+    ap = Command("prog", "doc", cls, Recipe).build_parser()
+    flags = {a.dest: a for a in ap._actions}
+    for f in dataclasses.fields(cls):
+        assert f.name in flags, f.name
+    cfg, resume, stop = cli.parse_config(ap, cls, [
+        "--steps", "7", "--lr", "0.5", "--data", "a.jsonl", "--data", "b.jsonl",
+        "--template", "plain", "--mesh", "data=1,fsdp=1", "--stop-after", "3"])
+    assert (cfg.steps, cfg.lr, cfg.data, cfg.template) == (7, 0.5, ("a.jsonl", "b.jsonl"),
+                                                           "plain")
+    assert resume is None and stop == 3
+    # fields not given keep the dataclass defaults
+    assert cfg.batch_size == cls.batch_size and cfg.seq_len == cls.seq_len
+
+
+def test_medusa2_adds_its_fields_to_the_shared_ones():
+    shared = {f.name for f in dataclasses.fields(TrainConfig)}
+    own = {f.name for f in dataclasses.fields(Medusa2Config)} - shared
+    assert {"init", "stage1_steps", "head_lr_ratio", "lm_loss", "anchor_text"} <= own
+    assert {f.name for f in dataclasses.fields(Medusa1Config)} == shared
+    stage1 = Medusa2Config(stage1_steps=11, seed=4).stage1_config(__import__("pathlib").Path("r"))
+    assert isinstance(stage1, Medusa1Config)
+    assert (stage1.steps, stage1.seed, stage1.eval_prompts, stage1.output_dir) == \
+        (11, 4, 0, "r/stage1")
+
+
+def test_resume_takes_the_saved_config_and_refuses_other_changes(tmp_path, capsys):
+    saved = dataclasses.asdict(Medusa1Config(steps=10, lr=0.1, output_dir=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    ap = Command("prog", "doc", Medusa1Config, Recipe).build_parser()
+    cfg, resume, _ = cli.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path),
+                                                          "--steps", "20"])
+    assert (cfg.steps, cfg.lr, resume) == (20, 0.1, str(tmp_path))
+    with pytest.raises(SystemExit):
+        cli.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path), "--lr", "0.2"])
+    assert "cannot change --lr when resuming" in capsys.readouterr().err
+
+
+def test_int_list_and_positive_int_reject_bad_values():
+    import argparse
+
+    assert cli.int_list(1)("1,4,16") == [1, 4, 16]
+    for bad in ("0,-3", "x", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            cli.int_list(1)(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
+        cli.positive_int("0")
+
+
+def test_default_tree_and_heads_are_decided_in_one_place(tmp_path):
+    assert assets.default_tree(None) == "stories260K_cpu"
+    assert assets.default_tree(assets.model_dir()) == "stories260K_cpu"
+    assert assets.default_tree(tmp_path) == "mc_sim_7b_63"
+    assert assets.default_heads(None) == assets.heads_dir()
+    assert assets.default_heads(tmp_path) is None
+    assert assets.heldout_prompts() and assets.text_file("train").is_file()
+
+
+def test_api_and_training_stop_on_the_same_tokens(stories):
+    from medusa_jax.api import Medusa
+
+    cfg, _, tok = stories
+    stops = stop_tokens(cfg, tok)
+    assert tok.bos_token_id in stops and tok.eos_token_id in stops
+    assert Medusa.load().eos == stops

@@ -1,0 +1,124 @@
+"""The stages of a Medusa step, one by one (decode.py): propose, verify, accept, emit, commit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax import acceptance, decode
+from medusa_jax.acceptance import MODES, Sampling
+from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.config import ModelConfig
+from medusa_jax.tree import Tree
+
+V = 32
+CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,
+                  num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
+                  max_position_embeddings=64)
+TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+
+
+@pytest.fixture(scope="module")
+def params():
+    return init_params(CFG, jax.random.key(0), std=0.5)
+
+
+def _prefilled(params, prompts):
+    """A cache holding `prompts` (equal lengths), committed."""
+    tokens = jnp.asarray(prompts, jnp.int32)
+    b, p = tokens.shape
+    cache = KVCache.init(CFG, b, 40)
+    _, _, cache = forward(params, CFG, tokens, jnp.broadcast_to(jnp.arange(p), (b, p)),
+                          causal_mask(cache.lengths, p, 40), cache)
+    return cache.advance(jnp.full((b,), p))
+
+
+def test_propose_candidates_reads_each_node_from_its_heads_rank():
+    rng = np.random.default_rng(0)
+    head_logits = jnp.asarray(rng.normal(size=(3, 2, V)), jnp.float32)  # [K, B, V]
+    root = jnp.array([7, 9], jnp.int32)
+    cand = np.asarray(decode.propose_candidates(root, head_logits, TREE))
+    order = np.argsort(-np.asarray(head_logits), axis=-1)  # [K, B, V] ranks
+    assert cand.shape == (2, TREE.num_nodes)
+    for b in range(2):
+        assert cand[b, 0] == root[b]
+        for i, path in enumerate(TREE.paths_ranks, start=1):
+            assert cand[b, i] == order[len(path) - 1, b, path[-1]], (b, path)
+
+
+def test_verify_on_a_chain_equals_a_causal_forward(params):
+    chain = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
+    cache = _prefilled(params, [[1, 2, 3, 4], [5, 6, 7, 8]])
+    cand = jnp.array([[10, 11, 12, 13], [20, 21, 22, 23]], jnp.int32)
+    logits, hidden, (k_new, _) = decode.verify(params, CFG, cand, cache, chain)
+    want, want_hidden, want_cache = forward(
+        params, CFG, cand, cache.lengths[:, None] + jnp.arange(4)[None],
+        causal_mask(cache.lengths, 4, cache.capacity), cache)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(want_hidden), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(k_new), np.asarray(want_cache.k[:, :, :, 4:8]),
+                               atol=1e-6)
+    assert int(cache.lengths[0]) == 4  # verify commits nothing
+
+
+def test_acceptance_rules_are_looked_up_by_mode(params):
+    assert set(acceptance.RULES) == set(MODES)
+    cache = _prefilled(params, [[1, 2, 3]])
+    cand = decode.propose_candidates(jnp.array([4]), jax.random.normal(jax.random.key(1),
+                                                                        (3, 1, V)), TREE)
+    logits, _, _ = decode.verify(params, CFG, cand, cache, TREE)
+    keys = jax.random.split(jax.random.key(0), 1)
+    got = acceptance.accept(logits, cand, TREE, Sampling(), keys)
+    want = acceptance.greedy(logits, cand, TREE)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    got = acceptance.accept(logits, cand, TREE, Sampling("typical", temperature=0.7), keys)
+    want = acceptance.typical(logits, cand, TREE, Sampling("typical", temperature=0.7))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _state(b, width, count, done):
+    z = jnp.zeros((b,), jnp.int32)
+    return decode.MedusaState(cache=None, root=z, head_logits=None,
+                              out=jnp.full((b, width), -1, jnp.int32),
+                              count=jnp.asarray(count, jnp.int32), steps=z, hist=None,
+                              done=jnp.asarray(done), keys=None)
+
+
+def test_emit_appends_the_accepted_chunk_and_stops_at_eos():
+    s = _state(3, 12, [2, 0, 5], [False, False, True])
+    chunk = jnp.array([[5, 6, 7, 8], [5, 2, 7, 8], [5, 6, 7, 8]], jnp.int32)
+    acc_len = jnp.array([2, 3, 3])
+    out, count, done, kept = decode.emit(s, chunk, acc_len, eos=(2,), max_new_tokens=4)
+    out = np.asarray(out)
+    # row 0: root + 2 accepted appended at 2, and the 4-token limit is reached
+    assert list(out[0, 2:5]) == [5, 6, 7] and int(count[0]) == 5 and bool(done[0])
+    assert int(kept[0]) == 2  # the histogram counts only the tokens that fit
+    # row 1: EOS (2) is the 2nd token of the chunk: keep it, stop there
+    assert list(out[1, :2]) == [5, 2] and int(count[1]) == 2 and bool(done[1])
+    # row 2 was already done: untouched
+    assert np.all(out[2] == -1) and int(count[2]) == 5 and int(kept[2]) == 0
+
+
+def test_commit_keeps_only_the_accepted_path_in_consecutive_slots(params):
+    cache = _prefilled(params, [[1, 2, 3], [4, 5, 6]])
+    cand = jnp.array([[9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24]],
+                     jnp.int32)
+    _, _, (k_new, v_new) = decode.verify(params, CFG, cand, cache, TREE)
+    # row 0 keeps root -> [0] -> [0, 1] (nodes 0, 1, 5); row 1 keeps root -> [1] (nodes 0, 2)
+    path = jnp.array([[0, 1, 5, 0], [0, 2, 0, 0]], jnp.int32)
+    acc_len = jnp.array([2, 1])
+    committed = decode.commit(cache, k_new, v_new, path, acc_len + 1)
+    np.testing.assert_array_equal(np.asarray(committed.lengths), [6, 5])
+    for b, kept in ((0, [9, 10, 14]), (1, [17, 19])):
+        # the same tokens fed causally after the same prefix give the same keys/values
+        toks = jnp.asarray([kept], jnp.int32)
+        one = _prefilled(params, [[1, 2, 3] if b == 0 else [4, 5, 6]])
+        n = len(kept)
+        _, _, ref = forward(params, CFG, toks, 3 + jnp.arange(n)[None],
+                            causal_mask(one.lengths, n, one.capacity), one)
+        np.testing.assert_allclose(np.asarray(committed.k[:, b, :, 3:3 + n]),
+                                   np.asarray(ref.k[:, 0, :, 3:3 + n]), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(committed.v[:, b, :, 3:3 + n]),
+                                   np.asarray(ref.v[:, 0, :, 3:3 + n]), atol=1e-5)
