@@ -8,6 +8,11 @@ All heads are stacked and computed together (one einsum over the head axis):
     proj  [K, H, V]      a copy of the backbone's output projection at init
 
 so at initialisation every head's logits equal the base model's logits exactly.
+
+Two optional variants cut the projection's cost on large vocabularies (both read from vLLM's
+Medusa layout, see `heads_formats`): `proj` [1, H, V] is one projection shared by all heads,
+and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T < V tokens:
+token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
 """
 
 from __future__ import annotations
@@ -64,8 +69,19 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
         b = heads["b"][:, layer].astype(dt)
         y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
         x = x + jax.nn.silu(y)
-    return jnp.einsum("k...h,khv->k...v", x, heads["proj"].astype(dt),
-                      preferred_element_type=jnp.float32)
+    proj = heads["proj"].astype(dt)
+    if proj.shape[0] == 1 and k > 1:  # one projection shared by every head
+        logits = jnp.einsum("k...h,hv->k...v", x, proj[0], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("k...h,khv->k...v", x, proj, preferred_element_type=jnp.float32)
+    if "token_index" in heads:  # reduced vocabulary: columns -> token ids, -inf elsewhere
+        index = heads["token_index"]
+        logits = jnp.concatenate([logits, jnp.full((*logits.shape[:-1], 1), -jnp.inf)], -1)
+        index = jnp.where(index < 0, logits.shape[-1] - 1, index)
+        index = index.reshape(index.shape[0], *([1] * (logits.ndim - 2)), index.shape[-1])
+        logits = jnp.take_along_axis(
+            logits, jnp.broadcast_to(index, (k, *logits.shape[1:-1], index.shape[-1])), -1)
+    return logits
 
 
 # ----------------------------------------------------------------------------- artifact I/O
@@ -91,7 +107,8 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
         "vocab_size": str(cfg.vocab_size),
         "extra": json.dumps(extra or {}),
     }
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in heads.items()}
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
+                                                  np.float32)) for k, v in heads.items()}
     tmp = file.with_name(file.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, file)
