@@ -115,16 +115,24 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
     return file
 
 
-def load_heads(path: str | Path, cfg: ModelConfig) -> tuple[Params, dict]:
-    """Load a heads artifact strictly against the backbone config `cfg`.
+def load_heads(path: str | Path, cfg: ModelConfig, *,
+               base_model: str | Path | None = None) -> tuple[Params, dict]:
+    """Load Medusa heads strictly against the backbone config `cfg`.
 
-    Returns (heads, metadata). Head count and depth come from the file; a file that does not
-    match the backbone (hidden size, vocab) or is incomplete raises ValueError.
+    `path`: this package's artifact (file, directory or run directory), or any layout
+    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
+    Returns (heads, metadata). Head count and depth come from the files; files that do not
+    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
+    `base_model`: the backbone loaded (name or folder); a heads config naming another base
+    model gives a warning with both names.
     """
-    path = Path(path)
-    file = path / HEADS_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no Medusa heads artifact here")
+    from medusa_jax import heads_formats  # it imports this module
+
+    found = heads_formats.detect(Path(path))
+    if found.layout != "medusa_jax":
+        heads, meta = heads_formats.read(found, cfg, base_model)
+        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
+    file = found.files[0]
     try:
         with safe_open(str(file), framework="numpy") as f:
             meta = dict(f.metadata() or {})
@@ -133,16 +141,10 @@ def load_heads(path: str | Path, cfg: ModelConfig) -> tuple[Params, dict]:
         raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
     if meta.get("format") != "medusa_jax.heads/1":
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
-    if set(tensors) != {"w", "b", "proj"}:
-        raise ValueError(f"{file}: expected tensors w, b, proj; found {sorted(tensors)}")
     k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
-    h, v = cfg.hidden_size, cfg.vocab_size
-    want = {"w": (k, lyr, h, h), "b": (k, lyr, h), "proj": (k, h, v)}
-    for name, shape in want.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{file}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
-                f"for {k} heads x {lyr} layers on a backbone with hidden {h}, vocab {v}")
-    heads = {name: jnp.asarray(a, jnp.float32) for name, a in tensors.items()}
+    heads_formats.check_heads(tensors, cfg, file, k, lyr)
+    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
+             for name, a in tensors.items()}
     meta["extra"] = json.loads(meta.get("extra") or "{}")
+    heads_formats.warn_base_model(meta, base_model, file)
     return heads, meta
