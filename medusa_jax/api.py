@@ -24,6 +24,7 @@ from medusa_jax.backbone import Params
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_config_of, load_heads
+from medusa_jax.heads_formats import is_medusa2_model
 from medusa_jax.tree import DEFAULT_TREE, Tree
 from medusa_jax.weights import default_model_dir, load_pretrained
 
@@ -70,8 +71,11 @@ class Medusa:
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
              param_dtype: str = "float32", compute_dtype: str = "float32") -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
-        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1`, or
-        "default" for the heads shipped with the embedded model."""
+        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1`, heads in
+        another layout (`heads_formats`: the reference's, vLLM's, a Medusa-2 model folder, whose
+        backbone is then the default `model`), or "default" for the embedded model's heads."""
+        if model is None and heads not in (None, "default") and is_medusa2_model(heads):
+            model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
         cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
                                       compute_dtype=compute_dtype)
@@ -79,7 +83,8 @@ class Medusa:
             if model is not None:
                 raise ValueError('heads="default" is only defined for the embedded model')
             heads = default_heads_dir()
-        head_params = load_heads(heads, cfg)[0] if heads is not None else None
+        head_params = load_heads(heads, cfg, base_model=model_dir)[0] if heads is not None \
+            else None
         return cls(cfg, params, _load_tokenizer(model_dir), head_params, model_dir,
                    assets.default_tree(model))
 

@@ -8,6 +8,11 @@ All heads are stacked and computed together (one einsum over the head axis):
     proj  [K, H, V]      a copy of the backbone's output projection at init
 
 so at initialisation every head's logits equal the base model's logits exactly.
+
+Two optional variants cut the projection's cost on large vocabularies (both read from vLLM's
+Medusa layout, see `heads_formats`): `proj` [1, H, V] is one projection shared by all heads,
+and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T < V tokens:
+token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsCon
     }
 
 
-def heads_axes() -> dict:
-    """{name: logical axes} of the heads parameters (they do not depend on the sizes)."""
-    return {name: s.axes for name, s in heads_param_specs(1, 1).items()}
+def heads_axes(heads: Params | None = None) -> dict:
+    """{name: logical axes} of the heads parameters (they do not depend on the sizes), for
+    the leaves `heads` has (default: those of `init_heads`)."""
+    axes = {name: s.axes for name, s in heads_param_specs(1, 1).items()}
+    axes["token_index"] = ("medusa_heads", "vocab")  # reduced-vocabulary heads only
+    return {k: axes[k] for k in (heads if heads is not None else ("w", "b", "proj"))}
 
 
 def init_heads(cfg: ModelConfig, backbone: Params, heads_cfg: HeadsConfig = HeadsConfig()) -> Params:
@@ -79,8 +87,19 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
         b = heads["b"][:, layer].astype(dt)
         y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
         x = x + jax.nn.silu(y)
-    return jnp.einsum("k...h,khv->k...v", x, heads["proj"].astype(dt),
-                      preferred_element_type=jnp.float32)
+    proj = heads["proj"].astype(dt)
+    if proj.shape[0] == 1 and k > 1:  # one projection shared by every head
+        logits = jnp.einsum("k...h,hv->k...v", x, proj[0], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("k...h,khv->k...v", x, proj, preferred_element_type=jnp.float32)
+    if "token_index" in heads:  # reduced vocabulary: columns -> token ids, -inf elsewhere
+        index = heads["token_index"]
+        logits = jnp.concatenate([logits, jnp.full((*logits.shape[:-1], 1), -jnp.inf)], -1)
+        index = jnp.where(index < 0, logits.shape[-1] - 1, index)
+        index = index.reshape(index.shape[0], *([1] * (logits.ndim - 2)), index.shape[-1])
+        logits = jnp.take_along_axis(
+            logits, jnp.broadcast_to(index, (k, *logits.shape[1:-1], index.shape[-1])), -1)
+    return logits
 
 
 # ----------------------------------------------------------------------------- artifact I/O
@@ -106,23 +125,32 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
         "vocab_size": str(cfg.vocab_size),
         "extra": json.dumps(extra or {}),
     }
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.float32)) for k, v in heads.items()}
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
+                                                  np.float32)) for k, v in heads.items()}
     tmp = file.with_name(file.name + ".tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, file)
     return file
 
 
-def load_heads(path: str | Path, cfg: ModelConfig) -> tuple[Params, dict]:
-    """Load a heads artifact strictly against the backbone config `cfg`.
+def load_heads(path: str | Path, cfg: ModelConfig, *,
+               base_model: str | Path | None = None) -> tuple[Params, dict]:
+    """Load Medusa heads strictly against the backbone config `cfg`.
 
-    Returns (heads, metadata). Head count and depth come from the file; a file that does not
-    match the backbone (hidden size, vocab) or is incomplete raises ValueError.
+    `path`: this package's artifact (file, directory or run directory), or any layout
+    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
+    Returns (heads, metadata). Head count and depth come from the files; files that do not
+    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
+    `base_model`: the backbone loaded (name or folder); a heads config naming another base
+    model gives a warning with both names.
     """
-    path = Path(path)
-    file = path / HEADS_FILE if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no Medusa heads artifact here")
+    from medusa_jax import heads_formats  # it imports this module
+
+    found = heads_formats.detect(Path(path))
+    if found.layout != "medusa_jax":
+        heads, meta = heads_formats.read(found, cfg, base_model)
+        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
+    file = found.files[0]
     try:
         with safe_open(str(file), framework="numpy") as f:
             meta = dict(f.metadata() or {})
@@ -131,16 +159,10 @@ def load_heads(path: str | Path, cfg: ModelConfig) -> tuple[Params, dict]:
         raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
     if meta.get("format") != "medusa_jax.heads/1":
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
-    if set(tensors) != {"w", "b", "proj"}:
-        raise ValueError(f"{file}: expected tensors w, b, proj; found {sorted(tensors)}")
     k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
-    h, v = cfg.hidden_size, cfg.vocab_size
-    want = {"w": (k, lyr, h, h), "b": (k, lyr, h), "proj": (k, h, v)}
-    for name, shape in want.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(
-                f"{file}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape} "
-                f"for {k} heads x {lyr} layers on a backbone with hidden {h}, vocab {v}")
-    heads = {name: jnp.asarray(a, jnp.float32) for name, a in tensors.items()}
+    heads_formats.check_heads(tensors, cfg, file, k, lyr)
+    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
+             for name, a in tensors.items()}
     meta["extra"] = json.loads(meta.get("extra") or "{}")
+    heads_formats.warn_base_model(meta, base_model, file)
     return heads, meta

@@ -45,6 +45,7 @@ import optax
 
 from medusa_jax import assets, data, trainer, weights
 from medusa_jax import heads as heads_lib
+from medusa_jax import heads_formats
 from medusa_jax.backbone import Params, logits_from_hidden
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig
@@ -297,6 +298,9 @@ class Medusa2Config(trainer.TrainConfig):
                                 choices=HEAD_SCHEDULES)
     head_weight: float | None = option(None, "lambda (constant) or its peak (sine); default "
                                              "0.2 / 0.01")
+    medusa2_folder: bool = option(False, "also write <run>/medusa2_model: the fine-tuned "
+                                         "backbone and the heads in one folder, the reference's"
+                                         " Medusa-2 layout (default: off)")
     eval_text: str | None = option(None, "plain text (documents separated by blank lines) for "
                                          "the perplexity/KL report (default: held-out "
                                          "TinyStories stories)", metavar="FILE")
@@ -317,7 +321,8 @@ class Medusa2Config(trainer.TrainConfig):
                      "default {default})",
         "num_layers": "residual blocks per head in stage 1 (default {default})",
         "output_dir": "run directory (default runs/medusa2-<timestamp>)"}
-    RESUMABLE: ClassVar[frozenset] = trainer.TrainConfig.RESUMABLE | {"eval_text"}
+    RESUMABLE: ClassVar[frozenset] = trainer.TrainConfig.RESUMABLE | {"eval_text",
+                                                                        "medusa2_folder"}
 
     def validate(self):
         def need(cond, msg):
@@ -377,13 +382,15 @@ def resolve_init(path: str | Path) -> Init:
         raise ValueError(f"--init {p}: no such file or directory")
     if (p / "heads" / heads_lib.HEADS_FILE).is_file():
         return Init(heads=p / "heads", run_dir=p)
-    if (p / heads_lib.HEADS_FILE).is_file() or (p.is_file() and p.suffix == ".safetensors"):
-        return Init(heads=p, run_dir=None)
-    if (p / "checkpoints").is_dir():
+    if (p / "checkpoints").is_dir() and not (p / "heads").exists():
         raise ValueError(f"--init {p}: this Medusa-1 run has no heads/ yet "
                          f"(finish it: python -m train.medusa1 --resume {p})")
-    raise ValueError(f"--init {p}: neither a Medusa-1 run directory (with heads/) "
-                     f"nor a heads artifact ({heads_lib.HEADS_FILE})")
+    try:  # heads in any layout heads_formats reads (ours, the reference's, vLLM's, ...)
+        heads_formats.detect(p)
+    except (ValueError, FileNotFoundError) as e:
+        raise ValueError(f"--init {p}: neither a Medusa-1 run directory (with heads/) "
+                         f"nor heads in a known layout ({e})") from None
+    return Init(heads=p, run_dir=None)
 
 
 class Medusa2(trainer.Recipe):
@@ -476,6 +483,11 @@ class Medusa2(trainer.Recipe):
                                             source_dir=source)
         print(f"fine-tuned backbone (Hugging Face layout): {model_out} "
               f"(the heads artifact is for this backbone)")
+        if cfg.medusa2_folder:
+            folder = heads_formats.write_medusa2_model(
+                ctx.run_dir / "medusa2_model", mcfg, finetuned,
+                jax.device_get(state.params["heads"]), source_dir=source)
+            print(f"Medusa-2 model folder (reference layout, backbone + heads): {folder}")
         print("\noriginal vs fine-tuned model (next-token perplexity, KL):")
         # whole stories where the context allows (training rows may be shorter)
         text_rows, what = eval_text_rows(

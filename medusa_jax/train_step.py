@@ -166,8 +166,9 @@ def init_state(params: Params, tx: optax.GradientTransformation) -> TrainState:
 def param_axes(cfg: ModelConfig, params: Params) -> dict:
     """The logical axes of a training params tree: "backbone" and "teacher" are backbones,
     "heads" are Medusa heads."""
-    kinds = {"backbone": lambda: backbone_param_axes(cfg), "teacher": lambda: backbone_param_axes(cfg),
-             "heads": heads_axes}
+    kinds = {"backbone": lambda: backbone_param_axes(cfg),
+             "teacher": lambda: backbone_param_axes(cfg),
+             "heads": lambda: heads_axes(params["heads"])}
     unknown = set(params) - set(kinds)
     if unknown:
         raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")

@@ -55,8 +55,9 @@ _TOP_MAP = {
     "model.norm.weight": ("final_norm", False),
     "lm_head.weight": ("lm_head", True),
 }
-# Buffers some older checkpoints carry; they are recomputed, never loaded.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# Buffers some older checkpoints carry; they are recomputed, never loaded. A Medusa-2 model's
+# heads (medusa_head.*) are read by heads.load_heads, not here.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|^medusa_head\.")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 

@@ -292,7 +292,8 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
                 "--template", "plain", "--steps", "3", "--batch-size", "4", "--seq-len", "64",
                 "--log-every", "1", "--eval-every", "2", "--save-every", "2",
                 "--eval-prompts", "0", "--heldout-fraction", "0.2", "--eval-text", str(text),
-                "--anchor-text", str(text), "--tree", "mc_sim_7b_63:4", "--output-dir", str(run))
+                "--anchor-text", str(text), "--tree", "mc_sim_7b_63:4", "--output-dir", str(run),
+                "--medusa2-folder")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "anchor text (LM term only)" in out and "2 records" in out.split("anchor")[1]
@@ -305,6 +306,11 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
         p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["closeness"]["eval_text"]["tokens"] > 10
+    # the single Medusa-2 folder (reference layout) holds the same backbone and heads
+    exported, _ = heads_lib.load_heads(run / "heads", cfg)
+    folded, _ = heads_lib.load_heads(run / "medusa2_model", cfg)
+    for name in ("w", "b", "proj"):
+        np.testing.assert_array_equal(np.asarray(exported[name]), np.asarray(folded[name]))
     # the exported model + heads load and decode through the user-facing CLI
     rc = generate.main(["--model", str(run / "model"), "--heads", str(run / "heads"),
                         "--prompt", "Once upon a time", "--max-new-tokens", "6",

@@ -1,0 +1,129 @@
+"""Export Medusa heads to the layouts other tools read, or convert between any two layouts.
+
+    python -m train.export_heads runs/medusa1-X --format reference --output out/reference
+    python -m train.export_heads runs/medusa1-X --format vllm --output out/vllm
+    python -m train.export_heads runs/medusa2-X --format medusa2 --output out/medusa2-model
+    python -m train.export_heads ~/hf/medusa-vicuna-7b-v1.3 --model ~/hf/vicuna-7b-v1.3 \\
+        --format medusa_jax --output heads/vicuna-7b
+
+SOURCE: a train.medusa1 / train.medusa2 run directory (with heads/), a medusa_jax heads
+artifact, or heads in any layout `heads.load_heads` reads (the reference's, a Medusa-2 model
+folder, vLLM's). Formats written: `reference` (config.json + medusa_lm_head.safetensors, and
+medusa_lm_head.pt when PyTorch is installed), `vllm` (config.json + model.safetensors),
+`medusa_jax` (medusa_heads.safetensors), `medusa2` (one model folder: backbone + heads).
+Errors are one line: `error: ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+FORMATS = ("reference", "vllm", "medusa_jax", "medusa2")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m train.export_heads",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="run directory, heads artifact, or heads in another layout")
+    ap.add_argument("--format", required=True, choices=FORMATS, help="layout to write")
+    ap.add_argument("--output", required=True, help="folder to write into")
+    ap.add_argument("--model", help="the backbone the heads belong to: shapes are checked "
+                    "against it, and --format medusa2 bundles it (default: the run's model, "
+                    "the Medusa-2 folder itself, or the one the artifact records)")
+    ap.add_argument("--base-model", help="base_model_name_or_path to write (default: the "
+                    "source's own, else the backbone's path)")
+    return ap.parse_args(argv)
+
+
+def _run_model(run_dir: Path) -> tuple[bool, str | None]:
+    """(found, model) of a training run directory: its fine-tuned model/ (Medusa-2) or the
+    `model` of its config.json (None: the embedded stories260K)."""
+    if (run_dir / "model" / "config.json").is_file():
+        return True, str(run_dir / "model")
+    conf = run_dir / "config.json"
+    if conf.is_file():
+        try:
+            data = json.loads(conf.read_text())
+        except (OSError, json.JSONDecodeError):
+            return False, None
+        if isinstance(data, dict) and "model" in data:
+            return True, data["model"]
+    return False, None
+
+
+def resolve_model(source: Path, found, meta: dict, given: str | None) -> Path | None:
+    """The backbone folder the heads belong to, or None (shapes from the files alone)."""
+    from medusa_jax.weights import default_model_dir
+
+    if given:
+        return Path(given)
+    if found.layout == "medusa2":
+        return found.root if found.root.is_dir() else found.root.parent
+    if source.is_dir() and (source / "heads").is_dir():
+        ok, model = _run_model(source)
+        if ok:
+            return Path(model) if model else default_model_dir()
+    if found.layout == "medusa_jax":
+        extra = meta.get("extra") or {}
+        if extra.get("backbone"):
+            return Path(extra["backbone"])
+        if isinstance(extra.get("config"), dict) and "model" in extra["config"]:
+            model = extra["config"]["model"]
+            return Path(model) if model else default_model_dir()
+        if extra.get("base_model_name_or_path"):
+            p = Path(extra["base_model_name_or_path"])
+            return p if (p / "config.json").is_file() else None
+        return None
+    base = meta.get("base_model_name_or_path")
+    if base and (Path(base) / "config.json").is_file():
+        return Path(base)
+    return None
+
+
+def export(args: argparse.Namespace) -> list[Path]:
+    from medusa_jax import heads_formats as hf
+    from medusa_jax.config import ModelConfig
+
+    source = Path(args.source)
+    found = hf.detect(source)
+    # a first read without the backbone finds what the heads record about it
+    heads, meta = hf.read(found, None)
+    model = resolve_model(source, found, meta, args.model)
+    cfg = ModelConfig.from_dir(model) if model is not None else None
+    if cfg is not None:  # strict: the shapes against the backbone's
+        heads, meta = hf.read(found, cfg, base_model=model)
+    base = args.base_model or hf.base_model_of(meta) or (str(model.resolve()) if model else None)
+    out = Path(args.output)
+    if args.format == "medusa2":
+        from medusa_jax.weights import load_pretrained
+
+        if model is None:
+            raise ValueError("--format medusa2 bundles the backbone: pass --model DIR")
+        cfg, backbone = load_pretrained(model)
+        return [hf.write_medusa2_model(out, cfg, backbone, heads, source_dir=model,
+                                       base_model=base)]
+    if args.format == "medusa_jax" and cfg is None:
+        cfg = hf.sizes_config(heads)
+    extra = {"converted_from": str(source), "source_format": found.layout}
+    return hf.write(heads, args.format, out, cfg=cfg, base_model=base, extra=extra)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        written = export(args)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        text = str(e).strip().splitlines()
+        print(f"error: {text[0] if text else type(e).__name__}", file=sys.stderr)
+        return 1
+    print(f"wrote the {args.format} layout:")
+    for f in written:
+        print(f"  {f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
