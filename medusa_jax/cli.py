@@ -146,10 +146,12 @@ def int_list(minimum: int | None = None):
 def errors_to_exit():
     """The library's input errors (bad files, configs, checkpoints) as `error: ...` and
     exit status 1, without a traceback."""
+    from medusa_jax.rundir import RunDirBusy
+
     try:
         yield
     except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
-            PermissionError) as e:
+            PermissionError, RunDirBusy) as e:
         sys.exit(f"error: {e}")
 
 

@@ -51,6 +51,7 @@ from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
 from medusa_jax.medusa1 import Medusa1, Medusa1Config
+from medusa_jax.rundir import Interrupted
 from medusa_jax.train_step import (Batch, LossFn, OptimConfig, TrainState, backbone_hidden,
                                    medusa_loss, medusa_targets)
 
@@ -418,7 +419,11 @@ class Medusa2(trainer.Recipe):
         resume = str(stage_dir) if ckpts.is_dir() and any(ckpts.iterdir()) else None
         print(f"stage 1: heads only, {cfg.stage1_steps} steps (train.medusa1 in {stage_dir})",
               flush=True)
-        trainer.train(cfg.stage1_config(run_dir), Medusa1(), resume)
+        try:
+            trainer.train(cfg.stage1_config(run_dir), Medusa1(), resume)
+        except Interrupted as e:  # resuming means resuming the whole Medusa-2 run
+            raise Interrupted(f"{str(e).split(';')[0]} of stage 1; continue with --resume "
+                              f"{run_dir}", e.code - 128) from None
         print("stage 2: backbone and heads jointly", flush=True)
         return Init(heads=stage_dir / "heads", run_dir=stage_dir)
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,7 @@ from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
+from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopSignals
 from medusa_jax.tree import Tree
 
 
@@ -216,27 +219,53 @@ class Recipe:
         return ctx.backbone
 
 
-def open_run_dir(cfg: TrainConfig, resume: str | None) -> Path:
-    """The run directory, refused when a fresh run would overwrite checkpoints."""
-    run_dir = Path(cfg.output_dir or f"runs/{cfg.RUN_PREFIX}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if resume is None:
-        for d in (run_dir / "checkpoints", run_dir / "stage1" / "checkpoints"):
-            if d.is_dir() and any(d.iterdir()):
-                raise CheckpointError(f"{run_dir} already holds checkpoints; "
-                                      f"use --resume {run_dir}")
-    return run_dir
+def open_run_dir(cfg: TrainConfig) -> Path:
+    return Path(cfg.output_dir or f"runs/{cfg.RUN_PREFIX}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
 def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
           stop_after: int | None = None) -> dict:
-    """Run (or resume) training; returns the summary (also saved as summary.json)."""
-    t_start = time.perf_counter()
+    """Run (or resume) training; returns the summary (also saved as summary.json).
+
+    The run directory is locked while the run lives (a second run on it fails at once), and
+    SIGINT/SIGTERM stop the run after the current step and a checkpoint, raising
+    `rundir.Interrupted`. A run that fails before it wrote anything worth keeping removes
+    the run directory it created."""
     cfg = cfg.validate().resolve()
-    run_dir = open_run_dir(cfg, resume)
+    run_dir = open_run_dir(cfg)
     mesh = sharding.make_mesh(cfg.mesh)  # fail on a bad mesh before creating anything
     sharding.check_batch_size(cfg.batch_size, mesh)
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = dataclasses.replace(cfg, output_dir=str(run_dir))
+    with RunLock(run_dir) as lock, StopSignals() as stop:
+        try:
+            if resume is None:
+                for d in (run_dir / "checkpoints", run_dir / "stage1" / "checkpoints"):
+                    if d.is_dir() and any(d.iterdir()):
+                        raise CheckpointError(f"{run_dir} already holds checkpoints; "
+                                              f"use --resume {run_dir}")
+            if lock.stale:
+                print(f"note: {run_dir} was locked by pid {lock.stale.get('pid')} "
+                      f"(started {lock.stale.get('started')}), which is gone", flush=True)
+            return _train(dataclasses.replace(cfg, output_dir=str(run_dir)), recipe, run_dir,
+                          mesh, resume, stop_after, stop)
+        except BaseException:
+            if created:
+                remove_if_empty(run_dir)
+            raise
+
+
+def remove_if_empty(run_dir: Path):
+    """Remove a run directory holding nothing but its config and lock (empty folders)."""
+    kept = [f for f in run_dir.rglob("*") if f.is_file() and
+            f.relative_to(run_dir).as_posix() not in ("config.json", LOCK_FILE)]
+    if not kept:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | None,
+           stop_after: int | None, stop: StopSignals) -> dict:
+    t_start = time.perf_counter()
     print(f"run directory: {run_dir}", flush=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
@@ -249,6 +278,10 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
     ctx.held_rows = held_rows
     print(f"data ({ctx.template} template): {report.summary()}", flush=True)
     train_rows = recipe.training_rows(ctx, train_rows)
+    if stop.requested is not None:
+        raise Interrupted(f"stopped by {signal.Signals(stop.requested).name} before training "
+                          f"started (data cached, nothing else to save); continue with "
+                          f"--resume {run_dir}", stop.requested)
     total = cfg.total_steps(len(train_rows))
 
     method = recipe.build(ctx, total)
@@ -306,6 +339,8 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
                            **recipe.train_log(m)})
             bar.set_postfix_str(f"{recipe.postfix(m)} top1={fmt_heads(m['top1'])} "
                                 f"tok/s={tok_s:.0f}")
+        if stop.requested is not None:
+            end = step  # a signal: checkpoint this step and stop
         if step % cfg.eval_every == 0 and step != end:
             held_eval(step)
         if step % cfg.save_every == 0 or step == end:
@@ -318,7 +353,11 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
                "train_seconds": round(train_s, 1), "checkpoints": ckpt.all_steps()}
     ckpt.close()
     if step < total:
-        print(f"stopped at step {step} of {total}; continue with --resume {run_dir}")
+        message = f"stopped at step {step} of {total}; continue with --resume {run_dir}"
+        if stop.requested is not None:
+            raise Interrupted(f"{signal.Signals(stop.requested).name}: {message} (checkpoint "
+                              f"{step} saved)", stop.requested)
+        print(message)
         return summary
 
     final = held_eval(step)
@@ -541,8 +580,18 @@ class Command:
         return train(cfg, self.recipe_cls(), resume, stop_after)
 
     def main(self, argv=None):
+        """Parse, run; errors and interrupts end the process with one line and the exit
+        status a shell expects (1 error, 2 bad flags, 128 + signal number)."""
         from medusa_jax import cli
 
         cfg, resume, stop_after = self.parse_args(argv)
-        with cli.errors_to_exit():
-            self.run(cfg, resume, stop_after)
+        try:
+            with cli.errors_to_exit():
+                self.run(cfg, resume, stop_after)
+        except Interrupted as e:
+            print(f"\n{e}", file=sys.stderr, flush=True)
+            sys.exit(e.code)
+        except KeyboardInterrupt:
+            print("\nstopped at once (second signal); the last finished checkpoint is intact: "
+                  "continue with --resume RUN_DIR", file=sys.stderr, flush=True)
+            sys.exit(128 + signal.SIGINT)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from medusa_jax import data
 
@@ -39,6 +40,11 @@ def main(argv=None):
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
+    out = Path(args.output)
+    if out.is_dir():
+        ap.error(f"--output {out}: is a directory; give a file path such as {out / 'answers.jsonl'}")
+    if out.parent.exists() and not out.parent.is_dir():
+        ap.error(f"--output {out}: {out.parent} is not a directory")
     from medusa_jax import distill, weights
 
     try:

@@ -1,0 +1,37 @@
+"""Bad command-line input is refused before any work, with one line (issue: hostile input)."""
+
+import pytest
+
+from infer import bench, generate, search_tree
+from train import distill
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (search_tree.main, ["--sizes", "0,-3"], "every value must be >= 1, got 0"),
+    (bench.main, ["--batch-size", "0"], "every value must be >= 1, got 0"),
+    (bench.main, ["--num-prompts", "0"], "must be >= 1, got 0"),
+    (generate.main, ["--batch-size", "0"], "must be >= 1, got 0"),
+    (generate.main, ["--tree", "no-such-tree"], "--tree needs --heads"),
+    (distill.main, ["--prompts", "p.txt", "--output", "."], "is a directory"),
+])
+def test_bad_flags_exit_2_with_one_line(main, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_search_tree_refuses_an_output_it_cannot_write(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        search_tree.main(["--out", str(tmp_path)])
+    assert "--out" in capsys.readouterr().err
+
+
+def test_distill_names_the_file_and_line_of_non_utf8_prompts(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_bytes(b"Once upon a time\nLily \xff\xfe went\n")
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")])
+    assert e.value.code == f"error: {prompts}:2: not UTF-8 text (byte 0xff at offset 22)"
+    assert not (tmp_path / "o.jsonl").exists()
