@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from medusa_jax import sharding
 from medusa_jax.config import ModelConfig, as_dtype
 
 Params = dict
@@ -56,11 +57,10 @@ class KVCache:
     def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
         dtype = as_dtype(dtype or cfg.compute_dtype)
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
-            lengths=jnp.zeros((batch,), jnp.int32),
-        )
+        # under `jax.set_mesh`: rows over the batch axes, KV heads over "model"
+        k, v = sharding.constrain_cache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                        cfg.num_kv_heads)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
 
     def advance(self, n: jax.Array) -> "KVCache":
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
@@ -299,18 +299,19 @@ def param_specs(cfg: ModelConfig) -> dict:
     S = ParamSpec
     layers = {
         "attn_norm": S((lyr, h), ("layers", "norm")),
-        "wq": S((lyr, h, qd), ("layers", "embed", "qkv")),
-        "wk": S((lyr, h, kvd), ("layers", "embed", "qkv")),
-        "wv": S((lyr, h, kvd), ("layers", "embed", "qkv")),
-        "wo": S((lyr, qd, h), ("layers", "qkv", "embed")),
+        "wq": S((lyr, h, qd), ("layers", "embed", "q_heads")),
+        "wk": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
+        "wv": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
+        "wo": S((lyr, qd, h), ("layers", "q_heads", "embed")),
         "mlp_norm": S((lyr, h), ("layers", "norm")),
         "w_gate": S((lyr, h, f), ("layers", "embed", "mlp")),
         "w_up": S((lyr, h, f), ("layers", "embed", "mlp")),
         "w_down": S((lyr, f, h), ("layers", "mlp", "embed")),
     }
     if cfg.attention_bias:
-        layers.update(bq=S((lyr, qd), ("layers", "qkv")), bk=S((lyr, kvd), ("layers", "qkv")),
-                      bv=S((lyr, kvd), ("layers", "qkv")))
+        layers.update(bq=S((lyr, qd), ("layers", "q_heads")),
+                      bk=S((lyr, kvd), ("layers", "kv_heads")),
+                      bv=S((lyr, kvd), ("layers", "kv_heads")))
     if cfg.qk_norm:
         layers.update(q_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")),
                       k_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")))
@@ -319,6 +320,12 @@ def param_specs(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = S((h, cfg.vocab_size), ("embed", "vocab"))
     return specs
+
+
+def head_units(cfg: ModelConfig) -> dict:
+    """How many whole heads the "q_heads"/"kv_heads" dims hold: tensor parallelism splits
+    them only where the head count divides the `model` axis (see `sharding.spec_for`)."""
+    return {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
 
 
 def _is_spec(x) -> bool:

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from medusa_jax import acceptance
+from medusa_jax import acceptance, sharding
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_uncommitted,
                                  tree_mask_after_prefix, write_kv)
@@ -84,6 +84,7 @@ def _eos_mask(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
 
 def _prefill(params, cfg, tokens, lengths, capacity):
     b, p = tokens.shape
+    tokens = sharding.constrain_rows(tokens)  # under `jax.set_mesh`: rows over data axes
     cache = KVCache.init(cfg, b, capacity)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, hidden, cache = forward(params, cfg, tokens, positions,

@@ -175,24 +175,29 @@ def param_axes(cfg: ModelConfig, params: Params) -> dict:
     return {k: kinds[k]() for k in params}
 
 
-def state_shardings(state_or_abstract: TrainState, axes: dict, mesh) -> TrainState:
+def state_shardings(state_or_abstract: TrainState, axes: dict, mesh,
+                    units: dict | None = None) -> TrainState:
     """NamedShardings for a TrainState (pass an abstract one from `jax.eval_shape`);
-    `axes` is `param_axes` of its params."""
-    params = sharding.tree_shardings(axes, state_or_abstract.params, mesh)
+    `axes` is `param_axes` of its params, `units` `backbone.head_units` (needed only for
+    tensor parallelism on a `model` axis: whole attention heads per shard)."""
+    params = sharding.tree_shardings(axes, state_or_abstract.params, mesh, sharding.TRAIN_RULES,
+                                     units)
     return TrainState(
         step=sharding.replicated(mesh), params=params,
         opt_state=sharding.like_params(state_or_abstract.opt_state, state_or_abstract.params,
                                        params, mesh))
 
 
-def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: dict
-                 ) -> tuple[TrainState, TrainState]:
-    """Place params on the mesh and build the optimizer state there, already sharded.
+def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: dict,
+                 units: dict | None = None) -> tuple[TrainState, TrainState]:
+    """Place params on the mesh and build the optimizer state there, already sharded (each
+    device receives only its shards, on one or many processes).
 
     Returns (state, its shardings)."""
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
-    shardings = state_shardings(abstract, axes, mesh)
-    params = jax.device_put(params, shardings.params)
+    shardings = state_shardings(abstract, axes, mesh, units)
+    params = jax.tree.map(lambda x, s: sharding.put(jax.device_get(x), s), params,
+                          shardings.params)
     state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)(params)
     return state, shardings
 
