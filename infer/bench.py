@@ -4,6 +4,9 @@
     python -m infer.bench --modes greedy,typical,rejection --batch-sizes 1,4,16 --plot b.png
     python -m infer.bench --prompts ../shared/data/mt_bench/question.jsonl --json
     python -m infer.bench --random-weights --shape llama-110m --tree-sizes 0,16,32,64,128
+    python -m infer.bench --mesh data=2,model=4                # tensor-parallel decoding
+    python -m infer.bench --random-weights --shape llama-2-70b --layers 1 --mesh model=8 \
+        --dtype bfloat16                                       # per-device memory, sizing
 
 Timings exclude compilation (every configuration runs once before the clock starts) and are
 the median of --reps repetitions. Speedup is wall-clock tokens/s against our own plain jitted
@@ -23,7 +26,7 @@ from medusa_jax import cli
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p)
+    cli.add_model_flags(p, mesh=True)
     p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
                                      "(default: held-out TinyStories openings)")
     p.add_argument("--num-prompts", type=cli.positive_int, default=16)
@@ -51,7 +54,43 @@ def build_parser():
     p.add_argument("--tree-sizes", type=cli.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
     p.add_argument("--prefix", type=cli.positive_int, default=256,
                    help="context length for the step curve")
+    p.add_argument("--layers", type=cli.positive_int, default=None,
+                   help="with --random-weights: per-device memory of Medusa decoding of "
+                        "--shape on --mesh, measured with this many layers and extrapolated "
+                        "to all (parameters, heads, KV cache, compiled temporaries)")
+    p.add_argument("--context", type=cli.positive_int, default=2048,
+                   help="KV cache length for --layers (default 2048)")
     return p
+
+
+def sizing(args) -> int:
+    import jax
+
+    from medusa_jax.bench import size_model
+
+    trees = args.trees.split(",") if args.trees else [None]
+    with cli.errors_to_exit():
+        from medusa_jax.tree import Tree
+
+        tree = Tree.load(trees[0]) if trees[0] else None
+        r = size_model(args.shape, args.layers, args.mesh or "1,1", dtype=args.dtype,
+                       batch=args.batch_sizes[0], context=args.context, tree=tree)
+    if args.json:
+        print(json.dumps(r))
+        return 0
+    g = r["per_device_gib"]
+    print(f"{r['shape']} ({r['layers']} layers, measured with {r['layers_measured']}), "
+          f"{r['dtype']}, mesh {r['mesh']} ({r['devices']} {r['platform']} devices), batch "
+          f"{r['batch']}, context {r['context']}, tree {r['tree_nodes']} nodes, "
+          f"{r['heads']} heads (float32)")
+    print(f"per device, GiB: params {g['params']:.2f}  heads {g['heads']:.2f}  KV cache "
+          f"{g['kv_cache']:.2f}  temporaries {g['temporaries']:.2f}  total "
+          f"{r['total_per_device_gib']:.2f}")
+    print(f"(compiled with {r['layers_measured']} layers: arguments "
+          f"{r['compiled_argument_bytes'] / 2**30:.2f} GiB, temporaries incl. KV cache "
+          f"{r['compiled_temp_bytes'] / 2**30:.2f} GiB; {r['new_tokens']} tokens decoded in "
+          f"{r['run_seconds']:.1f}s on {jax.devices()[0].platform})")
+    return 0
 
 
 def step_curve(args) -> int:
@@ -85,6 +124,10 @@ def step_curve(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.layers is not None:
+        if not args.random_weights:
+            raise SystemExit("error: --layers needs --random-weights and --shape")
+        return sizing(args)
     if args.random_weights or args.step_curve:
         return step_curve(args)
     from medusa_jax.acceptance import MODES, Sampling
@@ -96,7 +139,7 @@ def main(argv=None) -> int:
         if m not in MODES:
             raise SystemExit(f"error: --modes: {m!r} is not one of {', '.join(MODES)}")
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
-    model = cli.load_with_heads(args.model, args.heads)
+    model = cli.load_with_heads(args.model, args.heads, args.mesh)
     ids = [model.encode(p) for p, _ in prompts]
     with cli.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
@@ -105,6 +148,15 @@ def main(argv=None) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps)
 
     results = []
+    with model.under_mesh():  # --mesh: decoding runs sharded (the transformers baseline not)
+        _bench(args, model, ids, prompts, modes, trees, common, results)
+    return _report(args, results)
+
+
+def _bench(args, model, ids, prompts, modes, trees, common, results):
+    from medusa_jax.acceptance import Sampling
+    from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
+
     for bs in args.batch_sizes:
         print(f"batch size {bs}: timing plain decoding ...", file=sys.stderr)
         plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
@@ -138,6 +190,9 @@ def main(argv=None) -> int:
                 same = c.identical_rows == len(ids) if mode == "greedy" else None
                 results.append(_row(c.medusa, base, "medusa", mode, tree.name, same,
                                     by_category=_by_category(c.medusa, prompts)))
+
+
+def _report(args, results) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
     else:

@@ -2,6 +2,7 @@
 
     python -m infer.generate --prompt "Once upon a time"                 # embedded model
     python -m infer.generate --heads runs/medusa1-X/heads --prompt "Lily" --json
+    python -m infer.generate --heads default --mesh data=2,model=4 --prompt "Lily"  # sharded
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_flags(p, heads_help="Medusa heads artifact, or 'default' for the embedded "
-                                      "model's shipped heads (omit for plain decoding)")
+                                      "model's shipped heads (omit for plain decoding)",
+                        mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     p.add_argument("--mode", choices=MODES, default="greedy")
@@ -60,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     from medusa_jax.api import Medusa  # after argument errors: importing jax takes a moment
 
     try:
-        model = Medusa.load(args.model, args.heads, param_dtype=args.dtype, compute_dtype=args.dtype)
+        model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
+                            compute_dtype=args.dtype, mesh=args.mesh)
         kwargs = dict(max_new_tokens=args.max_new_tokens, mode=args.mode, tree=args.tree,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, batch_size=args.batch_size)

@@ -158,22 +158,38 @@ def errors_to_exit():
 # ----------------------------------------------------------------------------- infer/
 
 
-def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None):
-    """--model and --heads as every decoding command takes them."""
+def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
+                    mesh: bool = False):
+    """--model and --heads as every decoding command takes them (and --mesh)."""
     ap.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
     ap.add_argument("--heads", help=heads_help or "Medusa heads artifact, or 'default' for the "
                     "embedded model's shipped heads (default: the shipped heads for the "
                     "embedded model)")
+    if mesh:
+        ap.add_argument("--mesh", type=mesh_spec, default=None,
+                        help="tensor-parallel decoding on a device mesh, e.g. 'model=8' or "
+                             "'data=2,model=4' (default: one device)")
 
 
-def load_with_heads(model: str | None, heads: str | None):
+def mesh_spec(text: str) -> str:
+    """argparse type: a mesh spec that parses (see `sharding.parse_mesh_spec`)."""
+    from medusa_jax.sharding import parse_mesh_spec
+
+    try:
+        parse_mesh_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def load_with_heads(model: str | None, heads: str | None, mesh: str | None = None):
     """`Medusa.load` for the benchmarking commands: heads are required, and default to the
     shipped ones for the embedded model. Errors exit with one line."""
     from medusa_jax import assets
     from medusa_jax.api import Medusa
 
     with errors_to_exit():
-        m = Medusa.load(model, heads or assets.default_heads(model))
+        m = Medusa.load(model, heads or assets.default_heads(model), mesh=mesh)
     if m.heads is None:
         sys.exit("error: no heads: pass --heads (train some with python -m train.medusa1)")
     return m
