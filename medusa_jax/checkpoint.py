@@ -18,7 +18,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from medusa_jax import sharding
 
 from medusa_jax.train_step import TrainState
 
@@ -87,8 +90,7 @@ class Checkpointer:
                 f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
         params = dict(target.params)
         params.update(out.params)
-        state = TrainState(step=jax.device_put(jax.numpy.int32(out.meta["step"]),
-                                               shardings.step),
+        state = TrainState(step=sharding.put(np.int32(out.meta["step"]), shardings.step),
                            params=params, opt_state=out.opt_state)
         return state, out.meta
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from medusa_jax import assets, data, trainer, weights
+from medusa_jax import assets, data, distributed, sharding, trainer, weights
 from medusa_jax import heads as heads_lib
 from medusa_jax import heads_formats
 from medusa_jax.backbone import Params, logits_from_hidden
@@ -266,7 +266,7 @@ def lm_report(cfg: ModelConfig, original: Params, finetuned: Params, rows: data.
     ev = make_lm_eval(cfg)
     sums: dict[str, float] = {}
     for batch in data.eval_batches(rows, batch_size):
-        part = jax.device_get(ev(original, finetuned, put_batch(batch)))
+        part = sharding.to_host(ev(original, finetuned, put_batch(batch)))
         for k, v in part.items():
             sums[k] = sums.get(k, 0.0) + float(v)
     n = max(sums.get("count", 0.0), 1.0)
@@ -482,16 +482,17 @@ class Medusa2(trainer.Recipe):
         """Export the fine-tuned backbone; report how far it moved from the original."""
         cfg, mcfg = ctx.cfg, ctx.model_cfg
         summary["init"] = str(self.init.heads)
-        finetuned = jax.device_get(state.params["backbone"])
+        finetuned = sharding.to_host(state.params["backbone"])
         source = cfg.model or str(assets.model_dir())
-        model_out = weights.save_pretrained(mcfg, finetuned, ctx.run_dir / "model",
-                                            source_dir=source)
-        print(f"fine-tuned backbone (Hugging Face layout): {model_out} "
-              f"(the heads artifact is for this backbone)")
-        if cfg.medusa2_folder:
+        model_out = ctx.run_dir / "model"
+        if distributed.is_writer():  # process 0 writes; every process computes the report
+            weights.save_pretrained(mcfg, finetuned, model_out, source_dir=source)
+            print(f"fine-tuned backbone (Hugging Face layout): {model_out} "
+                  f"(the heads artifact is for this backbone)")
+        if cfg.medusa2_folder and distributed.is_writer():
             folder = heads_formats.write_medusa2_model(
                 ctx.run_dir / "medusa2_model", mcfg, finetuned,
-                jax.device_get(state.params["heads"]), source_dir=source)
+                sharding.to_host(state.params["heads"]), source_dir=source)
             print(f"Medusa-2 model folder (reference layout, backbone + heads): {folder}")
         print("\noriginal vs fine-tuned model (next-token perplexity, KL):")
         # whole stories where the context allows (training rows may be shorter)

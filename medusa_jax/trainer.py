@@ -18,6 +18,7 @@ own) and a `Recipe` (the method: its parameters, loss and optimizer, and what it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -32,9 +33,10 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from medusa_jax import assets, bench, data, distill, sharding, weights
+from medusa_jax import assets, bench, data, distill, distributed, sharding, weights
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
+from medusa_jax import backbone as backbone_lib
 from medusa_jax.backbone import Params
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from medusa_jax.cli import option
@@ -95,6 +97,15 @@ class TrainConfig:
                                    "(default {default})")
     eval_max_new_tokens: int = option(128, "tokens per prompt in the decoding benchmark "
                                            "(default {default})")
+    coordinator: str | None = option(None, "multi-process run: process 0's HOST:PORT, the "
+                                           "same on every process (default: one process, or "
+                                           "JAX's cluster detection on a TPU pod / SLURM)",
+                                     metavar="HOST:PORT")
+    num_processes: int | None = option(None, "multi-process run: how many processes")
+    process_id: int | None = option(None, "multi-process run: this process, 0..N-1 (0 "
+                                          "writes the run directory's files)")
+    init_timeout: int = option(300, "seconds to wait for the coordinator and the other "
+                                    "processes (default {default})")
     tree: str = option(assets.PUBLISHED_DEFAULT_TREE,
                        "Medusa tree for the benchmark (default {default}; the embedded model "
                        "is also benchmarked on its CPU tree)")
@@ -104,7 +115,8 @@ class TrainConfig:
     # flags that may change on --resume (everything else must match the saved run)
     RESUMABLE: ClassVar[frozenset] = frozenset({
         "steps", "epochs", "keep", "save_every", "log_every", "eval_every", "mesh",
-        "eval_prompts", "eval_max_new_tokens", "tree"})
+        "eval_prompts", "eval_max_new_tokens", "tree", "coordinator", "num_processes",
+        "process_id", "init_timeout"})
 
     def resolve(self):
         """Fill the defaults that depend on the kind of run (saved resolved)."""
@@ -232,25 +244,32 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
     `rundir.Interrupted`. A run that fails before it wrote anything worth keeping removes
     the run directory it created."""
     cfg = cfg.validate().resolve()
+    distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id,
+                           cfg.init_timeout)
+    if jax.process_count() > 1 and cfg.output_dir is None:
+        raise ValueError("a multi-process run needs --output-dir (one directory every "
+                         "process can reach)")
     run_dir = open_run_dir(cfg)
     mesh = sharding.make_mesh(cfg.mesh)  # fail on a bad mesh before creating anything
     sharding.check_batch_size(cfg.batch_size, mesh)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
-    with RunLock(run_dir) as lock, StopSignals() as stop:
+    # process 0 owns the run directory (lock, files); the others only compute
+    lock_ctx = RunLock(run_dir) if distributed.is_writer() else contextlib.nullcontext()
+    with lock_ctx as lock, StopSignals() as stop:
         try:
             if resume is None:
                 for d in (run_dir / "checkpoints", run_dir / "stage1" / "checkpoints"):
                     if d.is_dir() and any(d.iterdir()):
                         raise CheckpointError(f"{run_dir} already holds checkpoints; "
                                               f"use --resume {run_dir}")
-            if lock.stale:
+            if lock is not None and lock.stale:
                 print(f"note: {run_dir} was locked by pid {lock.stale.get('pid')} "
                       f"(started {lock.stale.get('started')}), which is gone", flush=True)
             return _train(dataclasses.replace(cfg, output_dir=str(run_dir)), recipe, run_dir,
                           mesh, resume, stop_after, stop)
         except BaseException:
-            if created:
+            if created and distributed.is_writer():
                 remove_if_empty(run_dir)
             raise
 
@@ -266,8 +285,12 @@ def remove_if_empty(run_dir: Path):
 def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | None,
            stop_after: int | None, stop: StopSignals) -> dict:
     t_start = time.perf_counter()
-    print(f"run directory: {run_dir}", flush=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+    writer = distributed.is_writer()
+    print(f"run directory: {run_dir}" + (f" (process {jax.process_index()} of "
+                                         f"{jax.process_count()}, {jax.device_count()} devices)"
+                                         if jax.process_count() > 1 else ""), flush=True)
+    if writer:
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
 
     model_cfg, backbone = weights.load_pretrained(cfg.model)
     tokenizer = weights.load_tokenizer(cfg.model)
@@ -286,11 +309,12 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
 
     method = recipe.build(ctx, total)
     state, shardings = ts.create_state(method.params, method.tx, mesh,
-                                       ts.param_axes(model_cfg, method.params))
+                                       ts.param_axes(model_cfg, method.params),
+                                       backbone_lib.head_units(model_cfg))
     method.params = None  # the state owns them now (the train step donates its buffers)
     num_heads = heads_lib.heads_config_of(state.params["heads"]).num_heads
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep)
-    metrics = MetricsLog(run_dir / "metrics.jsonl")
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=writer)
     position = 0
     if resume is not None and ckpt.latest_step() is not None:
         state, meta = ckpt.restore(state, shardings, method.trained)
@@ -319,7 +343,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     if step == 0:
         held_eval(0)  # the starting point
     bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step", file=sys.stdout,
-               dynamic_ncols=True)
+               dynamic_ncols=True, disable=not writer)
     t_train, tokens_seen, t_last = time.perf_counter(), 0, time.perf_counter()
     while step < end:
         batch = recipe.batch(next(batches), step)
@@ -328,7 +352,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         step += 1
         bar.update(1)
         if step % cfg.log_every == 0 or step == end:
-            m = jax.device_get(m)
+            m = sharding.to_host(m)
             now = time.perf_counter()
             tok_s = tokens_seen / (now - t_last)
             tokens_seen, t_last = 0, now
@@ -361,18 +385,22 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         return summary
 
     final = held_eval(step)
-    heads = jax.device_get(state.params["heads"])
+    heads = sharding.to_host(state.params["heads"])
     extra = {"step": step, "template": ctx.template, "config": dataclasses.asdict(cfg),
              **recipe.artifact_extra(ctx)}
     if final is not None:
         extra.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
         summary.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
         print_accuracy(final, num_heads)
-    artifact = heads_lib.save_heads(run_dir / "heads", heads, model_cfg, extra)
-    print(f"heads artifact: {artifact}")
-    plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads)
-    print(f"accuracy plot: {run_dir / 'accuracy.png'}")
+    if writer:
+        artifact = heads_lib.save_heads(run_dir / "heads", heads, model_cfg, extra)
+        print(f"heads artifact: {artifact}")
+        plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads)
+        print(f"accuracy plot: {run_dir / 'accuracy.png'}")
     decode_backbone = recipe.finish(ctx, state, summary)
+    distributed.barrier("heads written")
+    if not writer:  # the decoding benchmark and the summary are process 0's
+        return summary
 
     if cfg.eval_prompts and not bench_prompts:
         print("no held-out conversations to benchmark decoding on (plain-text data)")
@@ -405,18 +433,21 @@ def benchmark_trees(cfg: TrainConfig, num_heads: int) -> list[Tree]:
 
 
 class MetricsLog:
-    """metrics.jsonl: one JSON record per line, appended as training goes."""
+    """metrics.jsonl: one JSON record per line, appended as training goes (by the writing
+    process only: `enabled`)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, enabled: bool = True):
+        self.path, self.enabled = path, enabled
 
     def write(self, rec: dict):
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
 
     def truncate(self, step: int):
         """Keep the records up to `step` (-1: none): later steps are trained again."""
-        if not self.path.is_file():
+        if not self.enabled or not self.path.is_file():
             return
         keep = [ln for ln in self.path.read_text().splitlines()
                 if ln.strip() and json.loads(ln)["step"] <= step]
@@ -474,6 +505,8 @@ def self_distill(ctx: Context) -> tuple[Path, Path]:
             num_samples=n, temperature=temperature, max_new_tokens=cfg.distill_max_new_tokens,
             batch_size=cfg.distill_batch_size, seed=cfg.seed, desc=desc)
 
+    if not distributed.is_writer():  # process 0 distills and writes; the others read
+        distributed.barrier("distilled")
     train_prompts = distill.read_prompts(assets.prompts_file("train"))
     held_prompts = distill.read_prompts(assets.prompts_file("heldout"))
     train_file, stats = distill.distill_cached(
@@ -485,6 +518,8 @@ def self_distill(ctx: Context) -> tuple[Path, Path]:
     held_file, _ = distill.distill_cached(
         ctx.run_dir / "distill" / "heldout.jsonl", settings(samples=len(held_prompts)),
         answers(held_prompts, len(held_prompts), 0.0, "heldout"))
+    if distributed.is_writer():
+        distributed.barrier("distilled")
     return train_file, held_file
 
 
@@ -495,7 +530,7 @@ def evaluate(eval_step, params, batches, mesh) -> dict[str, np.ndarray]:
     """Per-head top-1/top-5 over all valid positions of the batches (count-weighted)."""
     sums = None
     for batch in batches:
-        m = jax.device_get(eval_step(params, sharding.shard_batch(batch, mesh)))
+        m = sharding.to_host(eval_step(params, sharding.shard_batch(batch, mesh)))
         part = {k: m[k] * m["count"] for k in ("top1", "top5", "head_loss")}
         part["count"] = m["count"]
         sums = part if sums is None else {k: sums[k] + part[k] for k in sums}

@@ -1,0 +1,141 @@
+"""Multi-host training (issue 13, part 2): 2 processes x 4 CPU devices on 127.0.0.1.
+
+The same run as 2 processes (gloo collectives, a free port per launch), as 1 process x 8
+devices and as 1 device gives the same losses and heads; killing a process mid-run and
+resuming all of them from the last checkpoint gives the uninterrupted run's heads; a process
+that cannot reach its coordinator fails with one line within its timeout.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+FLAGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--num-heads", "2",
+         "--log-every", "1", "--save-every", "1", "--eval-every", "100000", "--keep", "10",
+         "--eval-prompts", "0", "--template", "plain", "--heldout-fraction", "0",
+         "--lr", "0.001"]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "d.jsonl"
+    stories = ["Once upon a time there was a cat who liked the sun.",
+               "Lily had a red ball and she played with it in the park every day.",
+               "Tom and his dog went to the river to find a big fish.",
+               "The little bird sang a happy song in the tall green tree."]
+    f.write_text("".join(json.dumps({"conversations": [
+        {"from": "human", "value": s.split(" ", 3)[-1][:10]},
+        {"from": "gpt", "value": " " + s}]}) + "\n" for s in stories * 4))
+    return f
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _launch(run: Path, data: Path, n: int, *extra, devices: int = 4, mesh="data=2,fsdp=4"):
+    port = _free_port()
+    procs = []
+    for i in range(n):
+        dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
+                "--process-id", str(i)] if n > 1 else []
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "train.medusa1", "--output-dir", str(run), "--data",
+             str(data), "--mesh", mesh, *FLAGS, *dist, "--init-timeout", "60", *extra],
+            cwd=ROOT, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    return procs
+
+
+def _finish(procs, timeout=120):
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, (out[-2000:], err[-3000:])
+    return outs
+
+
+def _result(run: Path):
+    heads = load_file(str(run / "heads" / "medusa_heads.safetensors"))
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").open()
+              if json.loads(line)["split"] == "train"]
+    return heads, losses
+
+
+def _close(a, b):
+    (ha, la), (hb, lb) = a, b
+    assert len(la) == len(lb) == STEPS
+    np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)
+    for k in ha:
+        np.testing.assert_allclose(ha[k], hb[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory, data_file):
+    run = tmp_path_factory.mktemp("mp") / "run"
+    outs = _finish(_launch(run, data_file, 2))
+    assert "process 1 of 2, 8 devices" in outs[1][0]
+    return run
+
+
+def test_two_processes_equal_one_process_and_one_device(tmp_path, data_file, two_processes):
+    one8 = _launch(tmp_path / "one8", data_file, 1, devices=8)
+    one1 = _launch(tmp_path / "one1", data_file, 1, devices=1, mesh="1,1")
+    _finish(one8 + one1)
+    ref = _result(two_processes)
+    _close(ref, _result(tmp_path / "one8"))
+    _close(ref, _result(tmp_path / "one1"))
+    # only process 0 wrote the run directory's files; every checkpoint is complete
+    assert sorted(int(p.name) for p in (two_processes / "checkpoints").iterdir()) == \
+        list(range(1, STEPS + 1))
+
+
+def test_kill_one_process_and_resume_all_equals_uninterrupted(tmp_path, data_file,
+                                                              two_processes):
+    run = tmp_path / "run"
+    procs = _launch(run, data_file, 2)
+    t0 = time.time()
+    while not (run / "checkpoints" / "2").is_dir():  # Orbax renames a step when complete
+        assert time.time() - t0 < 90 and all(p.poll() is None for p in procs), \
+            [p.communicate() for p in procs]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)  # one host dies mid-run ...
+    procs[0].send_signal(signal.SIGKILL)  # ... and the job is torn down (as a scheduler does)
+    for p in procs:
+        p.communicate()
+    assert not (run / "heads").exists()  # it had not finished
+    _finish(_launch(run, data_file, 2, "--resume", str(run)))
+    _close(_result(two_processes), _result(run))
+
+
+def test_unreachable_coordinator_fails_in_one_line(tmp_path, data_file):
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-m", "train.medusa1", "--output-dir", str(tmp_path / "r"),
+         "--data", str(data_file), *FLAGS, "--coordinator", f"127.0.0.1:{_free_port()}",
+         "--num-processes", "2", "--process-id", "1", "--init-timeout", "3"],
+        cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0
+    assert time.time() - t0 < 30
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "cannot reach the coordinator" in lines[0], p.stderr
+    assert not (tmp_path / "r").exists()
