@@ -142,3 +142,25 @@ def test_killed_save_leaves_no_valid_checkpoint(tmp_path):
     ck.close()
     assert meta["step"] == 1
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["w"]), np.load(saved))
+
+
+def test_checkpoint_restores_onto_another_mesh(tmp_path):
+    """Saved on data=1,fsdp=8, restored onto data=2,fsdp=2,model=2 and onto one device:
+    the restore target's shardings decide, the values are the saved ones."""
+    rows = toy_rows()
+    state, step, _, _ = setup("data=1,fsdp=8")
+    state = train(state, step, data.BatchIterator(rows, 8, seed=5), 2)
+    saved = {k: np.asarray(v) for k, v in state.params["heads"].items()}
+    ck = Checkpointer(tmp_path / "ckpt")
+    ck.save(state, TRAINED, 2, {})
+    ck.wait()
+    ck.close()
+    for spec in ("data=2,fsdp=2,model=2", "1,1"):
+        fresh, _, shardings, mesh = setup(spec)
+        ck = Checkpointer(tmp_path / "ckpt", create=False)
+        restored, meta = ck.restore(fresh, shardings, TRAINED)
+        ck.close()
+        assert meta["step"] == 2 and int(restored.step) == 2
+        for k, v in restored.params["heads"].items():
+            assert v.sharding.mesh.shape == mesh.shape
+            np.testing.assert_array_equal(np.asarray(v), saved[k])

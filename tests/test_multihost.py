@@ -24,7 +24,7 @@ STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--num-heads", "2",
          "--log-every", "1", "--save-every", "1", "--eval-every", "100000", "--keep", "10",
          "--eval-prompts", "0", "--template", "plain", "--heldout-fraction", "0",
-         "--lr", "0.001"]
+         "--lr", "0.0005"]
 
 
 @pytest.fixture(scope="module")
