@@ -81,12 +81,12 @@ def _result(run: Path):
     return heads, losses
 
 
-def _close(a, b):
+def _close(a, b, heads_atol=1e-5):
     (ha, la), (hb, lb) = a, b
     assert len(la) == len(lb) == STEPS
     np.testing.assert_allclose(la, lb, atol=1e-5, rtol=0)
     for k in ha:
-        np.testing.assert_allclose(ha[k], hb[k], atol=1e-5, rtol=0, err_msg=k)
+        np.testing.assert_allclose(ha[k], hb[k], atol=heads_atol, rtol=0, err_msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,9 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, data_file, two
     _finish(one8 + one1)
     ref = _result(two_processes)
     _close(ref, _result(tmp_path / "one8"))
-    _close(ref, _result(tmp_path / "one1"))
+    # one device sums in another order than 8; Adam turns that float noise into up to
+    # ~1.2e-5 on a single head weight (1 of 65,536, measured) after 6 steps
+    _close(ref, _result(tmp_path / "one1"), heads_atol=2e-5)
     # only process 0 wrote the run directory's files; every checkpoint is complete
     assert sorted(int(p.name) for p in (two_processes / "checkpoints").iterdir()) == \
         list(range(1, STEPS + 1))
