@@ -86,7 +86,9 @@ class Tree:
     @classmethod
     def load(cls, spec: str | Path, num_heads: int | None = None) -> "Tree":
         """A published tree by name, or a JSON file holding a list of paths
-        (or an object with a "paths" field)."""
+        (or an object with a "paths" field), or "dynamic:N[:POOL]" (a `DynamicTree`)."""
+        if str(spec).startswith(DynamicTree.PREFIX):
+            return DynamicTree.parse(str(spec), num_heads)
         trees = published_trees()
         if str(spec) in trees:
             return cls.from_paths(trees[str(spec)], num_heads, name=str(spec))
@@ -194,3 +196,51 @@ class Tree:
 def chain_tree(depth: int) -> Tree:
     """The top-1 chain of the given depth: the smallest useful tree."""
     return Tree.from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen afresh every step, per row (what EAGLE-2 does for its drafter): the
+    `size` nodes of `pool` whose paths have the highest joint probability under the heads'
+    current distributions. Path probabilities only shrink with depth, so the chosen set is
+    always a subtree of the pool (every node's parent is chosen too). Shapes stay static:
+    a step verifies `size` + 1 tokens whatever is chosen.
+
+    "dynamic:N" uses the published 64-node pool `mc_sim_7b_63`; "dynamic:N:POOL" any tree
+    that `Tree.load` reads."""
+
+    pool: Tree
+    size: int
+    name: str = dataclasses.field(default="dynamic", compare=False)
+
+    PREFIX = "dynamic:"
+    DEFAULT_POOL = assets.PUBLISHED_DEFAULT_TREE
+
+    def __post_init__(self):
+        if not 1 <= self.size <= self.pool.num_nodes - 1:
+            raise ValueError(f"tree {self.name!r}: a dynamic tree chooses 1 .. "
+                             f"{self.pool.num_nodes - 1} nodes of its pool {self.pool.name!r}, "
+                             f"got {self.size}")
+
+    @classmethod
+    def parse(cls, spec: str, num_heads: int | None = None) -> "DynamicTree":
+        size, _, pool = spec[len(cls.PREFIX):].partition(":")
+        if not size.strip().isdigit():
+            raise ValueError(f"tree {spec!r}: expected dynamic:N or dynamic:N:POOL with N a "
+                             f"number of nodes >= 1")
+        if pool.startswith(cls.PREFIX):
+            raise ValueError(f"tree {spec!r}: the pool of a dynamic tree must be a static tree")
+        return cls(Tree.load(pool or cls.DEFAULT_POOL, num_heads), int(size), name=spec)
+
+    @property
+    def num_nodes(self) -> int:
+        """Tokens fed per verification step: root + chosen nodes."""
+        return self.size + 1
+
+    @property
+    def depth(self) -> int:
+        return self.pool.depth
+
+    @property
+    def top_k(self) -> int:
+        return self.pool.top_k
