@@ -70,12 +70,17 @@ if not any(isinstance(f, _FoldOrbaxTracebacks) for f in logging.getLogger("absl"
 def _collect_quietly():
     """After a failed restore, orbax's abandoned read coroutines raise again when they are
     garbage-collected ("Exception ignored in: <coroutine ...>" and a page of traceback on
-    stderr, possibly much later). The failure is already reported in one line: drop those
-    (a filter on sys.unraisablehook, for this one message only) and collect them now."""
+    stderr, possibly much later), and late TensorStore callbacks find orbax's event loop
+    closed. The failure is already reported in one line: from the first failed restore on,
+    a filter on sys.unraisablehook drops these two messages (only these), and the
+    coroutines are collected now."""
     prev = sys.unraisablehook
     if not getattr(prev, "_drops_orbax_read_errors", False):
         def hook(unraisable):
-            if "Encountered error while reading array" not in str(unraisable.exc_value):
+            msg = str(unraisable.exc_value)
+            if not ("Encountered error while reading array" in msg
+                    or (isinstance(unraisable.exc_value, RuntimeError)
+                        and msg == "Event loop is closed")):
                 prev(unraisable)
 
         hook._drops_orbax_read_errors = True
