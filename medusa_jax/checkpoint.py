@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -134,6 +135,14 @@ class Checkpointer:
         A failed save raises CheckpointError here or from the next `save()`/`wait()`."""
         self.wait()  # an earlier save that failed in the background raises here
         step = int(state.step)
+        # checked here because orbax, when it cannot create the step folder, raises but
+        # leaves its writer threads waiting 5 minutes for that folder (and the process with
+        # them)
+        if not self.directory.is_dir() or not os.access(self.directory, os.W_OK | os.X_OK):
+            what = ("is not writable" if self.directory.is_dir()
+                    else "no longer exists or is not a directory")
+            raise CheckpointError(f"{self.directory}: cannot save checkpoint step {step}: "
+                                  f"the checkpoint directory {what}")
         params = {k: state.params[k] for k in trained}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),

@@ -300,3 +300,27 @@ def test_checkpoint_directory_that_is_a_file(tmp_path):
                                               r"directory \(NotADirectoryError") as e:
         Checkpointer(f / "sub")
     _one_line(str(e.value))
+
+
+def test_unwritable_checkpoint_directory_during_a_run(two_steps, tmp_path):
+    # root ignores chmod, so the directory is made unwritable by putting a file in its place
+    ckdir = _copy_of(two_steps, tmp_path)
+    state, step, shardings, _ = setup()
+    ck = Checkpointer(ckdir)
+    state, meta = ck.restore(state, shardings, TRAINED)
+    state = train(state, step, data.BatchIterator(toy_rows(), 2, position=2), 1)
+    ckdir.rename(tmp_path / "aside")
+    ckdir.write_text("not a directory")
+    with pytest.raises(CheckpointError) as e:
+        ck.save(state, TRAINED, 3, {})
+    assert str(e.value) == (f"{ckdir}: cannot save checkpoint step 3: the checkpoint "
+                            f"directory no longer exists or is not a directory")
+    ckdir.unlink()
+    (tmp_path / "aside").rename(ckdir)
+    ck.close()
+    ck = Checkpointer(ckdir, create=False)
+    fresh, _, _, _ = setup()
+    restored, meta = ck.restore(fresh, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 2 and meta["skipped"] == []
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])
