@@ -51,12 +51,15 @@ def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
 
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
-    """(prompt, category) pairs: text lines, or JSONL with `prompt` or `turns` (first turn)."""
+    """(prompt, category) pairs: text lines, or JSONL with `prompt` or `turns` (first turn).
+    Bad input raises ValueError in one line naming the file and line."""
+    from medusa_jax.data import read_text  # UTF-8, with file:line errors
+
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such prompts file")
     out = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(file).splitlines(), 1):
         line = line.strip()
         if not line:
             continue
@@ -65,9 +68,20 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}:{n}: invalid JSON ({e.msg})") from None
-            text = rec.get("prompt") or (rec.get("turns") or [None])[0]
-            if not isinstance(text, str):
+            if "prompt" in rec:
+                field, text = "prompt", rec["prompt"]
+            elif "turns" in rec:
+                if not isinstance(rec["turns"], list) or not rec["turns"]:
+                    raise ValueError(f"{file}:{n}: 'turns' must be a non-empty list of strings, "
+                                     f"got {type(rec['turns']).__name__} {rec['turns']!r:.40}")
+                field, text = "turns[0]", rec["turns"][0]
+            else:
                 raise ValueError(f"{file}:{n}: no 'prompt' or 'turns' field")
+            if not isinstance(text, str):
+                raise ValueError(f"{file}:{n}: '{field}' must be a string, got "
+                                 f"{type(text).__name__} {text!r:.40}")
+            if not text.strip():
+                raise ValueError(f"{file}:{n}: '{field}' is empty")
             out.append((text, rec.get("category")))
         else:
             out.append((line, None))

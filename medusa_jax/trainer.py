@@ -294,6 +294,9 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     position = 0
     if resume is not None and ckpt.latest_step() is not None:
         state, meta = ckpt.restore(state, shardings, method.trained)
+        for skipped in meta.get("skipped", []):
+            print(f"note: checkpoint {skipped['step']} is unreadable ({skipped['reason']}); "
+                  f"moved to {skipped['moved_to']}", flush=True)
         position = meta["data_position"]
         metrics.truncate(meta["step"])
         print(f"resumed at step {meta['step']} (data position {position})", flush=True)
