@@ -22,7 +22,7 @@ import numpy as np
 
 from medusa_jax import assets
 from medusa_jax.acceptance import MODES, Sampling
-from medusa_jax.backbone import Params
+from medusa_jax.backbone import Params, unstack_layers
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_config_of, load_heads
@@ -111,6 +111,7 @@ class Medusa:
         tokenizer = load_tokenizer(model_dir) if model_dir.is_dir() else None
         cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
                                       compute_dtype=compute_dtype)
+        params = unstack_layers(cfg, params)  # the decoding layout of small models
         if heads == "default":
             if model is not None:
                 raise ValueError('heads="default" is only defined for the embedded model')

@@ -260,8 +260,15 @@ def forward_uncommitted(
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
-    xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
-    x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
+    if isinstance(params["layers"], (tuple, list)):  # `unstack_layers`: a straight line
+        outs = []
+        for i, layer in enumerate(params["layers"]):
+            x, kv = body(x, layer if empty_cache else (layer, cache.k[i], cache.v[i]))
+            outs.append(kv)
+        new_kv = (jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs]))
+    else:
+        xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+        x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
     return logits, hidden, new_kv
@@ -307,6 +314,19 @@ MAX_UNROLLED_LAYERS = 12
 def decode_unroll(cfg: ModelConfig) -> int:
     """How many layers one iteration of the decoding scan runs."""
     return cfg.num_layers if cfg.num_layers <= MAX_UNROLLED_LAYERS else 1
+
+
+def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
+    """The decoding layout of a small model: `params["layers"]` as a tuple of per-layer
+    dicts instead of arrays stacked on a layer axis (models deeper than
+    MAX_UNROLLED_LAYERS, and everything else, unchanged). `forward` takes both; with this
+    one a step reads each layer's weights in place, where slicing a stacked array costs a
+    copy kernel per weight and layer. Done once, outside jit (`api.Medusa.load` does it)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)) or cfg.num_layers > MAX_UNROLLED_LAYERS:
+        return params
+    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                                     for i in range(cfg.num_layers)))
 
 
 def param_specs(cfg: ModelConfig) -> dict:

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from medusa_jax import assets, bench, data, distill, sharding, weights
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
-from medusa_jax.backbone import Params
+from medusa_jax.backbone import Params, unstack_layers
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
@@ -375,14 +375,14 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     print(f"heads artifact: {artifact}")
     plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads)
     print(f"accuracy plot: {run_dir / 'accuracy.png'}")
-    decode_backbone = recipe.finish(ctx, state, summary)
+    decode_backbone = jax.device_put(unstack_layers(model_cfg, recipe.finish(ctx, state, summary)))
 
     if cfg.eval_prompts and not bench_prompts:
         print("no held-out conversations to benchmark decoding on (plain-text data)")
     if cfg.eval_prompts and bench_prompts:
         summary["benchmarks"] = []
         for tree in benchmark_trees(cfg, num_heads):
-            c = bench.compare_decoding(jax.device_put(decode_backbone), jax.device_put(heads),
+            c = bench.compare_decoding(decode_backbone, jax.device_put(heads),
                                        model_cfg, bench_prompts[:cfg.eval_prompts], tree,
                                        max_new_tokens=cfg.eval_max_new_tokens, eos=ctx.stops)
             summary["benchmarks"].append(c.to_json())

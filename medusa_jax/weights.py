@@ -204,10 +204,13 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         if key in params:
             a = to_np(params[key])
             tensors[name] = np.ascontiguousarray(a.T) if transpose else a
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):  # the decoding layout (backbone.unstack_layers)
+        layers = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
     for hf, (key, transpose) in _LAYER_MAP.items():
-        if key not in params["layers"]:
+        if key not in layers:
             continue
-        stacked = to_np(params["layers"][key])
+        stacked = to_np(layers[key])
         for i in range(cfg.num_layers):
             a = stacked[i]
             tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(a.T) if transpose else a
