@@ -47,6 +47,9 @@ def build_parser():
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
                    help="step-time curve of a random backbone of --shape (no decoding)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="where a decoding step's time goes: kernels of the compiled step and "
+                        "the time each stage adds (plain and each --trees tree; greedy, batch 1)")
     p.add_argument("--step-curve", action="store_true",
                    help="step-time curve of --model (default: the embedded model), no decoding")
     p.add_argument("--shape", default="llama-110m")
@@ -122,6 +125,27 @@ def step_curve(args) -> int:
     return 0
 
 
+def breakdown(args) -> int:
+    from medusa_jax.bench import step_breakdown
+
+    prompts = cli.read_prompts(args.prompts, 1)
+    model = cli.load_with_heads(args.model, args.heads)
+    with cli.errors_to_exit():
+        trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
+    print("timing each stage of a decoding step ...", file=sys.stderr)
+    rows = step_breakdown(model.params, model.heads, model.cfg, model.encode(prompts[0][0]),
+                          trees, max_new_tokens=args.max_new_tokens, eos=model.eos,
+                          reps=max(args.reps, 3))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'step':<36}{'stage':<26}{'kernels':>8}{'ms':>9}{'added ms':>10}{'vs plain':>10}")
+    for r in rows:
+        print(f"{r['config']:<36}{r['stage']:<26}{r['kernels']:>8}{r['ms']:>9.3f}"
+              f"{r['added_ms']:>10.3f}{r['vs_plain_step']:>9.2f}x")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.layers is not None:
@@ -130,6 +154,8 @@ def main(argv=None) -> int:
         return sizing(args)
     if args.random_weights or args.step_curve:
         return step_curve(args)
+    if args.breakdown:
+        return breakdown(args)
     from medusa_jax.acceptance import MODES, Sampling
     from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
     from medusa_jax.decode import check_fits

@@ -6,6 +6,8 @@ accepted, and the next root token (the "bonus" token the model emits after the a
 ones, which is fed at the start of the next step).
 
 Shapes: logits [B, T, V] (T = tree.num_nodes), tokens [B, T] (each node's candidate token).
+`valid` [B, T] (optional) marks the nodes each row verified, for dynamic trees: a row's tree
+is then the prefix-closed subset of `tree` it selected, and paths stop at its edge.
 """
 
 from __future__ import annotations
@@ -76,12 +78,20 @@ def _path_tokens(tree: Tree, tokens):
     return tokens[:, paths], paths  # [B, P, D+1]
 
 
-def greedy(logits, tokens, tree: Tree):
+def _path_valid(tree: Tree, valid):
+    """[P, D] (static tree) or [B, P, D]: which non-root path entries are real nodes."""
+    static = jnp.asarray(tree.path_valid[:, 1:])
+    if valid is None:
+        return static
+    return static[None] & valid[:, jnp.asarray(tree.paths[:, 1:])]
+
+
+def greedy(logits, tokens, tree: Tree, valid=None):
     """The longest path whose every token equals the model's argmax at its parent."""
     pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
     path_tok, paths = _path_tokens(tree, tokens)
     parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
-    match = (path_tok[:, :, 1:] == parent_pred) & jnp.asarray(tree.path_valid[:, 1:])
+    match = (path_tok[:, :, 1:] == parent_pred) & _path_valid(tree, valid)
     acc = jnp.sum(jnp.cumprod(match, axis=-1), axis=-1)  # [B, P]
     best = jnp.argmax(acc, axis=-1)
     acc_len = jnp.take_along_axis(acc, best[:, None], axis=1)[:, 0]
@@ -90,7 +100,7 @@ def greedy(logits, tokens, tree: Tree):
     return best, acc_len, next_root
 
 
-def typical(logits, tokens, tree: Tree, s: Sampling):
+def typical(logits, tokens, tree: Tree, s: Sampling, valid=None):
     """Accept a candidate while p(token) > min(epsilon, delta * exp(-H(p))) at its parent;
     the longest path wins, ties broken by its log-likelihood; the next root is greedy."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / s.temperature, axis=-1)  # [B, T, V]
@@ -100,7 +110,7 @@ def typical(logits, tokens, tree: Tree, s: Sampling):
     parents = paths[:, :-1]  # [P, D]
     b_idx = jnp.arange(logits.shape[0])[:, None, None]
     tok_logp = logp[b_idx, parents[None], path_tok[:, :, 1:]]  # [B, P, D]
-    ok = (jnp.exp(tok_logp) > threshold[:, parents]) & jnp.asarray(tree.path_valid[:, 1:])
+    ok = (jnp.exp(tok_logp) > threshold[:, parents]) & _path_valid(tree, valid)
     run = jnp.cumprod(ok, axis=-1)
     acc = jnp.sum(run, axis=-1)
     likelihood = jnp.sum(jnp.where(run > 0, tok_logp, 0.0), axis=-1)
@@ -114,7 +124,7 @@ def typical(logits, tokens, tree: Tree, s: Sampling):
     return best, acc_len, next_root
 
 
-def rejection(logits, tokens, tree: Tree, s: Sampling, keys):
+def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
     """Lossless recursive rejection sampling over the tree (one key per row).
 
     At the current node with target distribution p, its children's tokens are tried in rank
@@ -125,11 +135,13 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys):
     """
     logp = log_probs(logits, s)  # [B, T, V]
     children = jnp.asarray(tree.children)
-    child_valid = jnp.asarray(tree.child_valid)
     paths = jnp.asarray(tree.paths)
+    if valid is None:
+        valid = jnp.ones(tokens.shape, bool)
 
-    def one_row(logp_row, tok_row, key):
+    def one_row(logp_row, tok_row, key, valid_row):
         probs = jnp.exp(logp_row)  # [T, V]
+        child_valid = jnp.asarray(tree.child_valid) & valid_row[children]
 
         def try_children(node, key):
             def body(carry, c):
@@ -172,20 +184,22 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys):
         best = jnp.argmax(agrees)
         return best, acc_len, bonus.astype(jnp.int32)
 
-    return jax.vmap(one_row)(logp, tokens, keys)
+    return jax.vmap(one_row)(logp, tokens, keys, valid)
 
 
-# Every rule as (logits, tokens, tree, sampling, keys) -> (best path, accepted length, next
-# root), looked up by `Sampling.mode`.
+# Every rule as (logits, tokens, tree, sampling, keys, valid) -> (best path, accepted
+# length, next root), looked up by `Sampling.mode`.
 RULES = {
-    "greedy": lambda logits, tokens, tree, s, keys: greedy(logits, tokens, tree),
-    "typical": lambda logits, tokens, tree, s, keys: typical(logits, tokens, tree, s),
+    "greedy": lambda logits, tokens, tree, s, keys, valid: greedy(logits, tokens, tree, valid),
+    "typical": lambda logits, tokens, tree, s, keys, valid: typical(logits, tokens, tree, s,
+                                                                    valid),
     "rejection": rejection,
 }
 assert set(RULES) == set(MODES)
 
 
-def accept(logits, tokens, tree: Tree, s: Sampling, keys):
+def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
     """The acceptance rule of `s.mode`: (best path [B], accepted non-root nodes [B],
-    next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only)."""
-    return RULES[s.mode](logits, tokens, tree, s, keys)
+    next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only);
+    valid [B, T]: the nodes each row verified (dynamic trees), default all."""
+    return RULES[s.mode](logits, tokens, tree, s, keys, valid)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+import os
 import time
 from pathlib import Path
 
@@ -20,14 +22,14 @@ import jax
 import numpy as np
 
 from medusa_jax import assets, sharding
-from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import Params, head_units, param_axes, param_specs
+from medusa_jax.acceptance import MODES, Sampling
+from medusa_jax.backbone import Params, head_units, param_axes, param_specs, unstack_layers
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_axes, heads_config_of, load_heads
 from medusa_jax.heads_formats import is_medusa2_model
-from medusa_jax.tree import DEFAULT_TREE, Tree
-from medusa_jax.weights import default_model_dir, load_pretrained
+from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
+from medusa_jax.weights import default_model_dir, load_pretrained, load_tokenizer
 
 
 @dataclasses.dataclass
@@ -52,10 +54,29 @@ def default_heads_dir() -> Path:
     return assets.heads_dir()
 
 
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
-    return AutoTokenizer.from_pretrained(str(path))
+
+def _int_arg(name: str, value, minimum: int | None = None) -> int:
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {_clip(value)}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _float_arg(name: str, value) -> float:
+    if not (_is_int(value) or isinstance(value, (float, np.floating))):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {_clip(value)}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _clip(x, n: int = 40) -> str:
+    r = repr(x)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
@@ -105,6 +126,8 @@ class Medusa:
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
+        else:
+            self.params = unstack_layers(cfg, params)  # the decoding layout of small models
 
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
@@ -116,11 +139,22 @@ class Medusa:
         backbone is then the default `model`), or "default" for the embedded model's heads.
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
         tensors are read into host memory and each device receives only its shards."""
+        for name, value in (("model", model), ("heads", heads)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a path (str or Path) or None, got "
+                                f"{type(value).__name__} {_clip(value)}")
+        for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype)):
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
+                                f"{type(value).__name__} {_clip(value)}")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
         if model is None and heads not in (None, "default") and is_medusa2_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
+        # the tokenizer first, so a folder without one fails before its weights are read
+        # (a missing folder is reported by load_pretrained)
+        tokenizer = load_tokenizer(model_dir) if model_dir.is_dir() else None
         if heads == "default":
             if model is not None:
                 raise ValueError('heads="default" is only defined for the embedded model')
@@ -133,20 +167,43 @@ class Medusa:
                                           compute_dtype=compute_dtype)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
-        return cls(cfg, params, _load_tokenizer(model_dir), head_params, model_dir,
-                   assets.default_tree(model), mesh=mesh)
+        return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
+                   mesh=mesh)
 
     def under_mesh(self):
         """The context decoding runs in: `jax.set_mesh(self.mesh)` (the KV cache is then
         created sharded), or nothing without a mesh."""
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], where: str = "prompt") -> list[int]:
+        """Text -> token ids; a list of token ids is checked against the vocabulary.
+        Raises TypeError / ValueError naming `where` (e.g. "prompts[2]")."""
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise TypeError(f"{where} is text but this model has no tokenizer; "
+                                f"give token ids (a list of ints)")
             ids = self.tokenizer.encode(prompt)
             if not ids:
-                raise ValueError(f"prompt {prompt!r} encodes to no tokens")
+                raise ValueError(f"{where} {_clip(prompt)} encodes to no tokens")
             return ids
+        if isinstance(prompt, (bytes, bytearray)):
+            raise TypeError(f"{where} is bytes ({_clip(prompt)}); give text as str "
+                            f"(.decode() it) or token ids as a list of ints")
+        if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(f"{where} must be a str or a list of token ids, got "
+                            f"{type(prompt).__name__} {_clip(prompt)}")
+        if not prompt:
+            raise ValueError(f"{where} is an empty list of token ids")
+        vocab = self.cfg.vocab_size
+        for j, t in enumerate(prompt):
+            if not _is_int(t):
+                raise TypeError(f"{where}[{j}] must be an int token id, got "
+                                f"{type(t).__name__} {_clip(t)}")
+            if not 0 <= t < vocab:
+                raise ValueError(f"{where}[{j}] = {t} is not a token id of this model "
+                                 f"(0..{vocab - 1})")
         return [int(t) for t in prompt]
 
     def _continuation(self, prompt_ids: list[int], new_ids: list[int]) -> str:
@@ -158,11 +215,18 @@ class Medusa:
         full, head = dec(prompt_ids + new_ids), dec(prompt_ids)
         return full[len(head):] if full.startswith(head) else dec(new_ids)
 
-    def tree(self, spec: str | Path | Tree | None = None) -> Tree:
-        if isinstance(spec, Tree):
-            return spec
+    def tree(self, spec: str | Path | Tree | DynamicTree | None = None) -> Tree | DynamicTree:
+        """A tree checked against the loaded heads (depth) and the vocabulary (ranks)."""
         k = heads_config_of(self.heads).num_heads if self.heads is not None else None
-        return Tree.load(spec or self.default_tree, num_heads=k)
+        if isinstance(spec, DynamicTree):
+            return DynamicTree(self.tree(spec.pool), spec.size, spec.name)
+        if isinstance(spec, Tree):
+            return Tree.from_paths(spec.paths_ranks, k, spec.top_k, spec.name,
+                                   vocab_size=self.cfg.vocab_size)
+        if spec is not None and not isinstance(spec, (str, os.PathLike)):
+            raise TypeError(f"tree must be a tree name, a JSON file path or a Tree, got "
+                            f"{type(spec).__name__} {_clip(spec)}")
+        return Tree.load(spec or self.default_tree, num_heads=k, vocab_size=self.cfg.vocab_size)
 
     def generate(self, prompts: list[str | list[int]] | str, *, max_new_tokens: int = 128,
                  mode: str = "greedy", tree: str | Path | Tree | None = None,
@@ -170,12 +234,44 @@ class Medusa:
                  epsilon: float = 0.09, delta: float = 0.3, seed: int = 0,
                  batch_size: int = 8, medusa: bool | None = None) -> list[Generation]:
         """Generate for every prompt. Medusa decoding when heads are loaded (or `medusa=True`),
-        plain decoding otherwise. Returns one `Generation` per prompt, in order."""
-        if isinstance(prompts, (str, bytes)):
+        plain decoding otherwise. Returns one `Generation` per prompt, in order.
+
+        Every argument is checked before anything is compiled: a bad one raises one-line
+        TypeError / ValueError naming it (and the prompt's index)."""
+        if isinstance(prompts, str):
             prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)):
+            raise TypeError(f"prompts is bytes ({_clip(prompts)}); give text as str "
+                            f"(.decode() it) or token ids as a list of ints")
+        elif isinstance(prompts, np.ndarray) and prompts.ndim in (1, 2):
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        elif not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str or a list of prompts (str, or lists of "
+                            f"token ids), got {type(prompts).__name__} {_clip(prompts)}")
         if not prompts:
-            raise ValueError("no prompts given")
-        use_medusa = self.heads is not None if medusa is None else medusa
+            raise ValueError("prompts is empty: give at least one prompt")
+        if all(_is_int(p) for p in prompts):
+            raise TypeError(f"prompts[0] is an int: give one token-id prompt as a list inside "
+                            f"the list, e.g. [{_clip(list(prompts), 30)}]")
+        max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
+        if not isinstance(mode, str) or mode not in MODES:
+            raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+        temperature = _float_arg("temperature", temperature)
+        if mode != "greedy" and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
+        top_k = _int_arg("top_k", top_k, 0)
+        top_p = _float_arg("top_p", top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        epsilon, delta = _float_arg("epsilon", epsilon), _float_arg("delta", delta)
+        if epsilon < 0 or delta < 0:
+            raise ValueError(f"epsilon and delta must be >= 0, got {epsilon}, {delta}")
+        seed = _int_arg("seed", seed)
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        if medusa is not None and not isinstance(medusa, (bool, np.bool_)):
+            raise TypeError(f"medusa must be True, False or None, got {type(medusa).__name__} "
+                            f"{_clip(medusa)}")
+        use_medusa = self.heads is not None if medusa is None else bool(medusa)
         if use_medusa and self.heads is None:
             raise ValueError("medusa=True needs heads: Medusa.load(..., heads=PATH)")
         if mode == "greedy":
@@ -183,10 +279,10 @@ class Medusa:
         sampling = Sampling(mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
                             epsilon=epsilon, delta=delta)
         the_tree = self.tree(tree) if use_medusa else None
-        encoded = [self.encode(p) for p in prompts]
+        encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
         check_fits(self.cfg, longest, max_new_tokens, the_tree.num_nodes if the_tree else 1)
-        batch_size = max(1, min(batch_size, len(encoded)))
+        batch_size = min(batch_size, len(encoded))
         key = jax.random.key(seed)
         results: list[Generation] = []
         for start in range(0, len(encoded), batch_size):

@@ -78,14 +78,17 @@ def causal_mask(lengths: jax.Array, num_new: int, capacity: int) -> jax.Array:
 def tree_mask_after_prefix(lengths: jax.Array, tree_mask: jax.Array, capacity: int) -> jax.Array:
     """[B, T, S]: every tree node sees the whole prefix, and the tree nodes it `tree_mask`s.
 
-    tree_mask: [T, T] boolean, node i may attend node j (ancestors and itself).
+    tree_mask: [T, T] (one tree) or [B, T, T] (a tree per row) boolean, node i may attend
+    node j (its ancestors and itself).
     """
-    t = tree_mask.shape[0]
+    t = tree_mask.shape[-1]
     rel = jnp.arange(capacity)[None, :] - lengths[:, None]  # [B, S] slot relative to prefix end
     in_tree = (rel >= 0) & (rel < t)
-    tree_part = tree_mask[:, jnp.clip(rel, 0, t - 1)]  # [T, B, S]
-    tree_part = jnp.transpose(tree_part, (1, 0, 2)) & in_tree[:, None, :]
-    return (rel < 0)[:, None, :] | tree_part
+    if tree_mask.ndim == 2:
+        tree_part = jnp.transpose(tree_mask[:, jnp.clip(rel, 0, t - 1)], (1, 0, 2))  # [B, T, S]
+    else:
+        tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
+    return (rel < 0)[:, None, :] | (tree_part & in_tree[:, None, :])
 
 
 # ----------------------------------------------------------------------------- layers
@@ -229,6 +232,7 @@ def forward_uncommitted(
     *,
     return_logits: bool = True,
     empty_cache: bool = False,
+    unroll: int = 1,
 ) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
@@ -236,7 +240,9 @@ def forward_uncommitted(
 
     `empty_cache=True` promises every row's cache is empty (prefill, training): attention
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
-    fully masked block."""
+    fully masked block. `unroll` layers per iteration of the scan over layers: decoding
+    unrolls small models completely (`decode_unroll`), which removes the per-layer loop and
+    weight-slicing kernels that dominate a tiny model's step on CPU."""
     dt = as_dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)
     inv_freq = rope_frequencies(cfg)
@@ -254,8 +260,15 @@ def forward_uncommitted(
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
-    xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
-    x, new_kv = jax.lax.scan(body, x, xs)
+    if isinstance(params["layers"], (tuple, list)):  # `unstack_layers`: a straight line
+        outs = []
+        for i, layer in enumerate(params["layers"]):
+            x, kv = body(x, layer if empty_cache else (layer, cache.k[i], cache.v[i]))
+            outs.append(kv)
+        new_kv = (jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs]))
+    else:
+        xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+        x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
     return logits, hidden, new_kv
@@ -269,7 +282,8 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-            empty_cache: bool = False) -> tuple[jax.Array | None, jax.Array, KVCache]:
+            empty_cache: bool = False, unroll: int = 1
+            ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
     Slot s of the mask is cache slot s; the new tokens occupy slots lengths[b] ...
@@ -279,7 +293,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     """
     logits, hidden, (k_new, v_new) = forward_uncommitted(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache)
+        empty_cache=empty_cache, unroll=unroll)
     return logits, hidden, write_kv(cache, k_new, v_new)
 
 
@@ -289,6 +303,30 @@ class ParamSpec(NamedTuple):
 
     shape: tuple[int, ...]
     axes: tuple[str, ...]
+
+
+# Decoding unrolls the layer loop of models up to this depth: one step of a small model is
+# then a straight line of kernels (no loop, no per-layer weight slicing); deeper models keep
+# the scan (compile time grows with the unrolled depth, and big layers hide the loop's cost).
+MAX_UNROLLED_LAYERS = 12
+
+
+def decode_unroll(cfg: ModelConfig) -> int:
+    """How many layers one iteration of the decoding scan runs."""
+    return cfg.num_layers if cfg.num_layers <= MAX_UNROLLED_LAYERS else 1
+
+
+def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
+    """The decoding layout of a small model: `params["layers"]` as a tuple of per-layer
+    dicts instead of arrays stacked on a layer axis (models deeper than
+    MAX_UNROLLED_LAYERS, and everything else, unchanged). `forward` takes both; with this
+    one a step reads each layer's weights in place, where slicing a stacked array costs a
+    copy kernel per weight and layer. Done once, outside jit (`api.Medusa.load` does it)."""
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)) or cfg.num_layers > MAX_UNROLLED_LAYERS:
+        return params
+    return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                                     for i in range(cfg.num_layers)))
 
 
 def param_specs(cfg: ModelConfig) -> dict:

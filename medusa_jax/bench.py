@@ -8,7 +8,9 @@ is reported. Speed claims are ratios against a baseline measured in the same run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.backbone import KVCache, causal_mask, decode_unroll, forward, init_params
 from medusa_jax.config import ModelConfig, as_dtype
 from medusa_jax.decode import generate, medusa_generate, pad_prompts
 from medusa_jax.tree import Tree
@@ -55,12 +57,15 @@ def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
 
 
 def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
-    """(prompt, category) pairs: text lines, or JSONL with `prompt` or `turns` (first turn)."""
+    """(prompt, category) pairs: text lines, or JSONL with `prompt` or `turns` (first turn).
+    Bad input raises ValueError in one line naming the file and line."""
+    from medusa_jax.data import read_text  # UTF-8, with file:line errors
+
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such prompts file")
     out = []
-    for n, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(read_text(file).splitlines(), 1):
         line = line.strip()
         if not line:
             continue
@@ -69,9 +74,20 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{file}:{n}: invalid JSON ({e.msg})") from None
-            text = rec.get("prompt") or (rec.get("turns") or [None])[0]
-            if not isinstance(text, str):
+            if "prompt" in rec:
+                field, text = "prompt", rec["prompt"]
+            elif "turns" in rec:
+                if not isinstance(rec["turns"], list) or not rec["turns"]:
+                    raise ValueError(f"{file}:{n}: 'turns' must be a non-empty list of strings, "
+                                     f"got {type(rec['turns']).__name__} {rec['turns']!r:.40}")
+                field, text = "turns[0]", rec["turns"][0]
+            else:
                 raise ValueError(f"{file}:{n}: no 'prompt' or 'turns' field")
+            if not isinstance(text, str):
+                raise ValueError(f"{file}:{n}: '{field}' must be a string, got "
+                                 f"{type(text).__name__} {text!r:.40}")
+            if not text.strip():
+                raise ValueError(f"{file}:{n}: '{field}' is empty")
             out.append((text, rec.get("category")))
         else:
             out.append((line, None))
@@ -392,3 +408,176 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
         "total_per_device_gib": sum(extrapolated.values()) / gib,
         "run_seconds": run_s, "new_tokens": int(np.asarray(out.num_new).max()),
     }
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+# What a kernel is in optimized HLO: every instruction that runs, not those that only name,
+# split or join buffers.
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                "after-all", "partition-id", "replica-id"}
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s.*?\s([a-z][\w\-]*)\((?:%|\))")
+_HLO_COMP = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{\s*$")
+
+
+def count_kernels(hlo_text: str) -> int:
+    """Kernels one call of a compiled function runs: instructions of the entry computation
+    and of the while/call bodies it reaches (a while body counted once per known trip;
+    fusions count once, whatever they fuse)."""
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        m = _HLO_COMP.match(line)
+        if m:
+            name = m.group(2)
+            comps[name] = []
+            if m.group(1):
+                entry = name
+            continue
+        if name is not None and _HLO_INSTR.match(line):
+            comps[name].append(line)
+
+    def count(comp: str, seen: tuple = ()) -> int:
+        total = 0
+        for line in comps.get(comp, []):
+            op = _HLO_INSTR.match(line).group(1)
+            if op in _NOT_KERNELS:
+                continue
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trips.group(1)) if trips else 1
+                total += n * (count(body, seen) + count(cond, seen))
+            elif op in ("call", "conditional") and comp not in seen:
+                for callee in re.findall(r"(?:to_apply|branch_computations=\{?)=?%?([\w.\-]+)",
+                                         line):
+                    total += count(callee, seen + (comp,))
+                total += 1
+            else:
+                total += 1
+        return total
+
+    return count(entry) if entry else 0
+
+
+def _time_loop(step, state, iters: int, reps: int) -> tuple[float, int]:
+    """(median seconds per call of `step` inside a jitted fori_loop, kernels per call)."""
+    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda i, s: step(s), s))
+    seconds = _median_time(lambda: loop(state), reps)[0] / iters
+    kernels = count_kernels(jax.jit(step).lower(state).compile().as_text())
+    return seconds, kernels
+
+
+MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
+
+
+def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
+    """`decode.medusa_step` with only `stages` real (plus the backbone pass, always); the
+    others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
+    can neither drop nor hoist the stages that stay)."""
+    from medusa_jax import acceptance, decode
+
+    from medusa_jax.tree import DynamicTree
+
+    static = tree.pool if isinstance(tree, DynamicTree) else tree
+    paths = jnp.asarray(static.paths)
+    v, n, t = cfg.vocab_size, static.num_nodes, tree.num_nodes
+
+    def stand_in(root):
+        """The first T nodes of the tree (a subtree), with tokens that follow the root."""
+        tokens = (root[:, None] + jnp.arange(n)[None]) % v
+        first = jnp.arange(n) < t
+        return decode.Proposal(
+            fed=tokens[:, :t], fed_depth=jnp.asarray(static.node_depth[:t]),
+            fed_mask=jnp.asarray(static.mask[:t, :t]), tokens=tokens,
+            valid=None if t == n else jnp.broadcast_to(first, tokens.shape),
+            slot=None if t == n else jnp.broadcast_to(jnp.minimum(jnp.arange(n), t - 1),
+                                                      tokens.shape))
+
+    def step(s):
+        b = s.root.shape[0]
+        rows = jnp.arange(b)
+        live = ~s.done
+        if "candidates" in stages:
+            prop = decode.propose_candidates(s.root, s.head_logits, tree)
+        else:
+            prop = stand_in(s.root)
+        logits, hidden, (k_new, v_new) = decode.verify(params, cfg, prop, s.cache)
+        if "acceptance" in stages:
+            best, acc_len, next_root = acceptance.accept(
+                prop.node_rows(logits), prop.tokens, static, Sampling(), None, prop.valid)
+        else:
+            best = jnp.zeros((b,), jnp.int32)
+            acc_len = jnp.ones((b,), jnp.int32)
+            next_root = (s.root + (logits[:, 0, 0] > 0)) % v
+        path = paths[best]
+        fed_path = prop.fed_index(path)
+        advance = jnp.where(live, acc_len + 1, 0)
+        if "commit" in stages:
+            cache = decode.commit(s.cache, k_new, v_new, fed_path, advance)
+        else:
+            cache = s.cache.advance(advance)
+        if "heads" in stages:
+            new_hl = decode.standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], None)
+        else:
+            new_hl = s.head_logits + hidden[:, 0, :1].sum() * 0.0
+        if "bookkeeping" in stages:
+            chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
+            out, count, done, kept = decode.emit(s, chunk, acc_len, eos, max_new_tokens)
+            hist = s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(
+                live.astype(jnp.int32))
+            return s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
+                             head_logits=jnp.where(live[None, :, None], new_hl, s.head_logits),
+                             out=out, count=count, steps=s.steps + live, hist=hist, done=done)
+        return s.replace(cache=cache, root=next_root, head_logits=new_hl,
+                         count=s.count + advance)
+
+    return step
+
+
+def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: list[Tree], *,
+                   max_new_tokens: int = 128, eos: tuple[int, ...] = (), iters: int = 200,
+                   reps: int = 5) -> list[dict]:
+    """Where a decoding step's time goes, greedy, batch 1, after `prompt`: for the plain step
+    and each tree, the kernels of the compiled step and the time of each stage, measured by
+    adding the stages one at a time to the backbone pass (each row: the time with the stages
+    so far, and what its stage added). All configurations are timed in this process."""
+    from medusa_jax import decode
+
+    tokens, lengths = pad_prompts([prompt])
+    key = jax.random.key(0)
+    plain_state = decode.plain_init(params, cfg, tokens, lengths, key, Sampling(),
+                                    max_new_tokens)
+    rows = []
+
+    def forward_only(s):
+        logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
+                                   causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache,
+                                   unroll=decode_unroll(cfg))
+        return s.replace(cache=cache, next_token=(s.next_token + (logits[:, 0, 0] > 0)) %
+                         cfg.vocab_size)
+
+    full_plain = functools.partial(decode.plain_step, params, cfg, Sampling(), eos)
+    plain_parts = [("backbone pass", forward_only), ("+ sampling, bookkeeping", full_plain)]
+    for label, fn in plain_parts:
+        sec, k = _time_loop(fn, plain_state, iters, reps)
+        rows.append({"config": "plain", "stage": label, "ms": 1e3 * sec, "kernels": k})
+    plain_ms = rows[-1]["ms"]
+    for tree in trees:
+        state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
+                                         Sampling(), max_new_tokens)
+        for i in range(len(MEDUSA_STAGES) + 1):
+            stages = frozenset(MEDUSA_STAGES[:i])
+            label = "backbone pass" if i == 0 else f"+ {MEDUSA_STAGES[i - 1]}"
+            fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages)
+            sec, k = _time_loop(fn, state, iters, reps)
+            rows.append({"config": f"medusa {tree.name} ({tree.num_nodes} tokens)",
+                         "stage": label, "ms": 1e3 * sec, "kernels": k})
+    for r in rows:
+        r["vs_plain_step"] = r["ms"] / plain_ms
+    prev = {}
+    for r in rows:
+        r["added_ms"] = r["ms"] - prev.get(r["config"], 0.0)
+        prev[r["config"]] = r["ms"]
+    return rows

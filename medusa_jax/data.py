@@ -72,12 +72,29 @@ class LoadReport:
                 f"long, {self.rows} packed rows, {self.tokens} tokens ({self.label_tokens} labels)")
 
 
+def read_text(path: Path) -> str:
+    """A file as UTF-8 text (a leading BOM dropped). DataError in one line when it cannot
+    be read, is empty (or whitespace only), or is not UTF-8: then the message gives the line
+    and byte offset of the first bad byte."""
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                        f"{e.start}: {e.reason})") from None
+    text = text.removeprefix("\ufeff")
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty" + (" (whitespace only)" if raw else ""))
+    return text
+
+
 def _json_records(path: Path) -> Iterable[tuple[int, object]]:
     """(line number, record) from a JSON array file or a JSONL file."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    text = read_text(path)
     if text.lstrip().startswith("["):
         try:
             data = json.loads(text)
@@ -160,16 +177,15 @@ def read_file(path: str | Path, fmt: str = "auto",
         raise DataError(f"{path}: no such data file")
     skipped = collections.Counter()
     if fmt == "text" or (fmt == "auto" and path.suffix.lower() in _TEXT_SUFFIXES):
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        text = read_text(path)
         # documents are separated by blank lines; a document keeps its line breaks
         docs = ["\n".join(" ".join(ln.split()) for ln in d.splitlines() if ln.strip())
                 for d in re.split(r"\n\s*\n", text)]
         convs = [[("text", d)] for d in docs if d]
     else:
         records = _json_records(path)
+        if not records:
+            raise DataError(f"{path}: the file holds no records (an empty JSON array)")
         if fmt == "auto":
             fmt = detect_format(path, records[0][1] if records else None)
         parse = _sharegpt if fmt == "sharegpt" else _alpaca

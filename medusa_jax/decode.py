@@ -26,11 +26,11 @@ from flax import struct
 
 from medusa_jax import acceptance, sharding
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_uncommitted,
-                                 tree_mask_after_prefix, write_kv)
+from medusa_jax.backbone import (KVCache, Params, causal_mask, decode_unroll, forward,
+                                 forward_uncommitted, tree_mask_after_prefix, write_kv)
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
-from medusa_jax.tree import Tree
+from medusa_jax.tree import DynamicTree, Tree
 
 MIN_BUCKET = 16
 
@@ -105,6 +105,11 @@ def _split_rows(keys):
     return both[:, 0], both[:, 1]
 
 
+def _next_keys(keys, used: bool):
+    """(carried keys, keys for this step). Greedy choices draw nothing: no PRNG work."""
+    return _split_rows(keys) if used else (keys, keys)
+
+
 @struct.dataclass
 class PlainState:
     """The plain loop's carry (per row: B)."""
@@ -121,35 +126,45 @@ def _sample_rows(keys, logits, sampling):
     return jax.vmap(lambda k, l: acceptance.sample(k, l, sampling))(keys, logits)
 
 
+def plain_init(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+               key: jax.Array, sampling: Sampling, max_new_tokens: int) -> PlainState:
+    """Prefill the prompts and choose each row's first token."""
+    b, p = tokens.shape
+    logits, _, cache = _prefill(params, cfg, tokens, lengths, p + max_new_tokens + 1)
+    keys, sub = _split_rows(_row_keys(key, b))
+    zeros = jnp.zeros((b,), jnp.int32)
+    return PlainState(cache=cache, next_token=_sample_rows(sub, logits, sampling),
+                      out=jnp.zeros((b, max_new_tokens), jnp.int32), count=zeros,
+                      done=jnp.zeros((b,), bool), keys=keys)
+
+
+def plain_step(params: Params, cfg: ModelConfig, sampling: Sampling, eos: tuple[int, ...],
+               s: PlainState) -> PlainState:
+    """Emit each live row's next token, then feed it and choose the one after."""
+    max_new_tokens = s.out.shape[1]
+    live = ~s.done
+    at = live[:, None] & (jnp.arange(max_new_tokens)[None] == s.count[:, None])
+    out = jnp.where(at, s.next_token[:, None], s.out)
+    count = s.count + live
+    done = s.done | (live & _eos_mask(s.next_token, eos)) | (count >= max_new_tokens)
+    logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
+                               causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache,
+                               unroll=decode_unroll(cfg))
+    keys, sub = _next_keys(s.keys, sampling.mode != "greedy")
+    new = _sample_rows(sub, logits[:, 0], sampling)
+    return PlainState(cache=cache.advance(~done), next_token=jnp.where(done, s.next_token, new),
+                      out=out, count=count, done=done, keys=keys)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos"))
 def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
              key: jax.Array, *, sampling: Sampling = Sampling(), max_new_tokens: int = 128,
              eos: tuple[int, ...] = ()) -> Output:
     """Plain autoregressive decoding. tokens [B, P] right-padded, lengths [B]."""
-    b, p = tokens.shape
-    capacity = p + max_new_tokens + 1
-    logits, _, cache = _prefill(params, cfg, tokens, lengths, capacity)
-    keys, sub = _split_rows(_row_keys(key, b))
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = PlainState(cache=cache, next_token=_sample_rows(sub, logits, sampling),
-                       out=jnp.zeros((b, max_new_tokens), jnp.int32), count=zeros,
-                       done=jnp.zeros((b,), bool), keys=keys)
-
-    def body(s: PlainState) -> PlainState:
-        live = ~s.done
-        at = live[:, None] & (jnp.arange(max_new_tokens)[None] == s.count[:, None])
-        out = jnp.where(at, s.next_token[:, None], s.out)
-        count = s.count + live
-        done = s.done | (live & _eos_mask(s.next_token, eos)) | (count >= max_new_tokens)
-        logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
-                                   causal_mask(s.cache.lengths, 1, capacity), s.cache)
-        keys, sub = _split_rows(s.keys)
-        new = _sample_rows(sub, logits[:, 0], sampling)
-        return PlainState(cache=cache.advance(~done),
-                          next_token=jnp.where(done, s.next_token, new), out=out, count=count,
-                          done=done, keys=keys)
-
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    b = tokens.shape[0]
+    state = plain_init(params, cfg, tokens, lengths, key, sampling, max_new_tokens)
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done),
+                           functools.partial(plain_step, params, cfg, sampling, eos), state)
     hist = jnp.zeros((b, 3), jnp.int32).at[:, 1].set(s.count)
     return Output(tokens=s.out, num_new=s.count, steps=s.count, accept_hist=hist)
 
@@ -183,23 +198,77 @@ class MedusaState:
     keys: jax.Array  # [B] PRNG keys, one stream per row
 
 
-def propose_candidates(root: jax.Array, head_logits: jax.Array, tree: Tree) -> jax.Array:
-    """Stage 1. root [B], head_logits [K, B, V] -> each tree node's token [B, T]: node i
-    takes entry `tree.cand_index[i]` of [root, top-k of head 1, top-k of head 2, ...]."""
-    b = root.shape[0]
-    top = small_top_k(head_logits[:tree.depth], tree.top_k)  # [D, B, k]
+@struct.dataclass
+class Proposal:
+    """What stage 1 hands to the others: the tokens to verify and, for acceptance, the tree
+    they form. A static tree verifies every node; a dynamic tree a per-row subset of its
+    pool, and acceptance then works on the pool with the unverified nodes masked out."""
+
+    fed: jax.Array  # [B, T] int32: the tokens verified, root first
+    fed_depth: jax.Array  # [T] or [B, T] int32: each one's position after the root
+    fed_mask: jax.Array  # [T, T] or [B, T, T] bool: which fed tokens each one attends
+    tokens: jax.Array  # [B, N] int32: every node's token (N = tree or pool nodes)
+    valid: jax.Array | None  # [B, N] bool: the nodes verified (None: all)
+    slot: jax.Array | None  # [B, N] int32: each node's index in `fed` (None: the same)
+
+    def node_rows(self, x: jax.Array) -> jax.Array:
+        """Per-fed-token values x [B, T, ...] as per-node values [B, N, ...]."""
+        if self.slot is None:
+            return x
+        idx = self.slot.reshape(self.slot.shape + (1,) * (x.ndim - 2))
+        return jnp.take_along_axis(x, idx, axis=1)
+
+    def fed_index(self, nodes: jax.Array) -> jax.Array:
+        """Node indices [B, ...] -> their indices in `fed`."""
+        return nodes if self.slot is None else jnp.take_along_axis(self.slot, nodes, axis=1)
+
+
+def propose_candidates(root: jax.Array, head_logits: jax.Array,
+                       tree: Tree | DynamicTree) -> Proposal:
+    """Stage 1. root [B], head_logits [K, B, V] -> the tokens to verify: node i of the tree
+    takes entry `cand_index[i]` of [root, top-k of head 1, top-k of head 2, ...]. A dynamic
+    tree keeps, per row, the `size` pool nodes whose paths are most probable under the heads
+    (the sum of each node's rank log-probability along its path)."""
+    static = tree.pool if isinstance(tree, DynamicTree) else tree
+    b, depth, k = root.shape[0], static.depth, static.top_k
+    top = small_top_k(head_logits[:depth], k)  # [D, B, k]
     flat = jnp.concatenate([root[:, None], jnp.transpose(top, (1, 0, 2)).reshape(b, -1)],
                            axis=1)
-    return flat[:, jnp.asarray(tree.cand_index)].astype(jnp.int32)
+    cand_index = jnp.asarray(static.cand_index)
+    tokens = flat[:, cand_index].astype(jnp.int32)  # [B, N]
+    if not isinstance(tree, DynamicTree):
+        return Proposal(fed=tokens, fed_depth=jnp.asarray(tree.node_depth),
+                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None)
+    logp = jax.nn.log_softmax(head_logits[:depth].astype(jnp.float32), axis=-1)
+    top_logp = jnp.take_along_axis(logp, top, axis=-1)  # [D, B, k]
+    flat_logp = jnp.concatenate([jnp.zeros((b, 1)), jnp.transpose(top_logp, (1, 0, 2))
+                                 .reshape(b, -1)], axis=1)
+    node_logp = flat_logp[:, cand_index]  # [B, N]: each node's own rank, at its depth
+    ancestors = jnp.asarray(static.mask, jnp.float32)  # [N, N]: ancestors and itself
+    depth_of = jnp.asarray(static.node_depth)
+    # a child scores strictly below its parent (ties included): the choice is a subtree
+    score = node_logp @ ancestors.T - 1e-4 * depth_of[None]
+    chosen = jax.lax.top_k(score[:, 1:], tree.size)[1] + 1  # [B, size], the root apart
+    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.sort(chosen, axis=1).astype(jnp.int32)], axis=1)  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    valid = jnp.zeros(tokens.shape, bool).at[rows, nodes].set(True)
+    slot = jnp.zeros(tokens.shape, jnp.int32).at[rows, nodes].set(
+        jnp.arange(tree.num_nodes, dtype=jnp.int32)[None])
+    mask = jnp.asarray(static.mask)[nodes[:, :, None], nodes[:, None, :]]  # [B, T, T]
+    return Proposal(fed=jnp.take_along_axis(tokens, nodes, axis=1), fed_depth=depth_of[nodes],
+                    fed_mask=mask, tokens=tokens, valid=valid, slot=slot)
 
 
-def verify(params: Params, cfg: ModelConfig, cand: jax.Array, cache: KVCache, tree: Tree):
-    """Stage 2. One backbone pass over the tree's tokens cand [B, T], each at position
+def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache):
+    """Stage 2. One backbone pass over the proposed tokens [B, T], each at position
     length + its depth, attending the prefix and its own ancestors. Returns (logits
     [B, T, V], hidden [B, T, H], the new keys/values [L, B, KVH, T, D] each, uncommitted)."""
-    positions = cache.lengths[:, None] + jnp.asarray(tree.node_depth)[None, :]
-    mask = tree_mask_after_prefix(cache.lengths, jnp.asarray(tree.mask), cache.capacity)
-    return forward_uncommitted(params, cfg, cand, positions, mask, cache)
+    depth = prop.fed_depth if prop.fed_depth.ndim == 2 else prop.fed_depth[None, :]
+    positions = cache.lengths[:, None] + depth
+    mask = tree_mask_after_prefix(cache.lengths, prop.fed_mask, cache.capacity)
+    return forward_uncommitted(params, cfg, prop.fed, positions, mask, cache,
+                               unroll=decode_unroll(cfg))
 
 
 def emit(s: MedusaState, chunk: jax.Array, acc_len: jax.Array, eos: tuple[int, ...],
@@ -237,6 +306,60 @@ def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.
     return apply_heads(heads, hidden)
 
 
+def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
+                lengths: jax.Array, key: jax.Array, tree: Tree, sampling: Sampling,
+                max_new_tokens: int, head_fn=None) -> tuple[MedusaState, Params]:
+    """Prefill, choose each row's root and run the heads once. Returns (state, the heads the
+    tree uses: those deeper than the tree never propose a candidate and are not run)."""
+    head_fn = head_fn or standard_heads
+    b, p = tokens.shape
+    depth = tree.depth
+    base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths,
+                                          p + max_new_tokens + tree.num_nodes + 1)
+    keys, sub = _split_rows(_row_keys(key, b))
+    # typical acceptance keeps the first token greedy (the paper's rule)
+    root_rule = sampling if sampling.mode == "rejection" else Sampling()
+    root = _sample_rows(sub, base_logits, root_rule)
+    if head_fn is standard_heads:
+        heads = jax.tree.map(lambda x: x[:depth], heads)
+    head_logits = head_fn(heads, hidden, lengths)  # [K, B, V]
+    if head_logits.shape[0] < depth:
+        raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
+                         f"{head_logits.shape[0]} Medusa heads")
+    zeros = jnp.zeros((b,), jnp.int32)
+    state = MedusaState(cache=cache, root=root, head_logits=head_logits,
+                        out=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32), count=zeros,
+                        steps=zeros, hist=jnp.zeros((b, depth + 2), jnp.int32),
+                        done=jnp.zeros((b,), bool), keys=keys)
+    return state, heads
+
+
+def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
+                sampling: Sampling, eos: tuple[int, ...], max_new_tokens: int, head_fn,
+                s: MedusaState) -> MedusaState:
+    """One Medusa step for every row, the five stages in order."""
+    rows = jnp.arange(s.root.shape[0])
+    live = ~s.done
+    static = tree.pool if isinstance(tree, DynamicTree) else tree
+    prop = propose_candidates(s.root, s.head_logits, tree)  # 1
+    logits, hidden, (k_new, v_new) = verify(params, cfg, prop, s.cache)  # 2
+    keys, sub = _next_keys(s.keys, sampling.mode == "rejection")
+    best, acc_len, next_root = acceptance.accept(prop.node_rows(logits), prop.tokens, static,
+                                                 sampling, sub, prop.valid)  # 3
+    path = jnp.asarray(static.paths)[best]  # [B, D+1] node indices, root first
+    chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
+    out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
+    fed_path = prop.fed_index(path)
+    cache = commit(s.cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
+    new_head_logits = head_fn(heads, hidden[rows, fed_path[rows, acc_len]], cache.lengths)  # 5
+    return MedusaState(
+        cache=cache, root=jnp.where(live, next_root, s.root),
+        head_logits=jnp.where(live[None, :, None], new_head_logits, s.head_logits),
+        out=out, count=count, steps=s.steps + live,
+        hist=s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(live.astype(jnp.int32)),
+        done=done, keys=keys)
+
+
 @functools.partial(jax.jit,
                    static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos", "head_fn"))
 def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
@@ -249,49 +372,11 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     last committed token (at slot lengths - 1) into head logits; the default applies the
     Medusa heads. Tests plug in oracle heads here.
     """
-    b, p = tokens.shape
-    depth = tree.depth
-    capacity = p + max_new_tokens + tree.num_nodes + 1
-    paths = jnp.asarray(tree.paths)
-    rows = jnp.arange(b)
-
-    base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
-    keys, sub = _split_rows(_row_keys(key, b))
-    # typical acceptance keeps the first token greedy (the paper's rule)
-    root_rule = sampling if sampling.mode == "rejection" else Sampling()
-    root = _sample_rows(sub, base_logits, root_rule)
-    if head_fn is standard_heads:
-        # heads deeper than the tree never propose a candidate: do not run them
-        heads = jax.tree.map(lambda x: x[:depth], heads)
-    head_logits = head_fn(heads, hidden, lengths)  # [K, B, V]
-    if head_logits.shape[0] < depth:
-        raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
-                         f"{head_logits.shape[0]} Medusa heads")
-    zeros = jnp.zeros((b,), jnp.int32)
-    state = MedusaState(cache=cache, root=root, head_logits=head_logits,
-                        out=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32), count=zeros,
-                        steps=zeros, hist=jnp.zeros((b, depth + 2), jnp.int32),
-                        done=jnp.zeros((b,), bool), keys=keys)
-
-    def body(s: MedusaState) -> MedusaState:
-        live = ~s.done
-        cand = propose_candidates(s.root, s.head_logits, tree)  # 1
-        logits, hidden, (k_new, v_new) = verify(params, cfg, cand, s.cache, tree)  # 2
-        keys, sub = _split_rows(s.keys)
-        best, acc_len, next_root = acceptance.accept(logits, cand, tree, sampling, sub)  # 3
-        path = paths[best]  # [B, D+1] node indices, root first
-        chunk = jnp.take_along_axis(cand, path, axis=1)
-        out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
-        cache = commit(s.cache, k_new, v_new, path, jnp.where(live, acc_len + 1, 0))
-        new_head_logits = head_fn(heads, hidden[rows, path[rows, acc_len]], cache.lengths)  # 5
-        return MedusaState(
-            cache=cache, root=jnp.where(live, next_root, s.root),
-            head_logits=jnp.where(live[None, :, None], new_head_logits, s.head_logits),
-            out=out, count=count, steps=s.steps + live,
-            hist=s.hist.at[rows, jnp.clip(kept, 0, depth + 1)].add(live.astype(jnp.int32)),
-            done=done, keys=keys)
-
-    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
+    state, heads = medusa_init(params, heads, cfg, tokens, lengths, key, tree, sampling,
+                               max_new_tokens, head_fn)
+    step = functools.partial(medusa_step, params, heads, cfg, tree, sampling, eos,
+                             max_new_tokens, head_fn)
+    s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
     count = jnp.minimum(s.count, max_new_tokens)
     return Output(tokens=s.out[:, :max_new_tokens], num_new=count, steps=s.steps,
                   accept_hist=s.hist)

@@ -40,13 +40,7 @@ def read_prompts(path: str | Path) -> list[str]:
         convs = data.read_file(path)
         prompts = [next((t for r, t in c if r == "user"), "") for c in convs]
     else:
-        raw = path.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise DataError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#04x} at "
-                            f"offset {e.start})") from None
+        text = data.read_text(path)
         prompts = [line.strip() for line in text.splitlines()]
     prompts = [p for p in prompts if p]
     if not prompts:

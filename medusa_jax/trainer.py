@@ -37,7 +37,7 @@ from medusa_jax import assets, bench, data, distill, distributed, sharding, weig
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
 from medusa_jax import backbone as backbone_lib
-from medusa_jax.backbone import Params
+from medusa_jax.backbone import Params, unstack_layers
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
@@ -318,6 +318,9 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     position = 0
     if resume is not None and ckpt.latest_step() is not None:
         state, meta = ckpt.restore(state, shardings, method.trained)
+        for skipped in meta.get("skipped", []):
+            print(f"note: checkpoint {skipped['step']} is unreadable ({skipped['reason']}); "
+                  f"moved to {skipped['moved_to']}", flush=True)
         position = meta["data_position"]
         metrics.truncate(meta["step"])
         print(f"resumed at step {meta['step']} (data position {position})", flush=True)
@@ -401,13 +404,14 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     distributed.barrier("heads written")
     if not writer:  # the decoding benchmark and the summary are process 0's
         return summary
+    decode_backbone = jax.device_put(unstack_layers(model_cfg, decode_backbone))
 
     if cfg.eval_prompts and not bench_prompts:
         print("no held-out conversations to benchmark decoding on (plain-text data)")
     if cfg.eval_prompts and bench_prompts:
         summary["benchmarks"] = []
         for tree in benchmark_trees(cfg, num_heads):
-            c = bench.compare_decoding(jax.device_put(decode_backbone), jax.device_put(heads),
+            c = bench.compare_decoding(decode_backbone, jax.device_put(heads),
                                        model_cfg, bench_prompts[:cfg.eval_prompts], tree,
                                        max_new_tokens=cfg.eval_max_new_tokens, eos=ctx.stops)
             summary["benchmarks"].append(c.to_json())

@@ -54,14 +54,19 @@ class Tree:
 
     @classmethod
     def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None,
-                   name: str = "custom") -> "Tree":
-        """Validate `paths` and build the tree; raises ValueError naming the bad path."""
-        if not isinstance(paths, (list, tuple)) or len(paths) == 0:
+                   name: str = "custom", *, vocab_size: int | None = None) -> "Tree":
+        """Validate `paths` and build the tree; raises ValueError naming the bad path.
+        `vocab_size`: the model's vocabulary; a rank (or top_k) beyond it is rejected."""
+        if not isinstance(paths, (list, tuple)):
+            raise ValueError(f"tree {name!r}: paths must be a list of lists of ranks like "
+                             f"[[0], [1], [0, 0]], got {type(paths).__name__}")
+        if len(paths) == 0:
             raise ValueError(f"tree {name!r} is empty: give at least one path like [0]")
         clean = []
         for p in paths:
             if (not isinstance(p, (list, tuple)) or len(p) == 0
-                    or not all(isinstance(r, (int, np.integer)) and r >= 0 for r in p)):
+                    or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+                               and r >= 0 for r in p)):
                 raise ValueError(f"tree {name!r}: path {p!r} is not a non-empty list of ranks >= 0")
             clean.append(tuple(int(r) for r in p))
         seen = set()
@@ -81,15 +86,26 @@ class Tree:
             top_k = max_rank + 1
         elif max_rank >= top_k:
             raise ValueError(f"tree {name!r}: rank {max_rank} >= top_k {top_k}")
+        if vocab_size is not None and max_rank >= vocab_size:
+            raise ValueError(f"tree {name!r}: rank {max_rank} is beyond the model's vocabulary "
+                             f"of {vocab_size} tokens (ranks must be < {vocab_size})")
+        if vocab_size is not None and top_k > vocab_size:
+            raise ValueError(f"tree {name!r}: top_k {top_k} exceeds the model's vocabulary "
+                             f"of {vocab_size} tokens")
         return cls(tuple(sorted(clean, key=lambda p: (len(p), p))), int(top_k), name)
 
     @classmethod
-    def load(cls, spec: str | Path, num_heads: int | None = None) -> "Tree":
+    def load(cls, spec: str | Path, num_heads: int | None = None, *,
+             vocab_size: int | None = None) -> "Tree":
         """A published tree by name, or a JSON file holding a list of paths
-        (or an object with a "paths" field)."""
+        (or an object with a "paths" field), or "dynamic:N[:POOL]" (a `DynamicTree`).
+        `vocab_size`: see `from_paths`."""
+        if str(spec).startswith(DynamicTree.PREFIX):
+            return DynamicTree.parse(str(spec), num_heads, vocab_size)
         trees = published_trees()
         if str(spec) in trees:
-            return cls.from_paths(trees[str(spec)], num_heads, name=str(spec))
+            return cls.from_paths(trees[str(spec)], num_heads, name=str(spec),
+                                  vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
@@ -97,18 +113,24 @@ class Tree:
             n = int(size)
             if not 1 <= n <= len(trees[name]):
                 raise ValueError(f"tree {spec!r}: size must be 1..{len(trees[name])}")
-            return cls.from_paths(trees[name][:n], num_heads, name=str(spec))
+            return cls.from_paths(trees[name][:n], num_heads, name=str(spec),
+                                  vocab_size=vocab_size)
         path = Path(spec)
         if not path.is_file():
             raise ValueError(
                 f"tree {str(spec)!r} is neither a file nor a known tree; known: {', '.join(trees)}")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: invalid JSON ({e})") from None
+            raise ValueError(f"{path}: invalid JSON in tree file ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: tree file is not UTF-8 text (byte {e.start})") from None
         if isinstance(data, dict):
-            data = data.get("paths")
-        return cls.from_paths(data, num_heads, name=str(path))
+            if "paths" not in data:
+                raise ValueError(f"tree {str(path)!r}: the JSON object has no \"paths\" field; "
+                                 f"give a list of paths or {{\"paths\": [[0], [0, 0]]}}")
+            data = data["paths"]
+        return cls.from_paths(data, num_heads, name=str(path), vocab_size=vocab_size)
 
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths_ranks]
@@ -194,3 +216,53 @@ class Tree:
 def chain_tree(depth: int) -> Tree:
     """The top-1 chain of the given depth: the smallest useful tree."""
     return Tree.from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """A tree chosen afresh every step, per row (what EAGLE-2 does for its drafter): the
+    `size` nodes of `pool` whose paths have the highest joint probability under the heads'
+    current distributions. Path probabilities only shrink with depth, so the chosen set is
+    always a subtree of the pool (every node's parent is chosen too). Shapes stay static:
+    a step verifies `size` + 1 tokens whatever is chosen.
+
+    "dynamic:N" uses the published 64-node pool `mc_sim_7b_63`; "dynamic:N:POOL" any tree
+    that `Tree.load` reads."""
+
+    pool: Tree
+    size: int
+    name: str = dataclasses.field(default="dynamic", compare=False)
+
+    PREFIX = "dynamic:"
+    DEFAULT_POOL = assets.PUBLISHED_DEFAULT_TREE
+
+    def __post_init__(self):
+        if not 1 <= self.size <= self.pool.num_nodes - 1:
+            raise ValueError(f"tree {self.name!r}: a dynamic tree chooses 1 .. "
+                             f"{self.pool.num_nodes - 1} nodes of its pool {self.pool.name!r}, "
+                             f"got {self.size}")
+
+    @classmethod
+    def parse(cls, spec: str, num_heads: int | None = None,
+              vocab_size: int | None = None) -> "DynamicTree":
+        size, _, pool = spec[len(cls.PREFIX):].partition(":")
+        if not size.strip().isdigit():
+            raise ValueError(f"tree {spec!r}: expected dynamic:N or dynamic:N:POOL with N a "
+                             f"number of nodes >= 1")
+        if pool.startswith(cls.PREFIX):
+            raise ValueError(f"tree {spec!r}: the pool of a dynamic tree must be a static tree")
+        return cls(Tree.load(pool or cls.DEFAULT_POOL, num_heads, vocab_size=vocab_size),
+                   int(size), name=spec)
+
+    @property
+    def num_nodes(self) -> int:
+        """Tokens fed per verification step: root + chosen nodes."""
+        return self.size + 1
+
+    @property
+    def depth(self) -> int:
+        return self.pool.depth
+
+    @property
+    def top_k(self) -> int:
+        return self.pool.top_k

@@ -124,13 +124,12 @@ def load_pretrained(
             if key not in layer_parts or idx >= cfg.num_layers:
                 raise WeightsError(f"{file}: unexpected tensor {name} for this config")
             want = shapes["layers"][key][1:]
-            layer_parts[key][idx] = _check(array.T if transpose else array, want, name, file)
+            layer_parts[key][idx] = _check(array, want, name, file, transpose)
         elif name in _TOP_MAP:
             key, transpose = _TOP_MAP[name]
             if key == "lm_head" and cfg.tie_word_embeddings:
                 continue  # tied: some writers still store the shared matrix
-            _check(array.T if transpose else array, shapes[key], name, file)
-            params[key] = array.T if transpose else array
+            params[key] = _check(array, shapes[key], name, file, transpose)
         else:
             raise WeightsError(f"{file}: unexpected tensor {name}")
 
@@ -150,12 +149,44 @@ def load_pretrained(
     return cfg, params
 
 
-def _check(array: np.ndarray, want: tuple, name: str, file: Path) -> np.ndarray:
-    if tuple(array.shape) != tuple(want):
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: str | Path | None = None):
+    """The Hugging Face tokenizer of a model folder (default: the embedded stories260K).
+
+    Raises WeightsError in one line naming the folder when it holds none of
+    TOKENIZER_FILES, or when transformers cannot build a tokenizer from them."""
+    path = Path(model_dir) if model_dir is not None else default_model_dir()
+    if not path.is_dir():
+        raise WeightsError(f"{path}: no such model folder (looking for its tokenizer)")
+    found = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not found:
+        raise WeightsError(f"{path}: no tokenizer in this folder (looked for "
+                           f"{', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types, over many lines
+        first = (str(e).strip().splitlines() or [""])[0].rstrip(": ")
+        raise WeightsError(f"{path}: cannot load the tokenizer from {', '.join(found)} "
+                           f"({type(e).__name__}: {first})") from None
+
+
+def _check(array: np.ndarray, want: tuple, name: str, file: Path,
+           transpose: bool = False) -> np.ndarray:
+    """`array` as stored in the file -> our layout ([in, out], so HF's [out, in] matrices are
+    transposed). A wrong shape is reported as the file stores it, against the shape the file
+    should hold (our expected shape in the file's convention)."""
+    ours = array.T if transpose else array
+    if tuple(ours.shape) != tuple(want):
+        in_file = tuple(reversed(want)) if transpose else tuple(want)
+        layout = " ([out_features, in_features], as the file stores it)" if transpose else ""
         raise WeightsError(
-            f"{file}: tensor {name} has shape {tuple(array.shape)}, expected {tuple(want)}"
+            f"{file}: tensor {name} has shape {tuple(array.shape)}, expected {in_file}{layout}"
         )
-    return array
+    return ours
 
 
 def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
@@ -173,10 +204,13 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         if key in params:
             a = to_np(params[key])
             tensors[name] = np.ascontiguousarray(a.T) if transpose else a
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):  # the decoding layout (backbone.unstack_layers)
+        layers = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
     for hf, (key, transpose) in _LAYER_MAP.items():
-        if key not in params["layers"]:
+        if key not in layers:
             continue
-        stacked = to_np(params["layers"][key])
+        stacked = to_np(layers[key])
         for i in range(cfg.num_layers):
             a = stacked[i]
             tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(a.T) if transpose else a
@@ -193,15 +227,3 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         cfg_json.pop("torch_dtype", None)
         (out / "config.json").write_text(json.dumps(cfg_json, indent=2))
     return out
-
-
-def load_tokenizer(model: str | Path | None = None):
-    """The tokenizer of a Hugging Face model folder (default: the embedded model)."""
-    from transformers import AutoTokenizer
-
-    path = Path(model) if model is not None else default_model_dir()
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as e:
-        raise WeightsError(f"{path}: cannot load the tokenizer ({str(e).splitlines()[0]})") \
-            from None

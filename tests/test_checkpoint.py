@@ -164,3 +164,185 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
         for k, v in restored.params["heads"].items():
             assert v.sharding.mesh.shape == mesh.shape
             np.testing.assert_array_equal(np.asarray(v), saved[k])
+
+
+# ---- corrupt / junk checkpoints and failed saves: fall back, say so, one line
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A checkpoint directory holding steps 1 and 2, and each step's saved heads."""
+    ckdir = tmp_path_factory.mktemp("two") / "ckpt"
+    state, step, _, _ = setup()
+    it = data.BatchIterator(toy_rows(), 2)
+    ck = Checkpointer(ckdir)
+    saved = {}
+    for _ in range(2):
+        state = train(state, step, it, 1)
+        saved[int(state.step)] = np.asarray(state.params["heads"]["proj"]).copy()
+        ck.save(state, TRAINED, it.position, {})
+    ck.wait()
+    ck.close()
+    return ckdir, saved
+
+
+def _copy_of(two_steps, tmp_path):
+    import shutil
+
+    return shutil.copytree(two_steps[0], tmp_path / "ckpt")
+
+
+def _truncate_arrays(step_dir):
+    for f in (step_dir / "params" / "ocdbt.process_0" / "d").iterdir():
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _one_line(message):
+    assert "\n" not in message and "Traceback" not in message, message
+
+
+def test_restore_falls_back_past_a_corrupt_newest_step(two_steps, tmp_path, caplog):
+    ckdir = _copy_of(two_steps, tmp_path)
+    _truncate_arrays(ckdir / "2")
+    state, step, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    with caplog.at_level("WARNING", logger="medusa_jax.checkpoint"):
+        restored, meta = ck.restore(state, shardings, TRAINED)
+    assert meta["step"] == 1 and int(restored.step) == 1
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][1])
+    [skip] = meta["skipped"]
+    assert skip["step"] == 2 and "missing or truncated" in skip["reason"]
+    assert skip["moved_to"] == "2.unreadable" and (ckdir / "2.unreadable" / "params").is_dir()
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert "restored step 1" in warning and "2 (an array file is missing or truncated" in warning
+    # the corrupt step no longer blocks the resumed run from saving step 2 again
+    assert ck.all_steps() == [1]
+    restored = train(restored, step, data.BatchIterator(toy_rows(), 2, position=1), 1)
+    ck.save(restored, TRAINED, 2, {})
+    ck.wait()
+    assert ck.all_steps() == [1, 2]
+    ck.close()
+
+
+def test_restore_skips_junk_step_folders(two_steps, tmp_path):
+    ckdir = _copy_of(two_steps, tmp_path)
+    (ckdir / "999").mkdir()
+    (ckdir / "999" / "garbage").write_text("not a checkpoint")
+    (ckdir / "notes").mkdir()  # not a step name: orbax never lists it
+    (ckdir / "notes" / "todo.txt").write_text("x")
+    state, _, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    restored, meta = ck.restore(state, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 2
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])
+    assert [(s["step"], s["moved_to"]) for s in meta["skipped"]] == [(999, "999.unreadable")]
+    assert "meta" in meta["skipped"][0]["reason"]
+    assert (ckdir / "notes" / "todo.txt").is_file()
+
+
+def test_restore_without_an_intact_checkpoint_is_one_line(two_steps, tmp_path):
+    ckdir = _copy_of(two_steps, tmp_path)
+    for s in ("1", "2"):
+        _truncate_arrays(ckdir / s)
+    state, _, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    with pytest.raises(CheckpointError) as e:
+        ck.restore(state, shardings, TRAINED)
+    ck.close()
+    msg = str(e.value)
+    _one_line(msg)
+    assert msg.startswith(f"{ckdir}: no checkpoint restores")
+    assert "step 2: an array file is missing or truncated" in msg and "step 1: " in msg
+    assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved or deleted
+
+
+def test_explicit_step_does_not_fall_back(two_steps, tmp_path):
+    ckdir = _copy_of(two_steps, tmp_path)
+    _truncate_arrays(ckdir / "2")
+    state, _, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    with pytest.raises(CheckpointError, match=r"/2: cannot restore this checkpoint") as e:
+        ck.restore(state, shardings, TRAINED, step=2)
+    _one_line(str(e.value))
+    with pytest.raises(CheckpointError, match=r"no checkpoint at step 7 \(have: 1, 2\)"):
+        ck.restore(state, shardings, TRAINED, step=7)
+    ck.close()
+
+
+@pytest.mark.parametrize("surfaces_in", ["wait", "next save"])
+def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
+        two_steps, tmp_path, monkeypatch, caplog, surfaces_in):
+    import errno
+
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
+
+    ckdir = _copy_of(two_steps, tmp_path)
+    state, step, shardings, _ = setup()
+    ck = Checkpointer(ckdir)
+    state, meta = ck.restore(state, shardings, TRAINED)
+    it = data.BatchIterator(toy_rows(), 2, position=meta["data_position"])
+    state = train(state, step, it, 1)
+
+    async def disk_full(self, x, directory):  # runs in orbax's background commit thread
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+    monkeypatch.setattr(jh.JsonCheckpointHandler, "_save_fn", disk_full)
+    assert ck.save(state, TRAINED, it.position, {})  # the write fails in the background
+    with pytest.raises(CheckpointError) as e:
+        if surfaces_in == "wait":
+            ck.wait()
+        else:
+            monkeypatch.undo()
+            state = train(state, step, it, 1)
+            ck.save(state, TRAINED, it.position, {})
+    msg = str(e.value)
+    _one_line(msg)
+    assert msg == (f"{ckdir}: saving checkpoint step 3 failed (OSError: [Errno 28] No space "
+                   f"left on device: '{ckdir}/3.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp'"
+                   f"); step 2 is the last complete checkpoint")
+    assert not any(r.exc_info for r in caplog.records)  # orbax's tracebacks folded to a line
+    monkeypatch.undo()
+    ck.close()
+    ck = Checkpointer(ckdir, create=False)
+    assert ck.all_steps() == [1, 2]
+    fresh, _, _, _ = setup()
+    restored, meta = ck.restore(fresh, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 2 and meta["skipped"] == []
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])
+
+
+def test_checkpoint_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "ckpt"
+    f.write_text("a file where the checkpoint directory should be")
+    with pytest.raises(CheckpointError, match=r"ckpt: not a directory, cannot save"):
+        Checkpointer(f)
+    with pytest.raises(CheckpointError, match=r"ckpt/sub: cannot create the checkpoint "
+                                              r"directory \(NotADirectoryError") as e:
+        Checkpointer(f / "sub")
+    _one_line(str(e.value))
+
+
+def test_unwritable_checkpoint_directory_during_a_run(two_steps, tmp_path):
+    # root ignores chmod, so the directory is made unwritable by putting a file in its place
+    ckdir = _copy_of(two_steps, tmp_path)
+    state, step, shardings, _ = setup()
+    ck = Checkpointer(ckdir)
+    state, meta = ck.restore(state, shardings, TRAINED)
+    state = train(state, step, data.BatchIterator(toy_rows(), 2, position=2), 1)
+    ckdir.rename(tmp_path / "aside")
+    ckdir.write_text("not a directory")
+    with pytest.raises(CheckpointError) as e:
+        ck.save(state, TRAINED, 3, {})
+    assert str(e.value) == (f"{ckdir}: cannot save checkpoint step 3: the checkpoint "
+                            f"directory no longer exists or is not a directory")
+    ckdir.unlink()
+    (tmp_path / "aside").rename(ckdir)
+    ck.close()
+    ck = Checkpointer(ckdir, create=False)
+    fresh, _, _, _ = setup()
+    restored, meta = ck.restore(fresh, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 2 and meta["skipped"] == []
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])

@@ -23,6 +23,12 @@ def params():
     return init_params(CFG, jax.random.key(0), std=0.5)
 
 
+def _fed(cand, tree):
+    """A static tree's proposal of the given tokens."""
+    return decode.Proposal(fed=cand, fed_depth=jnp.asarray(tree.node_depth),
+                           fed_mask=jnp.asarray(tree.mask), tokens=cand, valid=None, slot=None)
+
+
 def _prefilled(params, prompts):
     """A cache holding `prompts` (equal lengths), committed."""
     tokens = jnp.asarray(prompts, jnp.int32)
@@ -37,7 +43,9 @@ def test_propose_candidates_reads_each_node_from_its_heads_rank():
     rng = np.random.default_rng(0)
     head_logits = jnp.asarray(rng.normal(size=(3, 2, V)), jnp.float32)  # [K, B, V]
     root = jnp.array([7, 9], jnp.int32)
-    cand = np.asarray(decode.propose_candidates(root, head_logits, TREE))
+    prop = decode.propose_candidates(root, head_logits, TREE)
+    cand = np.asarray(prop.fed)
+    assert prop.valid is None and np.array_equal(cand, np.asarray(prop.tokens))
     order = np.argsort(-np.asarray(head_logits), axis=-1)  # [K, B, V] ranks
     assert cand.shape == (2, TREE.num_nodes)
     for b in range(2):
@@ -50,7 +58,7 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
     chain = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
     cache = _prefilled(params, [[1, 2, 3, 4], [5, 6, 7, 8]])
     cand = jnp.array([[10, 11, 12, 13], [20, 21, 22, 23]], jnp.int32)
-    logits, hidden, (k_new, _) = decode.verify(params, CFG, cand, cache, chain)
+    logits, hidden, (k_new, _) = decode.verify(params, CFG, _fed(cand, chain), cache)
     want, want_hidden, want_cache = forward(
         params, CFG, cand, cache.lengths[:, None] + jnp.arange(4)[None],
         causal_mask(cache.lengths, 4, cache.capacity), cache)
@@ -64,9 +72,10 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
 def test_acceptance_rules_are_looked_up_by_mode(params):
     assert set(acceptance.RULES) == set(MODES)
     cache = _prefilled(params, [[1, 2, 3]])
-    cand = decode.propose_candidates(jnp.array([4]), jax.random.normal(jax.random.key(1),
+    prop = decode.propose_candidates(jnp.array([4]), jax.random.normal(jax.random.key(1),
                                                                         (3, 1, V)), TREE)
-    logits, _, _ = decode.verify(params, CFG, cand, cache, TREE)
+    cand = prop.fed
+    logits, _, _ = decode.verify(params, CFG, prop, cache)
     keys = jax.random.split(jax.random.key(0), 1)
     got = acceptance.accept(logits, cand, TREE, Sampling(), keys)
     want = acceptance.greedy(logits, cand, TREE)
@@ -105,7 +114,7 @@ def test_commit_keeps_only_the_accepted_path_in_consecutive_slots(params):
     cache = _prefilled(params, [[1, 2, 3], [4, 5, 6]])
     cand = jnp.array([[9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24]],
                      jnp.int32)
-    _, _, (k_new, v_new) = decode.verify(params, CFG, cand, cache, TREE)
+    _, _, (k_new, v_new) = decode.verify(params, CFG, _fed(cand, TREE), cache)
     # row 0 keeps root -> [0] -> [0, 1] (nodes 0, 1, 5); row 1 keeps root -> [1] (nodes 0, 2)
     path = jnp.array([[0, 1, 5, 0], [0, 2, 0, 0]], jnp.int32)
     acc_len = jnp.array([2, 1])

@@ -78,3 +78,39 @@ def test_chain_tree():
     t = chain_tree(3)
     assert t.num_nodes == 4 and t.paths.tolist() == [[0, 1, 2, 3]]
     assert np.array_equal(t.mask, np.tril(np.ones((4, 4), bool)))
+
+
+def test_hostile_tree_files(tmp_path):
+    f = tmp_path / "str.json"
+    f.write_text('{"paths": "abc"}')
+    with pytest.raises(ValueError) as e:
+        Tree.load(f)
+    assert str(e.value) == (f"tree {str(f)!r}: paths must be a list of lists of ranks like "
+                            f"[[0], [1], [0, 0]], got str")
+    f = tmp_path / "nopaths.json"
+    f.write_text('{"path": [[0]]}')
+    with pytest.raises(ValueError, match=r"nopaths\.json'?: the JSON object has no \"paths\""):
+        Tree.load(f)
+    f = tmp_path / "bool.json"
+    f.write_text("[[0], [true]]")
+    with pytest.raises(ValueError, match=r"bool\.json'?: path \[True\] is not a non-empty list"):
+        Tree.load(f)
+    f = tmp_path / "latin1.json"
+    f.write_bytes(b"[[0], \xff]")
+    with pytest.raises(ValueError, match=r"latin1\.json: tree file is not UTF-8 text \(byte 6\)"):
+        Tree.load(f)
+    with pytest.raises(ValueError) as e:
+        Tree.load("mc_sim_7b_36")  # a typo: the message lists the known names
+    assert "neither a file nor a known tree; known: mc_sim_7b_63, " in str(e.value)
+
+
+def test_rank_beyond_the_vocabulary():
+    with pytest.raises(ValueError, match=r"tree 'custom': rank 600 is beyond the model's "
+                                         r"vocabulary of 512 tokens"):
+        Tree.from_paths([[0], [600]], vocab_size=512)
+    with pytest.raises(ValueError, match=r"tree 'mc_sim_7b_63': rank 9 is beyond the model's "
+                                         r"vocabulary of 8 tokens"):
+        Tree.load("mc_sim_7b_63", vocab_size=8)
+    with pytest.raises(ValueError, match="top_k 20 exceeds the model's vocabulary of 8"):
+        Tree.from_paths([[0]], top_k=20, vocab_size=8)
+    assert Tree.load("mc_sim_7b_63", vocab_size=10) == Tree.load("mc_sim_7b_63")

@@ -136,3 +136,34 @@ def test_export_round_trip_loads_in_transformers(small_model_dir, tmp_path):
     np.testing.assert_allclose(model.model.norm.weight.detach().numpy(),
                                np.asarray(params["final_norm"], np.float32))
     assert jnp.all(again["layers"]["wq"] == params["layers"]["wq"])
+
+
+def test_wrong_shape_of_a_matrix_is_reported_as_stored(small_model_dir, tmp_path):
+    # HF stores up_proj as [out, in] = [40, 32] here (ours is [in, out]); give it [16, 32]
+    d = _copy(small_model_dir, tmp_path / "m")
+    _edit(d, lambda t: t.update({"model.layers.0.mlp.up_proj.weight":
+                                 np.zeros((16, 32), np.float32)}))
+    with pytest.raises(WeightsError) as e:
+        load_pretrained(d)
+    msg = str(e.value)
+    assert msg == (f"{d / 'model.safetensors'}: tensor model.layers.0.mlp.up_proj.weight has "
+                   f"shape (16, 32), expected (40, 32) ([out_features, in_features], as the "
+                   f"file stores it)")
+
+
+def test_load_tokenizer(small_model_dir, tmp_path):
+    from medusa_jax.weights import load_tokenizer
+
+    assert load_tokenizer().encode("Lily")  # the embedded model's
+    d = _copy(small_model_dir, tmp_path / "m")  # weights and config, no tokenizer files
+    with pytest.raises(WeightsError) as e:
+        load_tokenizer(d)
+    assert str(e.value) == (f"{d}: no tokenizer in this folder (looked for tokenizer.json, "
+                            f"tokenizer.model, tokenizer_config.json)")
+    (d / "tokenizer.json").write_text("{ not json")
+    with pytest.raises(WeightsError, match=r"m: cannot load the tokenizer from tokenizer\.json "
+                                           r"\(") as e:
+        load_tokenizer(d)
+    assert "\n" not in str(e.value)
+    with pytest.raises(WeightsError, match="no such model folder"):
+        load_tokenizer(tmp_path / "nope")
