@@ -12,6 +12,7 @@ from typing import ClassVar
 
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
+from medusa_jax.cli import option
 from medusa_jax.trainer import Context, Method, Recipe, TrainConfig
 
 # The self-distilled stories260K job trains only a few hundred steps to fit its time budget;
@@ -23,7 +24,12 @@ DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
 
 @dataclasses.dataclass(frozen=True)
 class Medusa1Config(TrainConfig):
-    """Medusa-1 adds nothing to the shared fields; only its defaults differ."""
+    """Medusa-1 adds no fields; only its defaults differ."""
+
+    # two residual blocks per head: on the default job +4.5% tokens/step over one block
+    # (2.56 vs 2.45 with the 4-node CPU tree, held-out head-1 top-1 0.767 vs 0.746), for a
+    # negligible cost per step (the heads run on one token)
+    num_layers: int = option(2, "residual blocks per head (default {default})")
 
     DEFAULT_STEPS: ClassVar[int] = 600
     RUN_PREFIX: ClassVar[str] = "medusa1"

@@ -54,12 +54,12 @@ def test_train_stop_resume_and_use_the_heads(tmp_path, stories):
     # the artifact loads, matches the last checkpoint and decodes losslessly
     cfg, params, tok = stories
     heads, meta = heads_lib.load_heads(run / "heads", cfg)
-    assert heads_lib.heads_config_of(heads) == heads_lib.HeadsConfig(4, 1)
+    assert heads_lib.heads_config_of(heads) == heads_lib.HeadsConfig(4, 2)  # default: 2 blocks
     assert meta["extra"]["step"] == 4
     saved = ocp.StandardCheckpointer().restore((run / "checkpoints" / "4" / "params").absolute())
     for name in ("w", "b", "proj"):
         np.testing.assert_array_equal(np.asarray(saved["heads"][name]), np.asarray(heads[name]))
-    init = heads_lib.init_heads(cfg, params, heads_lib.HeadsConfig(4, 1))
+    init = heads_lib.init_heads(cfg, params, heads_lib.HeadsConfig(4, 2))
     assert not np.array_equal(np.asarray(init["proj"]), np.asarray(heads["proj"]))  # trained
     prompt = [tok.bos_token_id] + tok("Once upon a time", add_special_tokens=False)["input_ids"]
     tokens, lengths = decode.pad_prompts([prompt])
