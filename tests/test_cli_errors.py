@@ -35,3 +35,25 @@ def test_distill_names_the_file_and_line_of_non_utf8_prompts(tmp_path):
         distill.main(["--prompts", str(prompts), "--output", str(tmp_path / "o.jsonl")])
     assert e.value.code.startswith(f"error: {prompts}:2: not UTF-8 text (byte 0xff at offset 22")
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_breakdown_without_heads_is_one_line(tmp_path):
+    import shutil
+
+    from medusa_jax import assets
+
+    model = shutil.copytree(assets.model_dir(), tmp_path / "model")  # not the embedded one
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--breakdown", "--model", str(model)])
+    assert e.value.code == "error: no heads: pass --heads (train some with python -m train.medusa1)"
+
+
+def test_a_dynamic_tree_deeper_than_the_heads_is_one_line(tmp_path, stories, capsys):
+    from medusa_jax.heads import HeadsConfig, init_heads, save_heads
+
+    cfg, params, _ = stories
+    heads = save_heads(tmp_path / "h", init_heads(cfg, params, HeadsConfig(num_heads=2)), cfg)
+    assert generate.main(["--heads", str(heads.parent), "--tree", "dynamic:4",
+                          "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "depth 4 but there are only 2 Medusa heads" in err[-1]

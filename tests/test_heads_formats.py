@@ -314,7 +314,7 @@ def test_greedy_with_reference_heads_equals_plain_and_our_format(tmp_path):
           for n, a in hf.reference_tensors(shipped).items()}
     save_torch(sd, str(tmp_path / "medusa_lm_head.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(
-        {"medusa_num_heads": 5, "medusa_num_layers": 1,
+        {"medusa_num_heads": 5, "medusa_num_layers": int(np.shape(shipped["w"])[1]),
          "base_model_name_or_path": str(default_model_dir())}))
     ref = Medusa.load(heads=tmp_path)
     ours = Medusa(ref.cfg, ref.params, ref.tokenizer, shipped, ref.model_dir, ref.default_tree)
