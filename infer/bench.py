@@ -47,6 +47,10 @@ def build_parser():
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
                    help="step-time curve of a random backbone of --shape (no decoding)")
+    p.add_argument("--heads-cost", action="store_true",
+                   help="with --random-weights: time the Medusa heads alone at --shape's hidden "
+                        "size and vocabulary, per-head vs shared vs reduced-vocabulary "
+                        "projections (one token, float32)")
     p.add_argument("--breakdown", action="store_true",
                    help="where a decoding step's time goes: kernels of the compiled step and "
                         "the time each stage adds (plain and each --trees tree; greedy, batch 1)")
@@ -64,6 +68,25 @@ def build_parser():
     p.add_argument("--context", type=cli.positive_int, default=2048,
                    help="KV cache length for --layers (default 2048)")
     return p
+
+
+def heads_cost(args) -> int:
+    from medusa_jax.bench import SHAPES, heads_cost as measure
+
+    if args.shape not in SHAPES:
+        raise SystemExit(f"error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
+    h, v = SHAPES[args.shape]["hidden_size"], SHAPES[args.shape]["vocab_size"]
+    times = measure(h, v, reps=max(args.reps, 10))
+    if args.json:
+        print(json.dumps({"shape": args.shape, "hidden": h, "vocab": v,
+                          "ms": {k: 1e3 * t for k, t in times.items()}}))
+        return 0
+    print(f"Medusa heads (5 heads x 1 block) of {args.shape}: hidden {h}, vocabulary {v}, "
+          f"one token, float32")
+    base = times["per-head"]
+    for name, t in times.items():
+        print(f"  {name:<16}{1e3 * t:9.3f} ms  {t / base:6.2f}x")
+    return 0
 
 
 def sizing(args) -> int:
@@ -152,6 +175,10 @@ def main(argv=None) -> int:
         if not args.random_weights:
             raise SystemExit("error: --layers needs --random-weights and --shape")
         return sizing(args)
+    if args.heads_cost:
+        if not args.random_weights:
+            raise SystemExit("error: --heads-cost needs --random-weights and --shape")
+        return heads_cost(args)
     if args.random_weights or args.step_curve:
         return step_curve(args)
     if args.breakdown:

@@ -57,3 +57,14 @@ def test_a_dynamic_tree_deeper_than_the_heads_is_one_line(tmp_path, stories, cap
                           "--max-new-tokens", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "depth 4 but there are only 2 Medusa heads" in err[-1]
+
+
+def test_heads_cost_needs_random_weights_and_times_every_projection():
+    from medusa_jax.bench import heads_cost
+
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--heads-cost"])
+    assert e.value.code == "error: --heads-cost needs --random-weights and --shape"
+    times = heads_cost(16, 64, num_heads=3, reps=2)
+    assert set(times) == {"per-head", "shared", "reduced", "shared+reduced"}
+    assert all(t > 0 for t in times.values())
