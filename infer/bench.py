@@ -183,8 +183,7 @@ def main(argv=None) -> int:
         return step_curve(args)
     if args.breakdown:
         return breakdown(args)
-    from medusa_jax.acceptance import MODES, Sampling
-    from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
+    from medusa_jax.acceptance import MODES
     from medusa_jax.decode import check_fits
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]

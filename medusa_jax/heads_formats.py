@@ -36,6 +36,7 @@ with L > 1 are read here as L independent blocks (as vLLM and TensorRT-LLM read 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -655,11 +656,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
     written = [out / REFERENCE_ST]
     _write_st(out / REFERENCE_ST, tensors, {"format": "pt"})
     if pickle is None:
-        try:
-            import torch  # noqa: F401
-            pickle = True
-        except ImportError:
-            pickle = False
+        pickle = importlib.util.find_spec("torch") is not None
     if pickle:
         import torch
 

@@ -19,6 +19,7 @@ own) and a `Recipe` (the method: its parameters, loss and optimizer, and what it
 from __future__ import annotations
 
 import contextlib
+import argparse
 import dataclasses
 import json
 import math
@@ -39,6 +40,7 @@ from medusa_jax import train_step as ts
 from medusa_jax import backbone as backbone_lib
 from medusa_jax.backbone import Params, unstack_layers
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
+from medusa_jax import cli
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
@@ -600,10 +602,6 @@ class Command:
         self.config_cls, self.recipe_cls = config_cls, recipe_cls
 
     def build_parser(self):
-        import argparse
-
-        from medusa_jax import cli
-
         ap = argparse.ArgumentParser(prog=self.prog, description=self.doc.split("\n")[0])
         cli.add_config_flags(ap, self.config_cls)
         cli.add_run_flags(ap)
@@ -611,8 +609,6 @@ class Command:
 
     def parse_args(self, argv=None):
         """(config, --resume, --stop-after); bad flags exit with one line (status 2)."""
-        from medusa_jax import cli
-
         return cli.parse_config(self.build_parser(), self.config_cls, argv)
 
     def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
@@ -621,8 +617,6 @@ class Command:
     def main(self, argv=None):
         """Parse, run; errors and interrupts end the process with one line and the exit
         status a shell expects (1 error, 2 bad flags, 128 + signal number)."""
-        from medusa_jax import cli
-
         cfg, resume, stop_after = self.parse_args(argv)
         try:
             with cli.errors_to_exit():

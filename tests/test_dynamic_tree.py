@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from medusa_jax import decode
-from medusa_jax.acceptance import Sampling
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decode import medusa_generate, pad_prompts
 from medusa_jax.tree import DynamicTree, Tree
 from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, _chi_square_ok,
                              _exact_pair_distribution, _pair_counts, tiny)  # noqa: F401
