@@ -37,6 +37,10 @@ def build_parser():
     p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=cli.int_list(1),
                    default=[1],
                    help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
+    p.add_argument("--cache-phases", type=cli.int_list(1), default=None,
+                   help="comma list: the decoders' most attention-window phases, e.g. 1,4 "
+                        "(1: attend over the whole KV cache every step; default: the "
+                        "decoders' own); each value gets its own plain and Medusa rows")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=cli.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
@@ -206,42 +210,56 @@ def main(argv=None) -> int:
 
 
 def _bench(args, model, ids, prompts, modes, trees, common, results):
+    for bs in args.batch_sizes:
+        for phases in args.cache_phases or [None]:
+            _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, phases)
+
+
+def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, phases):
+    """Plain decoding at batch size `bs` (and transformers, once), then Medusa in every mode
+    and tree; `phases`: the decoders' --cache-phases (None: their default)."""
     from medusa_jax.acceptance import Sampling
     from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
 
-    for bs in args.batch_sizes:
-        print(f"batch size {bs}: timing plain decoding ...", file=sys.stderr)
-        plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
-        results.append(_row(plain, plain, "plain jax", "greedy", "-", None))
-        if not args.no_transformers and bs == args.batch_sizes[0]:
-            # transformers is slow on this model: time it on the first --hf-prompts prompts,
-            # against our plain decoding of the same prompts
-            sub = ids[: args.hf_prompts]
-            print(f"batch size {bs}: timing transformers on {len(sub)} prompts ...",
-                  file=sys.stderr)
-            hf = run_transformers(model.model_dir, sub, batch_size=bs,
-                                  max_new_tokens=args.max_new_tokens, eos=model.eos,
-                                  reps=args.hf_reps)
-            if hf is not None:
-                ours = run_decoder(model.params, model.cfg, sub, batch_size=bs, name="plain",
-                                   **common)
-                row = _row(hf, ours, f"transformers ({len(sub)} prompts)", "greedy", "-",
-                           hf.rows == ours.rows)
-                row["jax_plain_tokens_per_second"] = round(ours.tokens_per_second, 1)
-                results.append(row)
-        for mode in modes:
-            sampling = Sampling(mode=mode, temperature=1.0 if mode == "greedy" else args.temperature)
-            base = plain
-            if mode != "greedy":  # compare against plain sampling at the same temperature
-                base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
-                                   name="plain-sample", **common)
-            for tree in trees:
-                print(f"batch size {bs}: timing medusa {mode} {tree.name} ...", file=sys.stderr)
-                c = compare_decoding(model.params, model.heads, model.cfg, ids, tree,
-                                     batch_size=bs, sampling=sampling, plain=base, **common)
-                same = c.identical_rows == len(ids) if mode == "greedy" else None
-                results.append(_row(c.medusa, base, "medusa", mode, tree.name, same,
-                                    by_category=_by_category(c.medusa, prompts)))
+    suffix = "" if phases is None else f" ({phases} ph.)"
+    common = dict(common, max_cache_phases=phases)
+    print(f"batch size {bs}: timing plain decoding{suffix} ...", file=sys.stderr)
+    plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
+    first = next((r for r in results if r["config"].startswith("plain jax")
+                  and r["batch_size"] == bs), None)
+    row = _row(plain, plain, "plain jax" + suffix, "greedy", "-", None)
+    if first is not None:  # later --cache-phases values: speedup against the first
+        row["speedup"] = round(plain.tokens_per_second / first["tokens_per_second"], 3)
+    results.append(row)
+    if not args.no_transformers and bs == args.batch_sizes[0] and first is None:
+        # transformers is slow on this model: time it on the first --hf-prompts prompts,
+        # against our plain decoding of the same prompts
+        sub = ids[: args.hf_prompts]
+        print(f"batch size {bs}: timing transformers on {len(sub)} prompts ...",
+              file=sys.stderr)
+        hf = run_transformers(model.model_dir, sub, batch_size=bs,
+                              max_new_tokens=args.max_new_tokens, eos=model.eos,
+                              reps=args.hf_reps)
+        if hf is not None:
+            ours = run_decoder(model.params, model.cfg, sub, batch_size=bs, name="plain",
+                               **common)
+            row = _row(hf, ours, f"transformers ({len(sub)} prompts)", "greedy", "-",
+                       hf.rows == ours.rows)
+            row["jax_plain_tokens_per_second"] = round(ours.tokens_per_second, 1)
+            results.append(row)
+    for mode in modes:
+        sampling = Sampling(mode=mode, temperature=1.0 if mode == "greedy" else args.temperature)
+        base = plain
+        if mode != "greedy":  # compare against plain sampling at the same temperature
+            base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
+                               name="plain-sample", **common)
+        for tree in trees:
+            print(f"batch size {bs}: timing medusa {mode} {tree.name} ...", file=sys.stderr)
+            c = compare_decoding(model.params, model.heads, model.cfg, ids, tree,
+                                 batch_size=bs, sampling=sampling, plain=base, **common)
+            same = c.identical_rows == len(ids) if mode == "greedy" else None
+            results.append(_row(c.medusa, base, "medusa" + suffix, mode, tree.name, same,
+                                by_category=_by_category(c.medusa, prompts)))
 
 
 def _report(args, results) -> int:
@@ -251,7 +269,8 @@ def _report(args, results) -> int:
         _print_table(results)
     if args.plot:
         _plot(results, args.plot)
-    bad = [r for r in results if r["identical_to_plain"] is False and r["config"] == "medusa"]
+    bad = [r for r in results if r["identical_to_plain"] is False
+           and r["config"].startswith("medusa")]
     if bad:
         print("error: Medusa greedy output differs from plain greedy output", file=sys.stderr)
         return 1

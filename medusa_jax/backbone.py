@@ -227,7 +227,7 @@ def forward_uncommitted(
     cfg: ModelConfig,
     tokens: jax.Array,  # [B, T] int32
     positions: jax.Array,  # [B, T] int32
-    mask: jax.Array,  # [B, T, S] bool: query t may attend cache slot s
+    mask: jax.Array,  # [B, T, W] bool: query t may attend cache slot s (W <= S)
     cache: KVCache,
     *,
     return_logits: bool = True,
@@ -237,6 +237,10 @@ def forward_uncommitted(
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
     just the accepted path).
+
+    A mask over the first W < S slots only attends those: the decoding loops pass one just
+    wide enough for the filled part of the cache (`decode.cache_phases`), so attention does
+    not read the empty slots; the new tokens' slots lengths .. lengths+T-1 must be < W.
 
     `empty_cache=True` promises every row's cache is empty (prefill, training): attention
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
@@ -250,13 +254,16 @@ def forward_uncommitted(
     # Split the caller's mask: committed slots come from the cache, the T new tokens (which
     # would occupy slots lengths .. lengths+T-1) attend each other directly. The cache is
     # only read inside the layers: no per-layer copies of it.
-    slots = jnp.arange(cache.capacity)
+    window = mask.shape[-1]
+    slots = jnp.arange(window)
     prefix_mask = mask & (slots[None, None, :] < cache.lengths[:, None, None])
-    new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], cache.capacity - 1)
+    new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
     new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)  # [B, T, T]
 
     def body(x, xs):
         layer, kc, vc = xs if not empty_cache else (xs, None, None)
+        if kc is not None and window < kc.shape[2]:
+            kc, vc = kc[:, :, :window], vc[:, :, :window]
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
@@ -286,7 +293,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
             ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
-    Slot s of the mask is cache slot s; the new tokens occupy slots lengths[b] ...
+    Slot s of the mask is cache slot s (the mask may cover only the first W slots: see
+    `forward_uncommitted`); the new tokens occupy slots lengths[b] ...
     lengths[b] + T - 1, so a causal mask, a tree mask or any other pattern is just a mask.
     Returns (logits [B, T, V] float32 or None, hidden [B, T, H] after the final norm, cache
     with the new keys/values written at those slots; `lengths` is left to the caller).

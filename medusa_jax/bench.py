@@ -133,8 +133,10 @@ class RunResult:
 def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_size: int,
                 max_new_tokens: int, eos: tuple[int, ...], sampling: Sampling = Sampling(),
                 heads=None, tree: Tree | None = None, reps: int = 3, seed: int = 0,
-                name: str = "") -> RunResult:
-    """Time plain (heads=None) or Medusa decoding of all prompts in fixed-size batches."""
+                name: str = "", max_cache_phases: int | None = None) -> RunResult:
+    """Time plain (heads=None) or Medusa decoding of all prompts in fixed-size batches
+    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own)."""
+    phases = {} if max_cache_phases is None else {"max_cache_phases": max_cache_phases}
     batches = []
     for s in range(0, len(prompts), batch_size):
         chunk = prompts[s:s + batch_size]
@@ -146,11 +148,11 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
         for _, tokens, lengths in batches:
             if heads is None:
                 outs.append(generate(params, cfg, tokens, lengths, key, sampling=sampling,
-                                     max_new_tokens=max_new_tokens, eos=eos))
+                                     max_new_tokens=max_new_tokens, eos=eos, **phases))
             else:
                 outs.append(medusa_generate(params, heads, cfg, tokens, lengths, key, tree=tree,
                                             sampling=sampling, max_new_tokens=max_new_tokens,
-                                            eos=eos))
+                                            eos=eos, **phases))
         return outs
 
     seconds, outs = _median_time(run, reps)
@@ -205,12 +207,13 @@ class Comparison:
 def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], tree: Tree, *,
                      max_new_tokens: int, eos: tuple[int, ...], batch_size: int = 1,
                      sampling: Sampling = Sampling(), reps: int = 1,
-                     plain: RunResult | None = None) -> Comparison:
+                     plain: RunResult | None = None,
+                     max_cache_phases: int | None = None) -> Comparison:
     """Time Medusa decoding against plain decoding (`plain`, or timed here with the same
     sampling) of the same prompts. The one plain-vs-Medusa comparison of the project: the
     training commands, `infer.bench` and `infer.tree` all report through it."""
     common = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, eos=eos,
-                  sampling=sampling, reps=reps)
+                  sampling=sampling, reps=reps, max_cache_phases=max_cache_phases)
     if plain is None:
         plain = run_decoder(params, cfg, prompts, name="plain", **common)
     medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa", **common)

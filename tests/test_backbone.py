@@ -73,7 +73,10 @@ def test_stories260k_logit_parity(stories):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_cache_decoding_matches_full_forward_with_ragged_rows():
+@pytest.mark.parametrize("narrow", [False, True], ids=["whole-cache", "window"])
+def test_cache_decoding_matches_full_forward_with_ragged_rows(narrow):
+    """narrow: each call's mask covers only the cache slots up to its last new token (the
+    decoding loops' attention window), not the whole cache."""
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=64)
@@ -97,8 +100,9 @@ def test_cache_decoding_matches_full_forward_with_ragged_rows():
         lengths = np.asarray(cache.lengths)
         toks = np.stack([ids[r, lengths[r]:lengths[r] + 3] for r in range(2)])
         pos = jnp.asarray(lengths)[:, None] + jnp.arange(3)[None]
+        width = int(lengths.max()) + 3 if narrow else cap
         logits, _, cache = step(params, jnp.asarray(toks), pos,
-                                causal_mask(cache.lengths, 3, cap), cache)
+                                causal_mask(cache.lengths, 3, width), cache)
         got[0].append(np.asarray(logits[0, :1]))
         got[1].append(np.asarray(logits[1]))
         cache = cache.advance(jnp.array([1, 3]))

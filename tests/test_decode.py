@@ -8,7 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from medusa_jax.api import Medusa
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decode import (CACHE_BLOCK, MAX_CACHE_PHASES, cache_phases, generate,
+                               medusa_generate, pad_prompts, run_phases)
+from medusa_jax.backbone import KVCache
+from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HeadsConfig, init_heads
 from medusa_jax.tree import Tree
 from medusa_jax.weights import default_model_dir
@@ -197,3 +200,66 @@ def test_api_limits_and_errors(stories):
         m.generate(["Lily"], max_new_tokens=0)
     with pytest.raises(ValueError, match="mode 'beam' is not one of"):
         m.generate(["Lily"], mode="beam")
+
+
+@pytest.mark.parametrize("start,final,per_step", [(16, 17, 1), (16, 145, 1), (16, 273, 1),
+                                                  (32, 166, 5), (32, 438, 5), (16, 337, 64),
+                                                  (64, 1089, 1)])
+def test_cache_phases_cover_the_decode(start, final, per_step):
+    caps = cache_phases(start, final, per_step)
+    assert caps[-1] == final and list(caps) == sorted(set(caps)) and caps[0] > start
+    assert len(caps) <= MAX_CACHE_PHASES
+    if final - start > 2 * CACHE_BLOCK:
+        assert len(caps) >= 2  # long decodes do attend over a smaller cache first
+    for a, b in zip((start,) + caps, caps):
+        assert b - a >= min(CACHE_BLOCK, final - start) // 2 and b - a >= min(per_step, b - start)
+
+
+def test_run_phases_widens_the_window_only_when_a_step_would_not_fit():
+    from flax import struct
+
+    @struct.dataclass
+    class State:
+        cache: KVCache
+        done: jax.Array
+        log: jax.Array  # [20, 2]: (length before the step, window) of each step
+
+    cfg = ModelConfig(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
+                      num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+                      max_position_embeddings=64)
+    traced = []
+
+    def step(s, window):  # feeds 3 tokens a step; logs the window it ran under
+        traced.append(window)
+        i = jnp.sum(s.log[:, 1] > 0)
+        log = s.log.at[i].set(jnp.array([s.cache.lengths[0], window]))
+        cache = s.cache.advance(jnp.array([3]))
+        return s.replace(cache=cache, done=cache.lengths >= 40, log=log)
+
+    cache = KVCache.init(cfg, 1, 45).replace(lengths=jnp.array([4]))
+    state = State(cache=cache, done=jnp.zeros((1,), bool), log=jnp.zeros((20, 2), jnp.int32))
+    out = jax.jit(lambda s: run_phases(step, s, (16, 28, 45), 3))(state)
+    assert traced == [16, 28, 45]  # one compiled step per phase
+    log = np.asarray(out.log)[: int(np.sum(np.asarray(out.log)[:, 1] > 0))]
+    assert log[:, 0].tolist() == list(range(4, 40, 3))
+    # each step ran in the narrowest window its 3 new tokens fit in
+    assert log[:, 1].tolist() == [16 if n + 3 <= 16 else 28 if n + 3 <= 28 else 45
+                                  for n in log[:, 0]]
+
+
+def test_medusa_greedy_equals_plain_greedy_across_cache_phases(stories):
+    """A long decode runs in several cache phases (the cache grows between them); the
+    tokens must not notice."""
+    cfg, params, tok = stories
+    m = Medusa.load(heads="default")
+    n = 300
+    prompts = [tok.encode(p) for p in PROMPTS[:4]]
+    tokens, lengths = pad_prompts(prompts)
+    tree = m.tree()
+    assert len(cache_phases(tokens.shape[1], tokens.shape[1] + n + tree.num_nodes + 1,
+                            tree.num_nodes)) >= 2
+    plain = generate(m.params, cfg, tokens, lengths, jax.random.key(0), max_new_tokens=n)
+    med = medusa_generate(m.params, m.heads, cfg, tokens, lengths, jax.random.key(0),
+                          tree=tree, max_new_tokens=n)
+    assert np.all(np.asarray(med.num_new) == n)
+    assert _rows(med) == _rows(plain)

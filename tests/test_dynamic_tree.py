@@ -10,7 +10,7 @@ import pytest
 from medusa_jax import decode
 from medusa_jax.decode import medusa_generate, pad_prompts
 from medusa_jax.tree import DynamicTree, Tree
-from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, _chi_square_ok,
+from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_ok,
                              _exact_pair_distribution, _pair_counts, tiny)  # noqa: F401
 
 
@@ -78,3 +78,26 @@ def test_dynamic_rejection_sampling_is_lossless(tiny):  # noqa: F811
 def test_bad_dynamic_trees_are_one_line_errors(spec, heads, message):
     with pytest.raises(ValueError, match=message):
         Tree.load(spec, num_heads=heads)
+
+
+def test_rejection_never_accepts_an_unverified_node():
+    """A dynamic tree's unverified pool nodes have no logits of their own (their rows are
+    stand-ins): rejection must never walk into one, however likely its token is. Here the
+    root's distribution puts almost all mass on the token of an unverified child."""
+    from medusa_jax.acceptance import Sampling, rejection
+
+    tree = TREE  # children of the root: nodes 1, 2, 3 (tokens below)
+    rows = 512
+    tokens = jnp.broadcast_to(jnp.array([5, 0, 1, 2, 3, 4, 6], jnp.int32), (rows, tree.num_nodes))
+    logits = jnp.zeros((rows, tree.num_nodes, V)).at[:, :, 1].set(12.0)  # token 1: node 2
+    unverified = [i for i, p in enumerate(tree.paths_ranks, start=1) if p[0] == 1]
+    valid = jnp.ones((rows, tree.num_nodes), bool).at[:, jnp.array(unverified)].set(False)
+    keys = jax.random.split(jax.random.key(3), rows)
+    best, acc_len, bonus = rejection(logits, tokens, tree, Sampling(mode="rejection"), keys,
+                                     valid)
+    paths = np.asarray(tree.paths)[np.asarray(best)]
+    for path, n in zip(paths, np.asarray(acc_len)):
+        assert not set(path[1:n + 1].tolist()) & set(unverified)
+    # the token the unverified node carried is still what plain sampling would draw, as
+    # the bonus token after the verified children were rejected
+    assert np.mean(np.asarray(bonus) == 1) > 0.9
