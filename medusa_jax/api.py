@@ -23,7 +23,7 @@ import numpy as np
 
 from medusa_jax import assets, sharding
 from medusa_jax.acceptance import MODES, Sampling
-from medusa_jax.backbone import Params, head_units, param_axes, param_specs, unstack_layers
+from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_axes, heads_config_of, load_heads
@@ -127,7 +127,7 @@ class Medusa:
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
         else:
-            self.params = unstack_layers(cfg, params)  # the decoding layout of small models
+            self.params = decoding_layout(cfg, params)
 
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,

@@ -38,7 +38,7 @@ from medusa_jax import assets, bench, data, distill, distributed, sharding, weig
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
 from medusa_jax import backbone as backbone_lib
-from medusa_jax.backbone import Params, unstack_layers
+from medusa_jax.backbone import Params, decoding_layout
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
 from medusa_jax import cli
 from medusa_jax.cli import option
@@ -406,7 +406,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     distributed.barrier("heads written")
     if not writer:  # the decoding benchmark and the summary are process 0's
         return summary
-    decode_backbone = jax.device_put(unstack_layers(model_cfg, decode_backbone))
+    decode_backbone = jax.device_put(decoding_layout(model_cfg, decode_backbone))
 
     if cfg.eval_prompts and not bench_prompts:
         print("no held-out conversations to benchmark decoding on (plain-text data)")

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from medusa_jax import assets
-from medusa_jax.backbone import Params, param_shapes
+from medusa_jax.backbone import Params, param_shapes, standard_layout
 from medusa_jax.config import ModelConfig, as_dtype
 
 
@@ -204,9 +204,7 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         if key in params:
             a = to_np(params[key])
             tensors[name] = np.ascontiguousarray(a.T) if transpose else a
-    layers = params["layers"]
-    if isinstance(layers, (tuple, list)):  # the decoding layout (backbone.unstack_layers)
-        layers = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *layers)
+    layers = standard_layout(cfg, params)["layers"]  # from `decoding_layout` too
     for hf, (key, transpose) in _LAYER_MAP.items():
         if key not in layers:
             continue

@@ -127,3 +127,32 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 10}')
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported: llama"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "deep"])
+def test_decoding_layout_gives_the_same_logits_and_round_trips(arch):
+    """The decoding layout (fused q/k/v and gate/up, layers unrolled up to 12) computes the
+    same function, and `standard_layout` restores every parameter exactly."""
+    from medusa_jax.backbone import (MAX_UNROLLED_LAYERS, decoding_layout, param_shapes,
+                                     standard_layout)
+
+    layers = MAX_UNROLLED_LAYERS + 1 if arch == "deep" else 2
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, attention_bias=arch == "qwen2")
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    fast = decoding_layout(cfg, params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(fast)[0]]
+    assert any("'wqkv'" in p for p in paths) and not any("'wq'" in p for p in paths)
+    assert isinstance(fast["layers"], tuple) == (arch != "deep")
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 61, (2, 7)))
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+
+    def logits(p):
+        cache = KVCache.init(cfg, 2, 16)
+        return forward(p, cfg, ids, pos, causal_mask(cache.lengths, 7, 16), cache)[0]
+
+    np.testing.assert_allclose(logits(fast), logits(params), atol=2e-5, rtol=0)
+    back = standard_layout(cfg, fast)
+    assert jax.tree.map(jnp.shape, back) == param_shapes(cfg)
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), back, params)))
