@@ -86,9 +86,19 @@ def _path_valid(tree: Tree, valid):
     return static[None] & valid[:, jnp.asarray(tree.paths[:, 1:])]
 
 
-def greedy(logits, tokens, tree: Tree, valid=None):
+def node_rows(x: jax.Array, slot: jax.Array | None) -> jax.Array:
+    """Values per verified token x [B, F, ...] as values per tree node [B, T, ...]: node i
+    of row b was verified as token slot[b, i] (None: node i is token i)."""
+    if slot is None:
+        return x
+    return jnp.take_along_axis(x, slot.reshape(slot.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def greedy(logits, tokens, tree: Tree, valid=None, slot=None):
     """The longest path whose every token equals the model's argmax at its parent."""
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    # the argmax of the verified rows only, then spread to the nodes: a dynamic tree verifies
+    # a few of its pool's nodes, and gathering [B, T, V] logits for all of them costs more
+    pred = node_rows(jnp.argmax(logits, axis=-1).astype(jnp.int32), slot)  # [B, T]
     path_tok, paths = _path_tokens(tree, tokens)
     parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
     match = (path_tok[:, :, 1:] == parent_pred) & _path_valid(tree, valid)
@@ -187,19 +197,22 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
     return jax.vmap(one_row)(logp, tokens, keys, valid)
 
 
-# Every rule as (logits, tokens, tree, sampling, keys, valid) -> (best path, accepted
+# Every rule as (logits, tokens, tree, sampling, keys, valid, slot) -> (best path, accepted
 # length, next root), looked up by `Sampling.mode`.
 RULES = {
-    "greedy": lambda logits, tokens, tree, s, keys, valid: greedy(logits, tokens, tree, valid),
-    "typical": lambda logits, tokens, tree, s, keys, valid: typical(logits, tokens, tree, s,
-                                                                    valid),
-    "rejection": rejection,
+    "greedy": lambda logits, tokens, tree, s, keys, valid, slot: greedy(logits, tokens, tree,
+                                                                        valid, slot),
+    "typical": lambda logits, tokens, tree, s, keys, valid, slot: typical(
+        node_rows(logits, slot), tokens, tree, s, valid),
+    "rejection": lambda logits, tokens, tree, s, keys, valid, slot: rejection(
+        node_rows(logits, slot), tokens, tree, s, keys, valid),
 }
 assert set(RULES) == set(MODES)
 
 
-def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
+def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None, slot=None):
     """The acceptance rule of `s.mode`: (best path [B], accepted non-root nodes [B],
     next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only);
-    valid [B, T]: the nodes each row verified (dynamic trees), default all."""
-    return RULES[s.mode](logits, tokens, tree, s, keys, valid)
+    valid [B, T]: the nodes each row verified (dynamic trees), default all; slot [B, T]:
+    which row of `logits` [B, F, V] each node was verified as (default: node i is row i)."""
+    return RULES[s.mode](logits, tokens, tree, s, keys, valid, slot)

@@ -509,7 +509,7 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
         logits, hidden, (k_new, v_new) = decode.verify(params, cfg, prop, s.cache)
         if "acceptance" in stages:
             best, acc_len, next_root = acceptance.accept(
-                prop.node_rows(logits), prop.tokens, static, Sampling(), None, prop.valid)
+                logits, prop.tokens, static, Sampling(), None, prop.valid, prop.slot)
         else:
             best = jnp.zeros((b,), jnp.int32)
             acc_len = jnp.ones((b,), jnp.int32)

@@ -266,13 +266,6 @@ class Proposal:
     valid: jax.Array | None  # [B, N] bool: the nodes verified (None: all)
     slot: jax.Array | None  # [B, N] int32: each node's index in `fed` (None: the same)
 
-    def node_rows(self, x: jax.Array) -> jax.Array:
-        """Per-fed-token values x [B, T, ...] as per-node values [B, N, ...]."""
-        if self.slot is None:
-            return x
-        idx = self.slot.reshape(self.slot.shape + (1,) * (x.ndim - 2))
-        return jnp.take_along_axis(x, idx, axis=1)
-
     def fed_index(self, nodes: jax.Array) -> jax.Array:
         """Node indices [B, ...] -> their indices in `fed`."""
         return nodes if self.slot is None else jnp.take_along_axis(self.slot, nodes, axis=1)
@@ -407,8 +400,8 @@ def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
     prop = propose_candidates(s.root, s.head_logits, tree)  # 1
     logits, hidden, (k_new, v_new) = verify(params, cfg, prop, s.cache, window)  # 2
     keys, sub = _next_keys(s.keys, sampling.mode == "rejection")
-    best, acc_len, next_root = acceptance.accept(prop.node_rows(logits), prop.tokens, static,
-                                                 sampling, sub, prop.valid)  # 3
+    best, acc_len, next_root = acceptance.accept(logits, prop.tokens, static, sampling, sub,
+                                                 prop.valid, prop.slot)  # 3
     path = jnp.asarray(static.paths)[best]  # [B, D+1] node indices, root first
     chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
     out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
