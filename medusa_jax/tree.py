@@ -94,6 +94,22 @@ class Tree:
                              f"of {vocab_size} tokens")
         return cls(tuple(sorted(clean, key=lambda p: (len(p), p))), int(top_k), name)
 
+    def choosable(self, size: int) -> "Tree":
+        """The nodes that can be among the `size` most probable of this tree under any head
+        distributions (what a `DynamicTree` of that size chooses): a node scores below its
+        ancestors and below each lower-ranked sibling of itself or of an ancestor, so one
+        with `size` or more of those in the tree never makes the cut. Prefix-closed."""
+        nodes = set(self.paths_ranks)
+
+        def above(p):  # nodes of this tree that always score higher than p
+            return len(p) - 1 + sum(p[:d] + (r,) in nodes for d in range(len(p))
+                                    for r in range(p[d]))
+
+        keep = [list(p) for p in self.paths_ranks if above(p) < size]
+        if len(keep) == len(self.paths_ranks):
+            return self
+        return Tree.from_paths(keep, name=f"{self.name}[{size}]")
+
     @classmethod
     def load(cls, spec: str | Path, num_heads: int | None = None, *,
              vocab_size: int | None = None) -> "Tree":
@@ -241,6 +257,9 @@ class DynamicTree:
             raise ValueError(f"tree {self.name!r}: a dynamic tree chooses 1 .. "
                              f"{self.pool.num_nodes - 1} nodes of its pool {self.pool.name!r}, "
                              f"got {self.size}")
+        # only the nodes that can ever be chosen: the same choice from a smaller pool, with
+        # fewer head ranks to find (top-k costs a pass over the vocabulary per rank on CPU)
+        object.__setattr__(self, "pool", self.pool.choosable(self.size))
 
     @classmethod
     def parse(cls, spec: str, num_heads: int | None = None,

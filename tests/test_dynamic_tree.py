@@ -14,9 +14,12 @@ from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_
                              _exact_pair_distribution, _pair_counts, tiny)  # noqa: F401
 
 
-def test_the_chosen_nodes_are_the_most_probable_subtree():
+@pytest.mark.parametrize("size", [2, 4, 8, 16])
+def test_the_chosen_nodes_are_the_most_probable_subtree(size):
     pool = Tree.load("mc_sim_7b_63")
-    tree = DynamicTree(pool, 8)
+    tree = DynamicTree(pool, size)
+    if size <= 8:  # only the nodes that can be chosen: rank < size at every depth
+        assert tree.pool.num_nodes < pool.num_nodes and tree.top_k == size
     rng = np.random.default_rng(0)
     head_logits = jnp.asarray(rng.normal(size=(5, 3, 40)) * 2, jnp.float32)
     root = jnp.array([1, 2, 3], jnp.int32)
@@ -24,12 +27,13 @@ def test_the_chosen_nodes_are_the_most_probable_subtree():
     logp = np.asarray(jax.nn.log_softmax(head_logits, axis=-1))
     ranks = np.argsort(-logp, axis=-1)
     for b in range(3):
-        chosen = {pool.paths_ranks[i - 1] for i in np.flatnonzero(np.asarray(prop.valid[b]))
-                  if i > 0}
-        assert len(chosen) == 8 and all(p[:-1] in chosen or len(p) == 1 for p in chosen)
+        # indices into the choosable part of the pool; the choice is the best over all of it
+        chosen = {tree.pool.paths_ranks[i - 1]
+                  for i in np.flatnonzero(np.asarray(prop.valid[b])) if i > 0}
+        assert len(chosen) == size and all(p[:-1] in chosen or len(p) == 1 for p in chosen)
         joint = {p: sum(logp[d, b, ranks[d, b, r]] for d, r in enumerate(p))
                  for p in pool.paths_ranks}
-        best = sorted(joint.values(), reverse=True)[:8]
+        best = sorted(joint.values(), reverse=True)[:size]
         assert sorted((joint[p] for p in chosen), reverse=True) == pytest.approx(best)
         # the verified tokens are those nodes' tokens, in pool order, root first
         fed = np.asarray(prop.fed[b])
