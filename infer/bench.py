@@ -4,6 +4,7 @@
     python -m infer.bench --modes greedy,typical,rejection --batch-sizes 1,4,16 --plot b.png
     python -m infer.bench --prompts ../shared/data/mt_bench/question.jsonl --json
     python -m infer.bench --random-weights --shape llama-110m --tree-sizes 0,16,32,64,128
+    python -m infer.bench --max-new-tokens 400 --cache-phases 1,4   # attention windows
     python -m infer.bench --mesh data=2,model=4                # tensor-parallel decoding
     python -m infer.bench --random-weights --shape llama-2-70b --layers 1 --mesh model=8 \
         --dtype bfloat16                                       # per-device memory, sizing

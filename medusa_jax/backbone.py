@@ -12,6 +12,9 @@ pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
     final_norm   [H]
     lm_head      [H, V]                                   (absent with tied embeddings)
 
+Decoding on one device uses `decoding_layout` (fused q/k/v and gate/up, small models'
+layers unrolled); `forward` takes either layout.
+
 The caller passes explicit positions and an explicit boolean attention mask over the cache
 slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
 attention code: a tree mask is just another mask.

@@ -59,8 +59,10 @@ def test_generate_errors_are_one_line(heads_dir, args, message):
 def test_bench_reports_identical_greedy_output(heads_dir):
     proc = _run("infer.bench", "--heads", str(heads_dir), "--num-prompts", "2",
                 "--max-new-tokens", "16", "--reps", "1", "--no-transformers", "--json",
-                "--trees", "mc_sim_7b_63:4,mc_sim_7b_63")
+                "--trees", "mc_sim_7b_63:4", "--cache-phases", "1,4")
     rows = json.loads(proc.stdout)
-    med = [r for r in rows if r["config"] == "medusa"]
+    assert [r["config"] for r in rows] == ["plain jax (1 ph.)", "medusa (1 ph.)",
+                                           "plain jax (4 ph.)", "medusa (4 ph.)"]
+    med = [r for r in rows if r["config"].startswith("medusa")]
     assert len(med) == 2 and all(r["identical_to_plain"] for r in med)
     assert all(r["tokens_per_step"] >= 1 and r["step_overhead"] > 0 for r in med)
