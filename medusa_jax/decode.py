@@ -85,10 +85,12 @@ def cache_phases(start: int, final: int, per_step: int, block: int | None = None
     """Attention windows (leading cache slots) of the decoding loop's phases, for prompts of
     `start` slots (the bucket) and a cache of `final` slots; a step feeds up to `per_step`
     tokens past the committed ones. Increasing; the last is `final`."""
-    block = block or CACHE_BLOCK
-    max_phases = max_phases or MAX_CACHE_PHASES
+    block = CACHE_BLOCK if block is None else block
+    max_phases = MAX_CACHE_PHASES if max_phases is None else max_phases
+    if not (isinstance(max_phases, int) and max_phases >= 1 and block >= 1):
+        raise ValueError(f"max_cache_phases must be an int >= 1, got {max_phases!r}")
     span = final - start
-    if max_phases <= 1 or span <= 2 * block:
+    if max_phases == 1 or span <= 2 * block:
         return (final,)
     step = max(block, per_step, -(-span // max_phases))
     caps = list(range(start + step, final, step))

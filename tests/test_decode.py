@@ -215,6 +215,14 @@ def test_cache_phases_cover_the_decode(start, final, per_step):
         assert b - a >= min(CACHE_BLOCK, final - start) // 2 and b - a >= min(per_step, b - start)
 
 
+def test_bad_cache_phases_are_one_line_errors(stories):
+    cfg, params, _ = stories
+    tokens, lengths = pad_prompts([[1, 2, 3]])
+    with pytest.raises(ValueError, match="max_cache_phases must be an int >= 1, got 0"):
+        generate(params, cfg, tokens, lengths, jax.random.key(0), max_new_tokens=4,
+                 max_cache_phases=0)
+
+
 def test_run_phases_widens_the_window_only_when_a_step_would_not_fit():
     from flax import struct
 
