@@ -243,7 +243,8 @@ class DynamicTree:
     a step verifies `size` + 1 tokens whatever is chosen.
 
     "dynamic:N" uses the published 64-node pool `mc_sim_7b_63`; "dynamic:N:POOL" any tree
-    that `Tree.load` reads."""
+    that `Tree.load` reads. Only the pool's nodes that can be among the N best are kept
+    (`Tree.choosable`): the same choice, with fewer head ranks to find."""
 
     pool: Tree
     size: int
