@@ -321,8 +321,9 @@ def _plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = [r for r in results if r["config"] == "medusa"]
-    labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}" for r in med]
+    med = [r for r in results if r["config"].startswith("medusa")]
+    labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}{r['config'][len('medusa'):]}"
+              for r in med]  # "medusa (4 ph.)": the --cache-phases value too
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(med)), 4))
     axes[0].bar(labels, [r["tokens_per_step"] for r in med])
     axes[0].set_title("tokens per step")

@@ -345,28 +345,29 @@ FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
 
 
 def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
-    """The layout decoding runs fastest with, for a backbone on one device (not for a
-    tensor-parallel one: the fused projections would mix differently sharded heads):
+    """The layout decoding runs fastest with, for a small backbone (up to MAX_UNROLLED_LAYERS
+    layers) on one device; anything else is returned unchanged (tensor-parallel weights: the
+    fused projections would mix differently sharded heads; deep models: fusing would hold a
+    second copy of most weights while it runs, and per-call overhead matters less there):
 
     - q/k/v and gate/up projections fused (`FUSED`): a Medusa step then makes 3 fewer
       matrix products per layer. On XLA:CPU a product over the 5 tokens of a Medusa step
       costs a library call each, where a 1-token product is a cheap loop; on stories260K,
       2-core CPU, this made Medusa +10% and plain decoding +6% tokens/s (one alternating run);
-    - the layers of a model up to MAX_UNROLLED_LAYERS deep as a tuple of per-layer dicts,
-      which `forward` runs as a straight line: each layer's weights are read in place, where
+    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line: each layer's weights are read in place, where
       slicing a stacked array costs a copy kernel per weight and layer.
 
     `forward` takes this layout and the standard one; `standard_layout` undoes it. Done once,
     outside jit (`api.Medusa` does it)."""
     layers = params["layers"]
-    if isinstance(layers, (tuple, list)) or any(k in FUSED for k in layers):
-        return params  # already in the decoding layout
+    if cfg.num_layers > MAX_UNROLLED_LAYERS or isinstance(layers, (tuple, list)) or \
+            any(k in FUSED for k in layers):
+        return params  # a deep model, or already in the decoding layout
     layers = dict(layers)
     for fused, parts in FUSED.items():
         if all(p in layers for p in parts):
             layers[fused] = jnp.concatenate([layers.pop(p) for p in parts], axis=-1)
-    if cfg.num_layers <= MAX_UNROLLED_LAYERS:
-        layers = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers))
+    layers = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers))
     return dict(params, layers=layers)
 
 

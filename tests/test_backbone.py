@@ -131,8 +131,9 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "deep"])
 def test_decoding_layout_gives_the_same_logits_and_round_trips(arch):
-    """The decoding layout (fused q/k/v and gate/up, layers unrolled up to 12) computes the
-    same function, and `standard_layout` restores every parameter exactly."""
+    """The decoding layout of a small model (fused q/k/v and gate/up, layers unrolled)
+    computes the same function, and `standard_layout` restores every parameter exactly; a
+    model deeper than 12 layers is left as it is."""
     from medusa_jax.backbone import (MAX_UNROLLED_LAYERS, decoding_layout, param_shapes,
                                      standard_layout)
 
@@ -142,9 +143,12 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch):
                       max_position_embeddings=64, attention_bias=arch == "qwen2")
     params = init_params(cfg, jax.random.key(0), std=0.2)
     fast = decoding_layout(cfg, params)
+    if arch == "deep":  # left alone: no second copy of a big model's weights at load
+        assert fast is params
+        return
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(fast)[0]]
     assert any("'wqkv'" in p for p in paths) and not any("'wq'" in p for p in paths)
-    assert isinstance(fast["layers"], tuple) == (arch != "deep")
+    assert isinstance(fast["layers"], tuple)
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 61, (2, 7)))
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
 
