@@ -7,14 +7,21 @@ Modules, one concept each: `config` (model config), `backbone` (the decoder), `h
 `checkpoint`, `sharding` (training), `bench`, `tree_search` (measuring), `cli`.
 """
 
-from medusa_jax.acceptance import Sampling
-from medusa_jax.api import Generation, Medusa
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HeadsConfig, apply_heads, init_heads, load_heads, save_heads
-from medusa_jax.tree import Tree
-from medusa_jax.weights import default_model_dir, load_pretrained, save_pretrained
+import importlib
 
-__all__ = ["Generation", "HeadsConfig", "Medusa", "ModelConfig", "Sampling", "Tree",
-           "apply_heads", "default_model_dir", "init_heads", "load_heads", "load_pretrained",
-           "save_heads", "save_pretrained"]
+# The public names, imported on first use: `import medusa_jax` (and a stdlib-only tool that
+# reads `medusa_jax.assets`) does not start JAX.
+_EXPORTS = {
+    "Sampling": "acceptance", "Generation": "api", "Medusa": "api", "ModelConfig": "config",
+    "HeadsConfig": "heads", "apply_heads": "heads", "init_heads": "heads",
+    "load_heads": "heads", "save_heads": "heads", "Tree": "tree",
+    "default_model_dir": "weights", "load_pretrained": "weights", "save_pretrained": "weights",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"medusa_jax.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'medusa_jax' has no attribute {name!r}")

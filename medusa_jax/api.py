@@ -106,9 +106,9 @@ def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, m
     shards. Returns (params, heads)."""
     check_model_axis(cfg, mesh)
     bb, hd = decode_shardings(cfg, mesh, heads)
-    params = jax.tree.map(lambda x, s: sharding.put(jax.device_get(x), s), params, bb)
+    params = jax.tree.map(sharding.put, params, bb)
     if heads is not None:
-        heads = jax.tree.map(lambda x, s: sharding.put(jax.device_get(x), s), heads, hd)
+        heads = jax.tree.map(sharding.put, heads, hd)
     return params, heads
 
 

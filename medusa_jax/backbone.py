@@ -183,7 +183,7 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask,
     b, t, _ = x.shape
     dt = x.dtype
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in layer:  # `fuse_projections`: one product for q, k and v
+    if "wqkv" in layer:  # `decoding_layout`: one product for q, k and v
         qkv = h @ layer["wqkv"].astype(dt)
         if cfg.attention_bias:
             qkv = qkv + layer["bqkv"].astype(dt)
@@ -214,7 +214,7 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask,
     x = x + attn @ layer["wo"].astype(dt)
 
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
-    if "w_gate_up" in layer:  # `fuse_projections`
+    if "w_gate_up" in layer:  # `decoding_layout`
         gate, up = jnp.split(h @ layer["w_gate_up"].astype(dt), 2, axis=-1)
     else:
         gate, up = h @ layer["w_gate"].astype(dt), h @ layer["w_up"].astype(dt)
@@ -354,8 +354,9 @@ def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
       matrix products per layer. On XLA:CPU a product over the 5 tokens of a Medusa step
       costs a library call each, where a 1-token product is a cheap loop; on stories260K,
       2-core CPU, this made Medusa +10% and plain decoding +6% tokens/s (one alternating run);
-    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line: each layer's weights are read in place, where
-      slicing a stacked array costs a copy kernel per weight and layer.
+    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line:
+      each layer's weights are read in place, where slicing a stacked array costs a copy
+      kernel per weight and layer.
 
     `forward` takes this layout and the standard one; `standard_layout` undoes it. Done once,
     outside jit (`api.Medusa` does it)."""

@@ -22,8 +22,8 @@ import numpy as np
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import KVCache, causal_mask, decode_unroll, forward, init_params
 from medusa_jax.config import ModelConfig, as_dtype
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.tree import Tree
+from medusa_jax.decode import generate, medusa_capacity, medusa_generate, pad_prompts
+from medusa_jax.tree import DynamicTree, Tree
 
 # Named backbone shapes for random-weight step-time measurements.
 SHAPES = {
@@ -319,10 +319,9 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
     from medusa_jax import api, sharding
     from medusa_jax.heads import HeadsConfig
 
-    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype) \
-        if shape in SHAPES else None
-    if full is None:
+    if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
     if not 1 <= layers <= full.num_layers:
         raise ValueError(f"--layers must be in 1..{full.num_layers} for {shape}")
     cfg = full.replace(num_layers=layers)
@@ -383,7 +382,7 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
 
     p_layer, p_fixed = by_depth(params, bb_sh)
     h_layer, h_fixed = by_depth(heads, hd_sh)
-    capacity = prompt + max_new + tree.num_nodes + 1
+    capacity = medusa_capacity(prompt, max_new, tree)
     kv_spec = sharding.cache_spec(mesh, cfg.num_kv_heads, batch)
     kv_shape = (layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
     kv_local = jax.sharding.NamedSharding(mesh, kv_spec).shard_shape(kv_shape)
@@ -480,8 +479,6 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
     others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
     can neither drop nor hoist the stages that stay)."""
     from medusa_jax import acceptance, decode
-
-    from medusa_jax.tree import DynamicTree
 
     static = tree.pool if isinstance(tree, DynamicTree) else tree
     paths = jnp.asarray(static.paths)

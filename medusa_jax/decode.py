@@ -204,8 +204,7 @@ def plain_step(params: Params, cfg: ModelConfig, sampling: Sampling, eos: tuple[
     done = s.done | (live & _eos_mask(s.next_token, eos)) | (count >= max_new_tokens)
     logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
                                causal_mask(s.cache.lengths, 1, window or s.cache.capacity),
-                               s.cache,
-                               unroll=decode_unroll(cfg))
+                               s.cache, unroll=decode_unroll(cfg))
     keys, sub = _next_keys(s.keys, sampling.mode != "greedy")
     new = _sample_rows(sub, logits[:, 0], sampling)
     return PlainState(cache=cache.advance(~done), next_token=jnp.where(done, s.next_token, new),

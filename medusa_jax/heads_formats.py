@@ -47,6 +47,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from medusa_jax import weights
 from medusa_jax.backbone import Params
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import HEADS_FILE
@@ -106,17 +107,14 @@ def _safetensors_names(file: Path) -> tuple[list[str], dict]:
 
 
 def _model_shards(folder: Path) -> list[Path] | None:
-    index, single = folder / "model.safetensors.index.json", folder / "model.safetensors"
-    if index.is_file():
-        weight_map = _json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise HeadsFormatError(f"{index}: no weight_map")
-        files = sorted({folder / f for f in weight_map.values()})
-        for f in files:
-            if not f.is_file():
-                raise HeadsFormatError(f"{index}: shard {f.name} is missing")
-        return files
-    return [single] if single.is_file() else None
+    """A model folder's safetensors files (as `weights` reads them), None when it has none."""
+    if not any((folder / f).is_file() for f in ("model.safetensors",
+                                                "model.safetensors.index.json")):
+        return None
+    try:
+        return weights.weight_files(folder)
+    except weights.WeightsError as e:
+        raise HeadsFormatError(str(e)) from None
 
 
 def is_medusa2_model(path: str | Path) -> bool:
@@ -505,13 +503,6 @@ def sizes_config(heads: Params) -> ModelConfig:
     """The stand-in config of `heads` themselves (hidden from w, vocab from proj/token_index)."""
     v = np.shape(heads["token_index"] if "token_index" in heads else heads["proj"])[-1]
     return _sizes_cfg(int(np.shape(heads["w"])[-1]), int(v))
-
-
-def load(path: str | Path, cfg: ModelConfig | None = None, base_model=None):
-    """Any readable layout -> (heads as numpy arrays, metadata, the detected `Found`)."""
-    found = detect(path)
-    heads, meta = read(found, cfg, base_model)
-    return heads, meta, found
 
 
 def check_heads(tensors: dict, cfg: ModelConfig | None, file, k: int, lyr: int):

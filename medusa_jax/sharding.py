@@ -209,11 +209,14 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
     return out
 
 
-def put(host, sharding: NamedSharding) -> jax.Array:
-    """A host (numpy) array onto its sharding, each device receiving only its own shard
-    (no full copy on any one device; works across processes when every process holds the
-    same host array)."""
-    host = np.asarray(host)
+def put(value, sharding: NamedSharding) -> jax.Array:
+    """An array onto its sharding, each device receiving only its own shard: a host (numpy)
+    array with no full copy on any one device (across processes too, when every process
+    holds the same value); a device array of a one-process run is resharded on the devices,
+    without a round trip through host memory."""
+    if isinstance(value, jax.Array) and jax.process_count() == 1:
+        return jax.device_put(value, sharding)
+    host = np.asarray(jax.device_get(value))
     return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
 
 

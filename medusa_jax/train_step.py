@@ -196,8 +196,7 @@ def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: d
     Returns (state, its shardings)."""
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
     shardings = state_shardings(abstract, axes, mesh, units)
-    params = jax.tree.map(lambda x, s: sharding.put(jax.device_get(x), s), params,
-                          shardings.params)
+    params = jax.tree.map(sharding.put, params, shardings.params)
     state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings)(params)
     return state, shardings
 

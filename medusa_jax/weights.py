@@ -61,7 +61,8 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|^medusa_head\.")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
-def _weight_files(path: Path) -> list[Path]:
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a model folder: its index's shards, or model.safetensors."""
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.is_file():
@@ -86,6 +87,8 @@ def _read_tensors(files: list[Path]) -> dict[str, tuple[np.ndarray, Path]]:
             # framework="flax" reads bfloat16, which numpy's reader does not.
             with safe_open(str(file), framework="flax") as f:
                 for name in f.keys():
+                    if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
+                        continue
                     if name in tensors:
                         raise WeightsError(f"{file}: tensor {name} also in {tensors[name][1]}")
                     tensors[name] = (np.asarray(f.get_tensor(name)), file)
@@ -108,15 +111,13 @@ def load_pretrained(
     path = Path(path) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
     cfg = cfg.replace(param_dtype=param_dtype or "float32", compute_dtype=compute_dtype)
-    tensors = _read_tensors(_weight_files(path))
+    tensors = _read_tensors(weight_files(path))
     shapes = param_shapes(cfg)
     dtype = as_dtype(cfg.param_dtype)
 
     layer_parts: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
     params: Params = {}
     for name, (array, file) in tensors.items():
-        if _IGNORED.match(name):
-            continue
         m = _LAYER_RE.match(name)
         if m and m.group(2) in _LAYER_MAP:
             idx = int(m.group(1))

@@ -9,10 +9,9 @@ The backbone answers each prompt (see `medusa_jax.distill`); temperature 0 decod
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from medusa_jax import data
+from medusa_jax import cli, data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,11 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", required=True, help="output JSONL path")
     ap.add_argument("--model", default=None, help="HF model dir (default: embedded stories260K)")
     ap.add_argument("--template", default="auto", choices=data.TEMPLATES)
-    ap.add_argument("--num-samples", type=int, default=None,
+    ap.add_argument("--num-samples", type=cli.positive_int, default=None,
                     help="answers to generate (default: one per prompt)")
     ap.add_argument("--temperature", type=float, default=0.3, help="0 = greedy")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-new-tokens", type=cli.positive_int, default=256)
+    ap.add_argument("--batch-size", type=cli.positive_int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     return ap
 
@@ -34,10 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    for name in ("num_samples", "max_new_tokens", "batch_size"):
-        v = getattr(args, name)
-        if v is not None and v < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
     out = Path(args.output)
@@ -47,7 +42,7 @@ def main(argv=None):
         ap.error(f"--output {out}: {out.parent} is not a directory")
     from medusa_jax import distill, weights
 
-    try:
+    with cli.errors_to_exit():  # DataError, WeightsError: ValueErrors
         prompts = distill.read_prompts(args.prompts)
         cfg, params = weights.load_pretrained(args.model)
         tokenizer = weights.load_tokenizer(args.model)
@@ -55,9 +50,7 @@ def main(argv=None):
             params, cfg, tokenizer, prompts, template=args.template,
             num_samples=args.num_samples, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
-    except (data.DataError, FileNotFoundError, weights.WeightsError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    distill.write_jsonl(records, args.output)
+        distill.write_jsonl(records, args.output)
     print(f"wrote {stats['samples']} answers ({stats['new_tokens']} tokens, "
           f"{stats['seconds']}s) to {args.output}")
 
