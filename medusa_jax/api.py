@@ -163,8 +163,10 @@ class Medusa:
         host = jax.default_device(jax.devices("cpu")[0]) if mesh is not None else \
             contextlib.nullcontext()
         with host:
+            # on one device, the decoding layout straight from the files (no stacked copy)
             cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
-                                          compute_dtype=compute_dtype)
+                                          compute_dtype=compute_dtype,
+                                          decoding_layout=mesh is None)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),

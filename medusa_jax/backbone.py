@@ -12,8 +12,8 @@ pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
     final_norm   [H]
     lm_head      [H, V]                                   (absent with tied embeddings)
 
-Decoding on one device uses `decoding_layout` (fused q/k/v and gate/up, small models'
-layers unrolled); `forward` takes either layout.
+Decoding on one device uses `decoding_layout` (a tuple of per-layer dicts run as a straight
+line, fused q/k/v and gate/up); `forward` takes either layout.
 
 The caller passes explicit positions and an explicit boolean attention mask over the cache
 slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
@@ -258,9 +258,8 @@ def forward_uncommitted(
 
     `empty_cache=True` promises every row's cache is empty (prefill, training): attention
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
-    fully masked block. `unroll` layers per iteration of the scan over layers: decoding
-    unrolls small models completely (`decode_unroll`), which removes the per-layer loop and
-    weight-slicing kernels that dominate a tiny model's step on CPU."""
+    fully masked block. `unroll`: layers per iteration of the scan over stacked layers (the
+    decoding layout has no scan: see `decoding_layout`)."""
     dt = as_dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)
     inv_freq = rope_frequencies(cfg)
@@ -281,7 +280,7 @@ def forward_uncommitted(
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
-    if isinstance(params["layers"], (tuple, list)):  # `decoding_layout`: a straight line
+    if is_decoding_layout(params):  # a straight line, each layer's weights read in place
         outs = []
         for i, layer in enumerate(params["layers"]):
             x, kv = body(x, layer if empty_cache else (layer, cache.k[i], cache.v[i]))
@@ -327,49 +326,54 @@ class ParamSpec(NamedTuple):
     axes: tuple[str, ...]
 
 
-# Decoding unrolls the layer loop of models up to this depth: one step of a small model is
-# then a straight line of kernels (no loop, no per-layer weight slicing); deeper models keep
-# the scan (compile time grows with the unrolled depth, and big layers hide the loop's cost).
-MAX_UNROLLED_LAYERS = 12
-
-
-def decode_unroll(cfg: ModelConfig) -> int:
-    """How many layers one iteration of the decoding scan runs."""
-    return cfg.num_layers if cfg.num_layers <= MAX_UNROLLED_LAYERS else 1
-
-
 # Projections that read the same input, fused into one product each in the decoding layout:
 # fused name -> (the parameters concatenated along their output axis, in order).
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
          "w_gate_up": ("w_gate", "w_up")}
 
 
-def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
-    """The layout decoding runs fastest with, for a small backbone (up to MAX_UNROLLED_LAYERS
-    layers) on one device; anything else is returned unchanged (tensor-parallel weights: the
-    fused projections would mix differently sharded heads; deep models: fusing would hold a
-    second copy of most weights while it runs, and per-call overhead matters less there):
-
-    - q/k/v and gate/up projections fused (`FUSED`): a Medusa step then makes 3 fewer
-      matrix products per layer. On XLA:CPU a product over the 5 tokens of a Medusa step
-      costs a library call each, where a 1-token product is a cheap loop; on stories260K,
-      2-core CPU, this made Medusa +10% and plain decoding +6% tokens/s (one alternating run);
-    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line:
-      each layer's weights are read in place, where slicing a stacked array costs a copy
-      kernel per weight and layer.
-
-    `forward` takes this layout and the standard one; `standard_layout` undoes it. Done once,
-    outside jit (`api.Medusa` does it)."""
-    layers = params["layers"]
-    if cfg.num_layers > MAX_UNROLLED_LAYERS or isinstance(layers, (tuple, list)) or \
-            any(k in FUSED for k in layers):
-        return params  # a deep model, or already in the decoding layout
-    layers = dict(layers)
+def fuse_layer(layer: dict, concatenate=jnp.concatenate) -> dict:
+    """One layer's parameters (no layer axis) with the `FUSED` projections concatenated.
+    `concatenate=np.concatenate` fuses host arrays (loading builds the layout that way)."""
+    layer = dict(layer)
     for fused, parts in FUSED.items():
-        if all(p in layers for p in parts):
-            layers[fused] = jnp.concatenate([layers.pop(p) for p in parts], axis=-1)
-    layers = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(cfg.num_layers))
-    return dict(params, layers=layers)
+        if all(p in layer for p in parts):
+            layer[fused] = concatenate([layer.pop(p) for p in parts], axis=-1)
+    return layer
+
+
+def is_decoding_layout(params: Params) -> bool:
+    return isinstance(params["layers"], (tuple, list))
+
+
+def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
+    """The layout decoding runs fastest with, on one device, for a backbone of any depth
+    (tensor-parallel weights keep the stacked layout: fused projections would mix
+    differently sharded heads):
+
+    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line:
+      each layer's weights are read in place. In a `lax.scan` over stacked weights, slicing
+      layer i out of a stacked array inside the decoding `while_loop` copies every weight of
+      every layer at every step (llama-110m shape, 2-core CPU: 2.0-2.7 ms per layer scanned
+      against 1.2-1.5 ms unrolled);
+    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer (on
+      stories260K, 2-core CPU: Medusa +10%, plain +6% tokens/s in one alternating run).
+
+    Converting stacked arrays holds a second copy of each stacked weight while its layers
+    are sliced out; `weights.load_pretrained(..., decoding_layout=True)` builds this layout
+    straight from the checkpoint instead (what `api.Medusa.load` does). `forward` takes this
+    layout and the standard one; `standard_layout` undoes it. Done once, outside jit."""
+    layers = params["layers"]
+    if is_decoding_layout(params) or any(k in FUSED for k in layers):
+        return params  # already in the decoding layout
+    layers = dict(layers)
+    per_layer = [{} for _ in range(cfg.num_layers)]
+    for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
+        stacked = layers.pop(key)
+        for i in range(cfg.num_layers):
+            per_layer[i][key] = stacked[i]
+        del stacked
+    return dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer))
 
 
 def standard_layout(cfg: ModelConfig, params: Params) -> Params:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import KVCache, causal_mask, decode_unroll, forward, init_params
+from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
 from medusa_jax.config import ModelConfig, as_dtype
 from medusa_jax.decode import generate, medusa_capacity, medusa_generate, pad_prompts
 from medusa_jax.tree import DynamicTree, Tree
@@ -553,8 +553,7 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
 
     def forward_only(s):
         logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
-                                   causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache,
-                                   unroll=decode_unroll(cfg))
+                                   causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache)
         return s.replace(cache=cache, next_token=(s.next_token + (logits[:, 0, 0] > 0)) %
                          cfg.vocab_size)
 

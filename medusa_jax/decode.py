@@ -31,7 +31,7 @@ from flax import struct
 
 from medusa_jax import acceptance, sharding
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import (KVCache, Params, causal_mask, decode_unroll, forward,
+from medusa_jax.backbone import (KVCache, Params, causal_mask, forward,
                                  forward_uncommitted, tree_mask_after_prefix, write_kv)
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
@@ -204,7 +204,7 @@ def plain_step(params: Params, cfg: ModelConfig, sampling: Sampling, eos: tuple[
     done = s.done | (live & _eos_mask(s.next_token, eos)) | (count >= max_new_tokens)
     logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
                                causal_mask(s.cache.lengths, 1, window or s.cache.capacity),
-                               s.cache, unroll=decode_unroll(cfg))
+                               s.cache)
     keys, sub = _next_keys(s.keys, sampling.mode != "greedy")
     new = _sample_rows(sub, logits[:, 0], sampling)
     return PlainState(cache=cache.advance(~done), next_token=jnp.where(done, s.next_token, new),
@@ -319,8 +319,7 @@ def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache,
     depth = prop.fed_depth if prop.fed_depth.ndim == 2 else prop.fed_depth[None, :]
     positions = cache.lengths[:, None] + depth
     mask = tree_mask_after_prefix(cache.lengths, prop.fed_mask, window or cache.capacity)
-    return forward_uncommitted(params, cfg, prop.fed, positions, mask, cache,
-                               unroll=decode_unroll(cfg))
+    return forward_uncommitted(params, cfg, prop.fed, positions, mask, cache)
 
 
 def emit(s: MedusaState, chunk: jax.Array, acc_len: jax.Array, eos: tuple[int, ...],

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from medusa_jax import assets
-from medusa_jax.backbone import Params, param_shapes, standard_layout
+from medusa_jax.backbone import Params, fuse_layer, param_shapes, standard_layout
 from medusa_jax.config import ModelConfig, as_dtype
 
 
@@ -80,21 +80,47 @@ def weight_files(path: Path) -> list[Path]:
     raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def _read_tensors(files: list[Path]) -> dict[str, tuple[np.ndarray, Path]]:
-    tensors: dict[str, tuple[np.ndarray, Path]] = {}
-    for file in files:
+class _Tensors:
+    """The tensors of a checkpoint's files, indexed by name; each is read only when asked for
+    (`read`), so loading holds one tensor at a time in host memory beside the result."""
+
+    def __init__(self, files: list[Path]):
+        self.where: dict[str, Path] = {}
+        for file in files:
+            try:
+                # framework="flax" reads bfloat16, which numpy's reader does not.
+                with safe_open(str(file), framework="flax") as f:
+                    for name in f.keys():
+                        if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
+                            continue
+                        if name in self.where:
+                            raise WeightsError(
+                                f"{file}: tensor {name} also in {self.where[name]}")
+                        self.where[name] = file
+            except (SafetensorError, OSError) as e:
+                raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") \
+                    from None
+        self._open: dict[Path, object] = {}
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
         try:
-            # framework="flax" reads bfloat16, which numpy's reader does not.
-            with safe_open(str(file), framework="flax") as f:
-                for name in f.keys():
-                    if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
-                        continue
-                    if name in tensors:
-                        raise WeightsError(f"{file}: tensor {name} also in {tensors[name][1]}")
-                    tensors[name] = (np.asarray(f.get_tensor(name)), file)
+            return np.asarray(self._handle(name).get_tensor(name))
         except (SafetensorError, OSError) as e:
-            raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") from None
-    return tensors
+            raise WeightsError(f"{self.where[name]}: corrupt or truncated safetensors file "
+                               f"({e})") from None
+
+    def _handle(self, name: str):
+        file = self.where[name]
+        if file not in self._open:
+            try:
+                self._open[file] = safe_open(str(file), framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") \
+                    from None
+        return self._open[file]
 
 
 def load_pretrained(
@@ -102,51 +128,71 @@ def load_pretrained(
     *,
     param_dtype: str | None = None,
     compute_dtype: str = "float32",
+    decoding_layout: bool = False,
 ) -> tuple[ModelConfig, Params]:
     """Load a Hugging Face checkpoint directory (default: the embedded stories260K).
 
     Returns (config, backbone params). `param_dtype` defaults to float32; pass "bfloat16"
-    to halve memory. Raises FileNotFoundError / ValueError / WeightsError on bad input.
+    to halve memory. `decoding_layout=True` returns `backbone.decoding_layout`'s layout (a
+    tuple of per-layer dicts, fused projections), built layer by layer as the checkpoint is
+    read, so no stacked copy of the weights ever exists. Every tensor's name and shape is
+    checked before any is read. Raises FileNotFoundError / ValueError / WeightsError on bad
+    input.
     """
     path = Path(path) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
     cfg = cfg.replace(param_dtype=param_dtype or "float32", compute_dtype=compute_dtype)
-    tensors = _read_tensors(weight_files(path))
+    tensors = _Tensors(weight_files(path))
     shapes = param_shapes(cfg)
     dtype = as_dtype(cfg.param_dtype)
 
-    layer_parts: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
-    params: Params = {}
-    for name, (array, file) in tensors.items():
+    # 1. names and shapes, from the files' headers: (our key, layer or None) -> (name, T?)
+    layer_names: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
+    top_names: dict[str, tuple[str, bool]] = {}
+    for name, file in tensors.where.items():
         m = _LAYER_RE.match(name)
         if m and m.group(2) in _LAYER_MAP:
             idx = int(m.group(1))
             key, transpose = _LAYER_MAP[m.group(2)]
-            if key not in layer_parts or idx >= cfg.num_layers:
+            if key not in layer_names or idx >= cfg.num_layers:
                 raise WeightsError(f"{file}: unexpected tensor {name} for this config")
-            want = shapes["layers"][key][1:]
-            layer_parts[key][idx] = _check(array, want, name, file, transpose)
+            _check_shape(tensors.shape(name), shapes["layers"][key][1:], name, file, transpose)
+            layer_names[key][idx] = (name, transpose)
         elif name in _TOP_MAP:
             key, transpose = _TOP_MAP[name]
             if key == "lm_head" and cfg.tie_word_embeddings:
                 continue  # tied: some writers still store the shared matrix
-            params[key] = _check(array, shapes[key], name, file, transpose)
+            _check_shape(tensors.shape(name), shapes[key], name, file, transpose)
+            top_names[key] = (name, transpose)
         else:
             raise WeightsError(f"{file}: unexpected tensor {name}")
-
     for key in ("embed", "final_norm", "lm_head"):
-        if key in shapes and key not in params:
+        if key in shapes and key not in top_names:
             hf = next(n for n, (k, _) in _TOP_MAP.items() if k == key)
             raise WeightsError(f"{path}: missing tensor {hf}")
-    layers = {}
-    for key, parts in layer_parts.items():
-        for i, part in enumerate(parts):
-            if part is None:
+    for key, names in layer_names.items():
+        for i, found in enumerate(names):
+            if found is None:
                 hf = next(n for n, (k, _) in _LAYER_MAP.items() if k == key)
                 raise WeightsError(f"{path}: missing tensor model.layers.{i}.{hf}")
-        layers[key] = np.stack(parts)
-    params["layers"] = layers
-    params = jax.tree.map(lambda a: jnp.asarray(a, dtype=dtype), params)
+
+    # 2. the data, one tensor at a time
+    def read(name: str, transpose: bool) -> np.ndarray:
+        array = tensors.read(name)
+        return array.T if transpose else array
+
+    def to_device(array: np.ndarray) -> jax.Array:
+        return jnp.asarray(array, dtype=dtype)
+
+    params: Params = {key: to_device(read(*found)) for key, found in top_names.items()}
+    if decoding_layout:
+        params["layers"] = tuple(
+            jax.tree.map(to_device, fuse_layer({key: read(*names[i]) for key, names in
+                                                layer_names.items()}, np.concatenate))
+            for i in range(cfg.num_layers))
+    else:
+        params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
+                            for key, names in layer_names.items()}
     return cfg, params
 
 
@@ -175,19 +221,18 @@ def load_tokenizer(model_dir: str | Path | None = None):
                            f"({type(e).__name__}: {first})") from None
 
 
-def _check(array: np.ndarray, want: tuple, name: str, file: Path,
-           transpose: bool = False) -> np.ndarray:
-    """`array` as stored in the file -> our layout ([in, out], so HF's [out, in] matrices are
-    transposed). A wrong shape is reported as the file stores it, against the shape the file
-    should hold (our expected shape in the file's convention)."""
-    ours = array.T if transpose else array
-    if tuple(ours.shape) != tuple(want):
+def _check_shape(shape: tuple, want: tuple, name: str, file: Path,
+                 transpose: bool = False) -> None:
+    """A tensor of `shape` as stored in the file, against our layout's `want` ([in, out], so
+    HF's [out, in] matrices are transposed). A wrong shape is reported as the file stores it,
+    against the shape the file should hold (our expected shape in the file's convention)."""
+    ours = tuple(reversed(shape)) if transpose else tuple(shape)
+    if ours != tuple(want):
         in_file = tuple(reversed(want)) if transpose else tuple(want)
         layout = " ([out_features, in_features], as the file stores it)" if transpose else ""
         raise WeightsError(
-            f"{file}: tensor {name} has shape {tuple(array.shape)}, expected {in_file}{layout}"
+            f"{file}: tensor {name} has shape {tuple(shape)}, expected {in_file}{layout}"
         )
-    return ours
 
 
 def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,

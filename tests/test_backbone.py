@@ -1,5 +1,7 @@
 """Backbone parity with transformers' PyTorch models, and KV-cache consistency."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,25 +132,34 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "deep"])
-def test_decoding_layout_gives_the_same_logits_and_round_trips(arch):
-    """The decoding layout of a small model (fused q/k/v and gate/up, layers unrolled)
-    computes the same function, and `standard_layout` restores every parameter exactly; a
-    model deeper than 12 layers is left as it is."""
-    from medusa_jax.backbone import (MAX_UNROLLED_LAYERS, decoding_layout, param_shapes,
-                                     standard_layout)
+def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
+    """The decoding layout (per-layer weights, fused q/k/v and gate/up) of a model of any
+    depth computes the same function, `standard_layout` restores every parameter exactly,
+    and loading a checkpoint straight into it gives the same arrays."""
+    from medusa_jax.backbone import decoding_layout, param_shapes, standard_layout
 
-    layers = MAX_UNROLLED_LAYERS + 1 if arch == "deep" else 2
+    layers = 13 if arch == "deep" else 2
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=64, attention_bias=arch == "qwen2")
     params = init_params(cfg, jax.random.key(0), std=0.2)
     fast = decoding_layout(cfg, params)
-    if arch == "deep":  # left alone: no second copy of a big model's weights at load
-        assert fast is params
-        return
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(fast)[0]]
     assert any("'wqkv'" in p for p in paths) and not any("'wq'" in p for p in paths)
-    assert isinstance(fast["layers"], tuple)
+    assert isinstance(fast["layers"], tuple) and len(fast["layers"]) == layers
+    if arch == "deep":  # the same layout read straight from a checkpoint
+        from medusa_jax.weights import save_pretrained
+
+        save_pretrained(cfg, params, tmp_path)
+        (tmp_path / "config.json").write_text(json.dumps(dict(
+            model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, max_position_embeddings=64, rms_norm_eps=cfg.rms_norm_eps,
+            tie_word_embeddings=cfg.tie_word_embeddings)))
+        loaded = load_pretrained(tmp_path, decoding_layout=True)[1]
+        assert jax.tree.structure(loaded) == jax.tree.structure(fast)
+        assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)),
+                                                loaded, fast)))
     ids = jnp.asarray(np.random.RandomState(0).randint(0, 61, (2, 7)))
     pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
 

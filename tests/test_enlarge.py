@@ -1,0 +1,157 @@
+"""Enlarging a model (train.enlarge): the same function at a bigger shape, for the backbone
+(every architecture, with and without the rotation), in transformers too, and for the heads
+(same tokens, same tokens per step)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax import bench, enlarge
+from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.config import ModelConfig
+
+# from stories260K (hidden 64, MLP 172, 5 layers, 8 query / 4 KV heads, head_dim 8): every
+# dimension grows, the KV grouping changes (2 -> 1 query heads per KV head), two identities
+TINY = dict(model_type="llama", vocab_size=512, hidden_size=96, intermediate_size=256,
+            num_layers=7, num_heads=12, num_kv_heads=12, head_dim=16,
+            max_position_embeddings=512)
+IDS = np.random.RandomState(0).randint(3, 512, (2, 11))
+
+
+def _logits(cfg, params, ids=IDS):
+    ids = jnp.asarray(ids)
+    b, t = ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache = KVCache.init(cfg, b, 16)
+    return np.asarray(forward(params, cfg, ids, pos, causal_mask(cache.lengths, t, 16),
+                              cache)[0])
+
+
+def _grown(cfg, params, shape, rotate=None):
+    dst, big = enlarge.enlarge_backbone(cfg, jax.tree.map(np.asarray, params), shape,
+                                        rotate=rotate)
+    return dst, jax.tree.map(jnp.asarray, big)
+
+
+@pytest.mark.parametrize("rotate", [None, 7])
+def test_embedded_model_keeps_its_logits(stories, rotate):
+    cfg, params, _ = stories
+    dst, big = _grown(cfg, params, TINY, rotate)
+    assert (dst.hidden_size, dst.num_layers, dst.head_dim) == (96, 7, 16)
+    np.testing.assert_allclose(_logits(dst, big), _logits(cfg, params), atol=1e-4, rtol=0)
+    # zero padding leaves every new residual dimension's row of a projection empty; the
+    # rotation fills them (the new heads' and MLP channels' columns stay zero either way)
+    lyr = {k: np.asarray(v)[:5] for k, v in big["layers"].items()}  # not the identities
+    empty_rows = np.mean(np.all(lyr["wq"] == 0, axis=-1))  # rows: residual dims
+    empty_cols = np.mean(np.all(lyr["w_down"] == 0, axis=-2))
+    embed_zeros = np.mean(np.asarray(big["embed"]) == 0)
+    if rotate is None:
+        assert empty_rows == empty_cols == pytest.approx(1 - 64 / 96) and embed_zeros > 0.3
+    else:
+        assert empty_rows == empty_cols == 0 and embed_zeros < 0.01
+        assert np.mean(np.asarray(big["lm_head"]) == 0) < 0.01 and not dst.tie_word_embeddings
+
+
+ARCHS = {  # source config, target shape
+    "llama-gqa-untied": (dict(num_heads=4, num_kv_heads=2, tie_word_embeddings=False),
+                         dict(num_heads=8, num_kv_heads=2, head_dim=16)),  # 2 -> 4 per KV
+    "llama3-rope": (dict(rope_theta=500000.0, rope_scaling=("llama3", 8.0, 1.0, 4.0, 16)),
+                    dict(num_heads=6, num_kv_heads=3, head_dim=24)),
+    "qwen2-bias": (dict(model_type="qwen2", attention_bias=True),
+                   dict(num_heads=4, num_kv_heads=4, head_dim=16)),
+    "qwen3-qknorm": (dict(model_type="qwen3", qk_norm=True),  # H and D both x2
+                     dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("rotate", [None, 1])
+def test_every_architecture_keeps_its_logits(arch, rotate):
+    src_over, dst_over = ARCHS[arch]
+    cfg = ModelConfig(**{**dict(model_type="llama", vocab_size=61, hidden_size=32,
+                                intermediate_size=48, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                                rms_norm_eps=1e-5), **src_over})
+    params = init_params(cfg, jax.random.key(0), std=0.3)
+    # norms away from one, so their scaling and folding are exercised
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: a * (1 + 0.5 * jax.random.uniform(jax.random.key(1), a.shape))
+        if "norm" in jax.tree_util.keystr(p) else a, params)
+    shape = {**dict(hidden_size=48, intermediate_size=64, num_layers=3), **dst_over}
+    dst, big = _grown(cfg, params, shape, rotate)
+    ids = np.random.RandomState(1).randint(0, 61, (2, 9))
+    np.testing.assert_allclose(_logits(dst, big, ids), _logits(cfg, params, ids), atol=1e-4,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("shape, message", [
+    (dict(TINY, hidden_size=32), "hidden size 32 is smaller than the source's 64"),
+    (dict(TINY, head_dim=12), "head_dim 12 is not a multiple of the source's 8"),
+    (dict(TINY, num_heads=16, num_kv_heads=2), "2 KV heads for the source's 4 KV groups"),
+    (dict(TINY, num_heads=12, num_kv_heads=5), "12 query heads are not a multiple of its 5"),
+])
+def test_impossible_shapes_are_one_line_errors(stories, shape, message):
+    with pytest.raises(enlarge.EnlargeError, match=message):
+        enlarge.target_config(stories[0], shape)
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The command's output for the embedded model and its heads, at the TINY shape."""
+    from train.enlarge import main
+
+    bench.SHAPES["tiny-test"] = TINY
+    try:
+        out = tmp_path_factory.mktemp("enlarged") / "model"
+        assert main(["--shape", "tiny-test", "--output", str(out)]) == 0
+    finally:
+        del bench.SHAPES["tiny-test"]
+    return out
+
+
+def test_transformers_reads_the_written_model_with_the_same_logits(stories, written):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg, params, _ = stories
+    hf = AutoModelForCausalLM.from_pretrained(written, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ours = hf(torch.tensor(IDS)).logits.numpy()
+    np.testing.assert_allclose(ours, _logits(cfg, params), atol=1e-4, rtol=0)
+    assert (written / "LICENSE").is_file() and (written / "tokenizer.json").is_file()
+
+
+def test_enlarged_model_and_heads_decode_the_same_tokens_per_step(written):
+    """Plain greedy and Medusa greedy (the enlarged heads) give the original's tokens, and
+    Medusa the same accepted lengths step by step."""
+    from medusa_jax.api import Medusa
+
+    prompts = ["Once upon a time", "Lily", "Tom had a red ball.", "The cat"]
+    small = Medusa.load(heads="default")
+    big = Medusa.load(written, written / "heads")
+    assert big.cfg.hidden_size == 96 and big.cfg.num_layers == 7
+    for medusa in (False, True):
+        kw = dict(max_new_tokens=40, tree="stories260K_cpu", medusa=medusa)
+        a, b = small.generate(prompts, **kw), big.generate(prompts, **kw)
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        assert [g.accept_hist for g in a] == [g.accept_hist for g in b]
+        assert [g.steps for g in a] == [g.steps for g in b]
+    assert sum(g.steps for g in b) < sum(g.new_tokens for g in b)  # the heads accept
+
+
+def test_command_refuses_bad_input_before_any_work(tmp_path, written):
+    from train.enlarge import main
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as e:
+            main(list(argv))
+        return str(e.value)
+
+    assert "--shape 'nope' is unknown" in error("--shape", "nope", "--output", str(tmp_path / "a"))
+    assert "exists and is not empty" in error("--shape", "llama-110m", "--output", str(written))
+    assert "smaller than the source's" in error("--shape", "llama-15m", "--model",
+                                                str(written), "--output", str(tmp_path / "b"))
+    assert "cannot follow a rotation" in error("--shape", "llama-110m", "--heads", "default",
+                                               "--rotate", "0", "--output", str(tmp_path / "c"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
