@@ -5,6 +5,9 @@
     python -m infer.bench --prompts ../shared/data/mt_bench/question.jsonl --json
     python -m infer.bench --random-weights --shape llama-110m --tree-sizes 0,16,32,64,128
     python -m infer.bench --max-new-tokens 400 --cache-phases 1,4   # attention windows
+    python -m infer.bench --step-curve --model big             # pass time vs the bound
+    python -m infer.bench --hardware-report --shape llama-2-7b --dtype bfloat16 \
+        --json report.json --plot report.png                   # does Medusa pay here?
     python -m infer.bench --mesh data=2,model=4                # tensor-parallel decoding
     python -m infer.bench --random-weights --shape llama-2-70b --layers 1 --mesh model=8 \
         --dtype bfloat16                                       # per-device memory, sizing
@@ -48,7 +51,8 @@ def build_parser():
     p.add_argument("--hf-prompts", type=cli.positive_int, default=4,
                    help="prompts for the (slow) transformers baseline, first batch size only")
     p.add_argument("--hf-reps", type=cli.positive_int, default=1)
-    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="results as JSON: on standard output, or into FILE")
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
     p.add_argument("--random-weights", action="store_true",
                    help="step-time curve of a random backbone of --shape (no decoding)")
@@ -61,6 +65,19 @@ def build_parser():
                         "the time each stage adds (plain and each --trees tree; greedy, batch 1)")
     p.add_argument("--step-curve", action="store_true",
                    help="step-time curve of --model (default: the embedded model), no decoding")
+    p.add_argument("--hardware-report", action="store_true",
+                   help="whether Medusa pays on this device at --shape (random weights, "
+                        "--dtype): bandwidth, matrix peak, the pass time for T = 1 ... 65 "
+                        "tokens against its bound at two cache fills, loop and compile "
+                        "costs, and the speedup the shipped heads' tokens/step predicts")
+    p.add_argument("--report-layers", type=cli.int_list(1), default=[1, 2],
+                   help="with --hardware-report: layer counts to measure (the shape's depth "
+                        "is extrapolated linearly from them; default 1,2)")
+    p.add_argument("--report-contexts", type=cli.int_list(1), default=[512, 4096],
+                   help="with --hardware-report: cache fills to measure (default 512,4096)")
+    p.add_argument("--report-tokens", type=cli.int_list(1), default=[1, 5, 9, 17, 33, 65],
+                   help="with --hardware-report: tokens per pass to measure (default "
+                        "1,5,9,17,33,65: plain decoding and trees of 4 ... 64 nodes)")
     p.add_argument("--shape", default="llama-110m")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--tree-sizes", type=cli.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
@@ -82,10 +99,9 @@ def heads_cost(args) -> int:
         raise SystemExit(f"error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
     h, v = SHAPES[args.shape]["hidden_size"], SHAPES[args.shape]["vocab_size"]
     times = measure(h, v, reps=max(args.reps, 10))
-    if args.json:
-        print(json.dumps({"shape": args.shape, "hidden": h, "vocab": v,
-                          "ms": {k: 1e3 * t for k, t in times.items()}}))
-        return 0
+    if args.json is not None:
+        return _write_json(args.json, {"shape": args.shape, "hidden": h, "vocab": v,
+                                       "ms": {k: 1e3 * t for k, t in times.items()}})
     print(f"Medusa heads (5 heads x 1 block) of {args.shape}: hidden {h}, vocabulary {v}, "
           f"one token, float32")
     base = times["per-head"]
@@ -106,9 +122,8 @@ def sizing(args) -> int:
         tree = Tree.load(trees[0]) if trees[0] else None
         r = size_model(args.shape, args.layers, args.mesh or "1,1", dtype=args.dtype,
                        batch=args.batch_sizes[0], context=args.context, tree=tree)
-    if args.json:
-        print(json.dumps(r))
-        return 0
+    if args.json is not None:
+        return _write_json(args.json, r)
     g = r["per_device_gib"]
     print(f"{r['shape']} ({r['layers']} layers, measured with {r['layers_measured']}), "
           f"{r['dtype']}, mesh {r['mesh']} ({r['devices']} {r['platform']} devices), batch "
@@ -127,30 +142,121 @@ def sizing(args) -> int:
 def step_curve(args) -> int:
     import jax
 
-    from medusa_jax.bench import random_backbone, step_time_curve
+    from medusa_jax.bench import (bound_seconds, measure_bandwidth, measure_peak,
+                                  pass_cost, random_backbone, step_time_curve)
     from medusa_jax.weights import load_pretrained
 
-    if args.random_weights:
-        cfg, params = random_backbone(args.shape, args.dtype)
-        label = f"{args.shape} (random weights, {args.dtype})"
-    else:
-        cfg, params = load_pretrained(args.model, param_dtype=args.dtype, compute_dtype=args.dtype)
-        label = str(args.model or "stories260K")
+    with cli.errors_to_exit():
+        if args.random_weights:
+            cfg, params = random_backbone(args.shape, args.dtype)
+            label = f"{args.shape} (random weights, {args.dtype})"
+        else:
+            cfg, params = load_pretrained(args.model, param_dtype=args.dtype,
+                                          compute_dtype=args.dtype, decoding_layout=True)
+            label = str(args.model or "stories260K")
     sizes = sorted(set([0] + args.tree_sizes))
+    print("measuring bandwidth and matrix peak ...", file=sys.stderr)
+    bandwidth, peak = measure_bandwidth(dtype=args.dtype), measure_peak(dtype=args.dtype)
+    print("timing the passes ...", file=sys.stderr)
     curve = step_time_curve(cfg, params, sizes, prefix=args.prefix, reps=args.reps)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
-    rows = [{"tree_nodes": n, "tokens_fed": n + 1, "ms": 1e3 * s, "overhead": s / curve[0]}
-            for n, s in curve.items()]
-    if args.json:
-        print(json.dumps({"model": label, "device": str(jax.devices()[0]),
-                          "weight_bytes": weight_bytes, "prefix": args.prefix, "rows": rows}))
-        return 0
+    rows = []
+    for n, sec in curve.items():
+        nbytes, _ = pass_cost(cfg, n + 1, args.prefix)
+        bound = bound_seconds(cfg, n + 1, args.prefix, bandwidth, peak)
+        rows.append({"tree_nodes": n, "tokens_fed": n + 1, "ms": 1e3 * sec,
+                     "overhead": sec / curve[0], "bound_ms": 1e3 * bound,
+                     "vs_bound": sec / bound, "gb_per_s": nbytes / sec / 1e9})
+    if args.json is not None:
+        return _write_json(args.json, {
+            "model": label, "device": str(jax.devices()[0]), "weight_bytes": weight_bytes,
+            "prefix": args.prefix, "bandwidth_gb_per_s": bandwidth / 1e9,
+            "peak_gflop_per_s": peak / 1e9, "rows": rows})
     print(f"{label} on {jax.devices()[0].platform}: {weight_bytes / 2**20:.1f} MiB of weights, "
-          f"context {args.prefix}")
-    print(f"{'tree nodes':>10} {'tokens fed':>10} {'ms/step':>9} {'vs plain':>9}")
+          f"context {args.prefix}; measured bandwidth {bandwidth / 1e9:.1f} GB/s, matrix peak "
+          f"{peak / 1e9:.0f} GFLOP/s ({args.dtype}); passes in a loop, the decoder's layout")
+    print(f"{'tree nodes':>10} {'tokens fed':>10} {'ms/step':>9} {'vs plain':>9} "
+          f"{'bound ms':>9} {'vs bound':>9} {'GB/s':>7}")
     for r in rows:
-        print(f"{r['tree_nodes']:>10} {r['tokens_fed']:>10} {r['ms']:>9.3f} {r['overhead']:>8.2f}x")
+        print(f"{r['tree_nodes']:>10} {r['tokens_fed']:>10} {r['ms']:>9.3f} "
+              f"{r['overhead']:>8.2f}x {r['bound_ms']:>9.3f} {r['vs_bound']:>8.2f}x "
+              f"{r['gb_per_s']:>7.1f}")
     return 0
+
+
+def hardware_report(args) -> int:
+    """--hardware-report: does Medusa pay on this device, at --shape?"""
+    from medusa_jax.bench import hardware_report as measure, predicted_speedups, \
+        shipped_tokens_per_step
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    with cli.errors_to_exit():
+        r = measure(args.shape, dtype=args.dtype, layers=args.report_layers,
+                    contexts=args.report_contexts, token_counts=args.report_tokens,
+                    reps=args.reps, progress=say)
+    say(f"tokens/step of the shipped heads (embedded model, {args.num_prompts} held-out "
+        f"openings, {args.max_new_tokens} new tokens) ...")
+    tps = shipped_tokens_per_step(args.num_prompts, args.max_new_tokens,
+                                  max_nodes=max(args.report_tokens) - 1)
+    r["predicted"] = predicted_speedups(r, tps)
+    if args.plot:
+        _plot_report(r, args.plot)
+    if args.json is not None:
+        return _write_json(args.json, r)
+    depth = (f"{r['layers']} layers, extrapolated linearly from {r['layers_measured']}"
+             if r["extrapolated"] else f"{r['layers']} layers")
+    print(f"{r['shape']} ({depth}), {r['dtype']}, random weights, batch 1, on "
+          f"{r['platform']} ({r['device']})")
+    print(f"measured: bandwidth {r['bandwidth_gb_per_s']:.1f} GB/s, matrix peak "
+          f"{r['peak_tflop_per_s']:.2f} TFLOP/s, loop iteration {r['loop_iteration_us']:.1f} "
+          f"us; compile " + ", ".join(f"T={t}: {s:.1f} s" for t, s in
+                                      r["compile_seconds"].items()))
+    print(f"{'context':>8} {'T':>4} {'ms':>9} {'vs T=1':>7} {'GB/s':>8} {'bound ms':>9} "
+          f"{'vs bound':>9}")
+    for x in r["rows"]:
+        print(f"{x['context']:>8} {x['tokens']:>4} {x['ms']:>9.3f} {x['vs_one_token']:>6.2f}x "
+              f"{x['gb_per_s']:>8.1f} {x['bound_ms']:>9.3f} {x['vs_bound']:>8.2f}x")
+    print("predicted Medusa speedup (shipped heads' tokens/step / step ratio; heads' cost "
+          "left out):")
+    for p in r["predicted"]:
+        print(f"  context {p['context']:>5}, {p['tree_nodes']:>2} nodes (T={p['tokens_fed']}): "
+              f"{p['tokens_per_step']:.2f} tokens/step / {p['step_vs_plain']:.2f}x = "
+              f"{p['predicted_speedup']:.2f}x")
+    return 0
+
+
+def _write_json(dest: str, obj) -> int:
+    text = json.dumps(obj, indent=1)
+    if dest == "-":
+        print(text)
+    else:
+        with open(dest, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {dest}", file=sys.stderr)
+    return 0
+
+
+def _plot_report(r, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for context in sorted({x["context"] for x in r["rows"]}):
+        rows = [x for x in r["rows"] if x["context"] == context]
+        ax.plot([x["tokens"] for x in rows], [x["ms"] for x in rows], "o-",
+                label=f"measured, context {context}")
+        ax.plot([x["tokens"] for x in rows], [x["bound_ms"] for x in rows], "--",
+                label=f"bound, context {context}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens per pass (T)")
+    ax.set_ylabel("ms per pass")
+    ax.set_title(f"{r['shape']} {r['dtype']} on {r['device']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot written to {path}", file=sys.stderr)
 
 
 def breakdown(args) -> int:
@@ -164,9 +270,8 @@ def breakdown(args) -> int:
     rows = step_breakdown(model.params, model.heads, model.cfg, model.encode(prompts[0][0]),
                           trees, max_new_tokens=args.max_new_tokens, eos=model.eos,
                           reps=max(args.reps, 3))
-    if args.json:
-        print(json.dumps(rows, indent=1))
-        return 0
+    if args.json is not None:
+        return _write_json(args.json, rows)
     print(f"{'step':<36}{'stage':<26}{'kernels':>8}{'ms':>9}{'added ms':>10}{'vs plain':>10}")
     for r in rows:
         print(f"{r['config']:<36}{r['stage']:<26}{r['kernels']:>8}{r['ms']:>9.3f}"
@@ -184,6 +289,8 @@ def main(argv=None) -> int:
         if not args.random_weights:
             raise SystemExit("error: --heads-cost needs --random-weights and --shape")
         return heads_cost(args)
+    if args.hardware_report:
+        return hardware_report(args)
     if args.random_weights or args.step_curve:
         return step_curve(args)
     if args.breakdown:
@@ -264,8 +371,8 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
 
 
 def _report(args, results) -> int:
-    if args.json:
-        print(json.dumps(results, indent=1))
+    if args.json is not None:
+        _write_json(args.json, results)
     else:
         _print_table(results)
     if args.plot:

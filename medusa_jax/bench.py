@@ -275,22 +275,216 @@ def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_s
                      len(batches) * max_new_tokens)
 
 
+def _layout_for(cfg: ModelConfig, params):
+    """The layout the decoder runs (`Medusa` puts a one-device backbone in it at load)."""
+    from medusa_jax.backbone import decoding_layout
+
+    sharded = any(len(getattr(a, "devices", lambda: [None])()) > 1
+                  for a in jax.tree.leaves(params))
+    return params if sharded else decoding_layout(cfg, params)
+
+
+def verification_pass(cfg: ModelConfig, params, num_tokens: int, *, prefix: int,
+                      capacity: int | None = None, batch: int = 1, iters: int = 20):
+    """A jitted program running `iters` backbone passes over `num_tokens` new tokens per row
+    after a `prefix`-token cache, inside a `lax.fori_loop` (a while loop, as the decoders
+    run their steps), each pass feeding on the last one's logits so none can be dropped or
+    hoisted; the new keys/values are written each time at the same slots. The cost of a
+    pass does not depend on the mask's pattern, so a causal block stands in for a tree.
+    Returns (fn, cache): `fn(params, cache)` runs the loop."""
+    t = num_tokens
+    capacity = capacity or prefix + t
+    cache = KVCache.init(cfg, batch, capacity)
+    cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
+    positions = cache.lengths[:, None] + jnp.arange(t)[None]
+    mask = causal_mask(cache.lengths, t, capacity)
+
+    def run(p, c):
+        def body(_, carry):
+            c, tok = carry
+            logits, _, c = forward(p, cfg, tok, positions, mask, c)
+            return c, (tok + (logits[:, :, 0] > 0)) % cfg.vocab_size
+
+        return jax.lax.fori_loop(0, iters, body, (c, jnp.ones((batch, t), jnp.int32)))[1]
+
+    return jax.jit(run), cache
+
+
 def step_time_curve(cfg: ModelConfig, params, tree_sizes: list[int], *, prefix: int = 256,
-                    batch: int = 1, reps: int = 10) -> dict[int, float]:
-    """Seconds for one backbone pass over T new tokens after a `prefix`-token cache, for each
-    tree size N (T = N + 1; N = 0 is a plain decoding step). The cost of a pass does not depend
-    on the mask's pattern, so a causal block stands in for the tree."""
+                    batch: int = 1, reps: int = 10, iters: int = 20,
+                    capacity: int | None = None) -> dict[int, float]:
+    """Seconds for one backbone pass over T = N + 1 new tokens after a `prefix`-token
+    cache, for each tree size N (N = 0 is a plain decoding step), in the layout the decoder
+    uses and inside a loop as it runs (`verification_pass`): median of `reps` runs of
+    `iters` passes, divided by `iters`."""
+    params = _layout_for(cfg, params)
     out = {}
     for size in tree_sizes:
-        t = size + 1
-        capacity = prefix + t
-        cache = KVCache.init(cfg, batch, capacity)
-        cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
-        mask = causal_mask(cache.lengths, t, capacity)
-        tokens = jnp.ones((batch, t), jnp.int32)
-        positions = cache.lengths[:, None] + jnp.arange(t)[None]
-        fn = jax.jit(lambda p, c, tk=tokens, ps=positions, m=mask: forward(p, cfg, tk, ps, m, c)[0])
-        out[size] = _median_time(lambda: fn(params, cache), reps)[0]
+        fn, cache = verification_pass(cfg, params, size + 1, prefix=prefix, batch=batch,
+                                      iters=iters, capacity=capacity)
+        out[size] = _median_time(lambda: fn(params, cache), reps)[0] / iters
+    return out
+
+
+# ----------------------------------------------------------------------------- the bound
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10, dtype="float32") -> float:
+    """Bytes per second a jitted reduction reads from a `nbytes` buffer of device memory."""
+    dt = as_dtype(dtype)
+    x = jnp.ones((nbytes // jnp.dtype(dt).itemsize,), dt)
+    fn = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return x.size * x.dtype.itemsize / _median_time(lambda: fn(x), reps)[0]
+
+
+def measure_peak(n: int = 2048, reps: int = 10, dtype="float32") -> float:
+    """FLOP per second of a jitted [n, n] x [n, n] matrix product (the matrix peak)."""
+    dt = as_dtype(dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+    fn = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / _median_time(lambda: fn(a, a), reps)[0]
+
+
+def loop_overhead(iters: int = 1000, reps: int = 10) -> float:
+    """Seconds per iteration of a jitted `fori_loop` that does almost nothing: what a
+    decoding loop costs per step before any work."""
+    fn = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, v: v * 1.0001 + 1.0, x))
+    return _median_time(lambda: fn(jnp.zeros((8,), jnp.float32)), reps)[0] / iters
+
+
+def pass_cost(cfg: ModelConfig, num_tokens: int, context: int, batch: int = 1
+              ) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one backbone pass over `num_tokens` new tokens per row after
+    `context` cached ones: every layer weight and the output projection read once, the
+    cached keys/values read once per row; 2 FLOPs per weight per token, and the attention's
+    two products over context + new tokens."""
+    from medusa_jax.backbone import param_shapes
+
+    itemsize = jnp.dtype(as_dtype(cfg.param_dtype)).itemsize
+    shapes = param_shapes(cfg)
+    layer_weights = sum(int(np.prod(s)) for s in jax.tree.leaves(
+        shapes["layers"], is_leaf=lambda x: isinstance(x, tuple)))
+    out_proj = cfg.hidden_size * cfg.vocab_size
+    weights = layer_weights + out_proj + cfg.hidden_size
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * batch
+    kv_itemsize = jnp.dtype(as_dtype(cfg.compute_dtype)).itemsize
+    t = num_tokens * batch
+    attn = 4 * t * (context + num_tokens) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return weights * itemsize + kv * kv_itemsize, 2 * t * (layer_weights + out_proj) + attn
+
+
+def bound_seconds(cfg: ModelConfig, num_tokens: int, context: int, bandwidth: float,
+                  peak: float, batch: int = 1) -> float:
+    """The hardware's lower bound for a pass: max(bytes / bandwidth, FLOPs / peak)."""
+    nbytes, flops = pass_cost(cfg, num_tokens, context, batch)
+    return max(nbytes / bandwidth, flops / peak)
+
+
+def hardware_report(shape: str, *, dtype: str = "bfloat16", token_counts=(1, 5, 9, 17, 33, 65),
+                    contexts=(512, 4096), layers=(1, 2), iters: int = 10, reps: int = 5,
+                    progress=None) -> dict:
+    """Whether Medusa pays on this device, at `shape` (random weights): the measured
+    bandwidth and matrix peak; for each context and token count T, one backbone pass in a
+    loop (`verification_pass`) timed with each of `layers` layer counts and extrapolated
+    linearly to the shape's depth, against the bound; the loop's own cost per iteration;
+    the compile time of the T = 1 and largest-T programs (at the largest layer count); and
+    the speedup the shipped heads' tokens/step predicts at each tree size
+    (`predicted_speedups`)."""
+    say = progress or (lambda msg: None)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
+    layers = sorted(set(min(n, full.num_layers) for n in layers))
+    device = jax.devices()[0]
+    say("measuring bandwidth and matrix peak ...")
+    big = 2 * 2**30 if device.platform != "cpu" else 512 * 2**20
+    bandwidth = measure_bandwidth(big, dtype=dtype)
+    peak = measure_peak(8192 if device.platform != "cpu" else 1024, dtype=dtype)
+    overhead = loop_overhead()
+    rows, compile_s = [], {}
+    for context in contexts:
+        per_layers = {}
+        for n in layers:
+            cfg = full.replace(num_layers=n)
+            params = _layout_for(cfg, init_params(cfg, jax.random.key(0)))
+            times = {}
+            for t in token_counts:
+                say(f"context {context}, {n} layer(s), T = {t} ...")
+                fn, cache = verification_pass(cfg, params, t, prefix=context,
+                                              capacity=context + t, iters=iters)
+                t0 = time.perf_counter()
+                compiled = fn.lower(params, cache).compile()
+                if context == contexts[0] and n == layers[-1] and \
+                        t in (token_counts[0], token_counts[-1]):
+                    compile_s[t] = time.perf_counter() - t0
+                times[t] = _median_time(lambda: compiled(params, cache), reps)[0] / iters
+            per_layers[n] = times
+            del params
+        for t in token_counts:
+            a, b = layers[0], layers[-1]
+            per_layer = (per_layers[b][t] - per_layers[a][t]) / (b - a) if b > a else 0.0
+            if per_layer > 0:  # linear in depth: t(L) = t(a) + (L - a) (t(b) - t(a)) / (b - a)
+                sec = per_layers[a][t] + (full.num_layers - a) * per_layer
+            else:  # one layer count, or noise above the layers' cost: proportional
+                sec = per_layers[b][t] * full.num_layers / b
+            nbytes, flops = pass_cost(full, t, context)
+            bound = max(nbytes / bandwidth, flops / peak)
+            rows.append({"context": context, "tokens": t, "ms": 1e3 * sec,
+                         "gb_per_s": nbytes / sec / 1e9, "bound_ms": 1e3 * bound,
+                         "vs_bound": sec / bound,
+                         "vs_one_token": None})
+        first = next(r for r in rows if r["context"] == context and r["tokens"] == 1)
+        for r in rows:
+            if r["context"] == context:
+                r["vs_one_token"] = r["ms"] / first["ms"]
+    return {"shape": shape, "dtype": dtype, "platform": device.platform,
+            "device": getattr(device, "device_kind", str(device)),
+            "layers": full.num_layers, "layers_measured": layers,
+            "extrapolated": layers[-1] < full.num_layers,
+            "bandwidth_gb_per_s": bandwidth / 1e9, "peak_tflop_per_s": peak / 1e12,
+            "loop_iteration_us": 1e6 * overhead, "compile_seconds": compile_s,
+            "iters": iters, "reps": reps, "rows": rows}
+
+
+# Trees of the published `mc_sim_7b_63` by size: a tree of N nodes verifies N + 1 tokens.
+PREDICTION_TREES = {4: "mc_sim_7b_63:4", 8: "mc_sim_7b_63:8", 16: "mc_sim_7b_63:16",
+                    32: "mc_sim_7b_63:32", 64: "mc_sim_7b_63"}
+
+
+def shipped_tokens_per_step(num_prompts: int = 8, max_new_tokens: int = 128,
+                            max_nodes: int | None = None) -> dict[int, float]:
+    """Tokens per step of the embedded model with its shipped heads, greedy, held-out
+    openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real model's trained
+    heads reach is of the same order: see the README)."""
+    from medusa_jax import assets
+    from medusa_jax.api import Medusa
+
+    m = Medusa.load(heads="default")
+    prompts = assets.heldout_prompts()[:num_prompts]
+    out = {}
+    for size, name in PREDICTION_TREES.items():
+        if max_nodes is not None and size > max_nodes:
+            continue
+        gens = m.generate(prompts, max_new_tokens=max_new_tokens, tree=name, batch_size=8)
+        out[size] = sum(g.new_tokens for g in gens) / sum(g.steps for g in gens)
+    return out
+
+
+def predicted_speedups(report: dict, tokens_per_step: dict[int, float]) -> list[dict]:
+    """Speedup = tokens/step / (pass over N + 1 tokens / pass over 1 token), per context
+    and tree size N (using the report's nearest measured T >= N + 1); the heads' own cost
+    and acceptance bookkeeping are left out, so this is an upper estimate."""
+    out = []
+    for context in sorted({r["context"] for r in report["rows"]}):
+        rows = {r["tokens"]: r for r in report["rows"] if r["context"] == context}
+        for size, tps in sorted(tokens_per_step.items()):
+            t = min((t for t in rows if t >= size + 1), default=None)
+            if t is None:
+                continue
+            ratio = rows[t]["vs_one_token"]
+            out.append({"context": context, "tree_nodes": size, "tokens_fed": t,
+                        "tokens_per_step": tps, "step_vs_plain": ratio,
+                        "predicted_speedup": tps / ratio})
     return out
 
 
