@@ -70,6 +70,9 @@ def build_parser():
                         "--dtype): bandwidth, matrix peak, the pass time for T = 1 ... 65 "
                         "tokens against its bound at two cache fills, loop and compile "
                         "costs, and the speedup the shipped heads' tokens/step predicts")
+    p.add_argument("--compare-layouts", action="store_true",
+                   help="plain greedy decoding of --model with its layers stacked and scanned "
+                        "against the decoding layout (per-layer weights), alternating")
     p.add_argument("--report-layers", type=cli.int_list(1), default=[1, 2],
                    help="with --hardware-report: layer counts to measure (the shape's depth "
                         "is extrapolated linearly from them; default 1,2)")
@@ -225,6 +228,31 @@ def hardware_report(args) -> int:
     return 0
 
 
+def compare_layouts(args) -> int:
+    from medusa_jax.bench import compare_layouts as measure
+    from medusa_jax.weights import load_pretrained, load_tokenizer
+
+    prompts = cli.read_prompts(args.prompts, args.num_prompts)
+    with cli.errors_to_exit():
+        cfg, params = load_pretrained(args.model)
+        tok = load_tokenizer(args.model)
+    from medusa_jax.config import stop_tokens
+
+    print("timing both layouts, alternating ...", file=sys.stderr)
+    r = measure(cfg, params, [tok.encode(p) for p, _ in prompts],
+                max_new_tokens=args.max_new_tokens, eos=stop_tokens(cfg, tok), reps=args.reps)
+    if args.json is not None:
+        return _write_json(args.json, r)
+    print(f"{args.model or 'stories260K'}: {r['layers']} layers, plain greedy, batch 1, "
+          f"{r['new_tokens']} new tokens over {len(prompts)} prompts, median of {args.reps}")
+    for name, x in r["rows"].items():
+        print(f"  {name:<16} {x['ms_per_token']:8.2f} ms/token  {x['ms_per_layer']:7.3f} "
+              f"ms/layer")
+    print(f"  decoding layout {r['speedup']:.2f}x faster; identical tokens: "
+          f"{'yes' if r['identical'] else 'NO'}")
+    return 0 if r["identical"] else 1
+
+
 def _write_json(dest: str, obj) -> int:
     text = json.dumps(obj, indent=1)
     if dest == "-":
@@ -291,6 +319,8 @@ def main(argv=None) -> int:
         return heads_cost(args)
     if args.hardware_report:
         return hardware_report(args)
+    if args.compare_layouts:
+        return compare_layouts(args)
     if args.random_weights or args.step_curve:
         return step_curve(args)
     if args.breakdown:

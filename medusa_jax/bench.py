@@ -326,6 +326,41 @@ def step_time_curve(cfg: ModelConfig, params, tree_sizes: list[int], *, prefix: 
     return out
 
 
+def compare_layouts(cfg: ModelConfig, params, prompts: list[list[int]], *,
+                    max_new_tokens: int, eos: tuple[int, ...] = (), reps: int = 5) -> dict:
+    """Plain greedy decoding (batch 1) with the stacked layers scanned (training's layout,
+    and what deep models decoded with before) against `decoding_layout`, the repetitions
+    alternating between the two in this process. `params`: the stacked layout."""
+    from medusa_jax.backbone import decoding_layout
+
+    layouts = {"stacked scan": params, "decoding layout": decoding_layout(cfg, params)}
+    key = jax.random.key(0)
+    padded = [pad_prompts([p]) for p in prompts]
+
+    def run(p):
+        return [generate(p, cfg, t, n, key, max_new_tokens=max_new_tokens, eos=eos)
+                for t, n in padded]
+
+    outs = {name: jax.block_until_ready(run(p)) for name, p in layouts.items()}  # compile
+    times = {name: [] for name in layouts}
+    for _ in range(reps):
+        for name, p in layouts.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(p))
+            times[name].append(time.perf_counter() - t0)
+    tokens = {name: [o.tokens[0, :int(o.num_new[0])].tolist() for o in out]
+              for name, out in outs.items()}
+    new = sum(len(t) for t in tokens["decoding layout"])
+    rows = {}
+    for name, ts in times.items():
+        ms = 1e3 * statistics.median(ts) / new
+        rows[name] = {"ms_per_token": ms, "ms_per_layer": ms / cfg.num_layers}
+    return {"layers": cfg.num_layers, "new_tokens": new, "rows": rows,
+            "speedup": rows["stacked scan"]["ms_per_token"] /
+            rows["decoding layout"]["ms_per_token"],
+            "identical": tokens["stacked scan"] == tokens["decoding layout"]}
+
+
 # ----------------------------------------------------------------------------- the bound
 
 

@@ -68,3 +68,13 @@ def test_step_curve_prints_the_bound(capsys):
     assert [x["tokens_fed"] for x in r["rows"]] == [1, 5]
     assert all(x["vs_bound"] == pytest.approx(x["ms"] / x["bound_ms"]) for x in r["rows"])
     assert r["bandwidth_gb_per_s"] > 0.1
+
+
+def test_compare_layouts_gives_identical_tokens(capsys):
+    from infer.bench import main
+
+    assert main(["--compare-layouts", "--num-prompts", "2", "--max-new-tokens", "8",
+                 "--reps", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["identical"] and r["layers"] == 5 and r["new_tokens"] > 0
+    assert set(r["rows"]) == {"stacked scan", "decoding layout"}
