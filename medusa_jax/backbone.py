@@ -136,12 +136,15 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b]."""
+    """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b].
 
-    def one(c, n, s):  # c [L, KVH, S, D]
-        return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2)
-
-    return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(cache, new, starts)
+    One in-place update per row (B is static): a `vmap` over the row axis would move it
+    to the front and back, which XLA does by copying the whole cache at every step."""
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(cache.shape[1]):
+        start = (zero, jnp.asarray(b, jnp.int32), zero, starts[b].astype(jnp.int32), zero)
+        cache = jax.lax.dynamic_update_slice(cache, new[:, b:b + 1], start)
+    return cache
 
 
 def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask, new_mask):
