@@ -42,6 +42,8 @@ class KVCache:
 
     k, v:    [L, B, KVH, S, D]  slot s of row b holds the token at position s
                                 (heads before slots: attention is then a plain batched matmul)
+             or tuples of L [B*KVH, S, D] buffers (`per_layer`, for the decoding layout: a
+             batch row's KV heads are rows b*KVH .. (b+1)*KVH - 1)
     lengths: [B] int32          slots [0, lengths[b]) are the row's committed context
 
     `forward` writes the new tokens at slots lengths[b] ... lengths[b] + T - 1 and leaves
@@ -55,11 +57,19 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[3]
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
+    def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None, *,
+             per_layer: bool = False) -> "KVCache":
+        """`per_layer=True`: k and v are tuples of L buffers [B*KVH, S, D], for the
+        decoding layout on one device (each layer writes its own buffer in place)."""
         dtype = as_dtype(dtype or cfg.compute_dtype)
+        if per_layer:
+            shape = (batch * cfg.num_kv_heads, capacity, cfg.head_dim)
+            return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       lengths=jnp.zeros((batch,), jnp.int32))
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
         # under `jax.set_mesh`: rows over the batch axes, KV heads over "model"
         k, v = sharding.constrain_cache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
@@ -152,7 +162,7 @@ def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
 
     q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
     only: the new tokens are written once after all layers); prefix_mask [B, T, S];
-    new_mask [B, T, T]. Returns [B, T, NH*D].
+    new_mask [B, T, T]. k_cache None: an empty cache. Returns [B, T, NH*D].
     """
     b, t, _, d = q.shape
     kvh, g = cfg.num_kv_heads, cfg.q_per_kv
@@ -179,10 +189,26 @@ def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
-def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
-           inv_freq):
-    """One decoder layer. x [B, T, H]; k_cache, v_cache [B, KVH, S, D].
-    Returns (x, this layer's new keys and values [B, KVH, T, D])."""
+def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask):
+    """Attention over a per-layer cache that already holds the new tokens.
+
+    q [B, T, NH, D]; k_cache, v_cache [B*KVH, W, D]; mask [B, T, W]. Returns [B, T, NH*D].
+    The cache's own [B*KVH, W, D] shape is the products' batch layout, so XLA reads the
+    buffer as it is (a reshape would make it fuse the cache update into each reader)."""
+    b, t, _, d = q.shape
+    kvh, g = cfg.num_kv_heads, cfg.q_per_kv
+    q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    s = jnp.einsum("kqd,ksd->kqs", q / math.sqrt(d), k_cache,
+                   preferred_element_type=jnp.float32).reshape(b, kvh, g, t, -1)
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype).reshape(b * kvh, g * t, -1)
+    out = jnp.einsum("kqs,ksd->kqd", probs, v_cache)  # [B*KVH, G*T, D]
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
+
+
+def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
+    """The attention block's input half. x [B, T, H] -> (q [B, T, NH, D] after rope, k, v
+    [B, KVH, T, D] in `kv_dtype`, k after rope)."""
     b, t, _ = x.shape
     dt = x.dtype
     h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
@@ -207,22 +233,78 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask,
         q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
-    kv_dtype = dt if k_cache is None else k_cache.dtype
     k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(kv_dtype)
     v = v.transpose(0, 2, 1, 3).astype(kv_dtype)
-    if k_cache is not None:
-        k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
-    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
-                      new_mask)
-    x = x + attn @ layer["wo"].astype(dt)
+    return q, k, v
 
+
+def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
+    """The output projection of attention [B, T, NH*D] into the residual stream, then the
+    MLP block."""
+    dt = x.dtype
+    x = x + attn @ layer["wo"].astype(dt)
     h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in layer:  # `decoding_layout`
         gate, up = jnp.split(h @ layer["w_gate_up"].astype(dt), 2, axis=-1)
     else:
         gate, up = h @ layer["w_gate"].astype(dt), h @ layer["w_up"].astype(dt)
-    x = x + (jax.nn.silu(gate) * up) @ layer["w_down"].astype(dt)
-    return x, k, v
+    return x + (jax.nn.silu(gate) * up) @ layer["w_down"].astype(dt)
+
+
+def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
+           inv_freq):
+    """One decoder layer over a cache it only reads. x [B, T, H]; k_cache, v_cache
+    [B, KVH, S, D] or None (empty). Returns (x, this layer's new keys and values
+    [B, KVH, T, D])."""
+    dt = x.dtype
+    kv_dtype = dt if k_cache is None else k_cache.dtype
+    q, k, v = _qkv(cfg, x, layer, positions, inv_freq, kv_dtype)
+    if k_cache is not None:
+        k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
+    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
+                      new_mask)
+    return _residual_and_mlp(cfg, x, attn, layer), k, v
+
+
+def _write_layer(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B*KVH, S, D], new [B, KVH, T, D]: row b's entries go to slot starts[b], one
+    in-place update per row."""
+    zero = jnp.zeros((), jnp.int32)
+    kvh = new.shape[1]
+    for b in range(new.shape[0]):
+        cache = jax.lax.dynamic_update_slice(
+            cache, new[b], (jnp.asarray(b * kvh, jnp.int32), starts[b], zero))
+    return cache
+
+
+def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq):
+    """The decoding layout over a per-layer cache (`KVCache.init(..., per_layer=True)`):
+    each layer first writes its new keys/values into its own cache buffer, at slots
+    lengths .. lengths + T - 1, then attends over the first W slots of that buffer with
+    the caller's mask [B, T, W]. Writing before reading lets XLA update the buffers in
+    place (no copy of the cache per step). Returns (x, new keys, new values, cache)."""
+    if not is_decoding_layout(params):
+        raise ValueError("a per-layer KV cache goes with the decoding layout "
+                         "(backbone.decoding_layout)")
+    window = mask.shape[-1]
+    if empty_cache:  # [B, T, T]: how the new tokens see each other
+        t = positions.shape[1]
+        new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
+        new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)
+    ks, vs, new_k, new_v = [], [], [], []
+    for i, layer in enumerate(params["layers"]):
+        dt = x.dtype
+        kc, vc = cache.k[i], cache.v[i]
+        q, k, v = _qkv(cfg, x, layer, positions, inv_freq, kc.dtype)
+        kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
+        ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
+        if empty_cache:  # prefill: the new tokens attend each other only
+            attn = _attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None, new_mask)
+        else:
+            kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
+            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), mask)
+        x = _residual_and_mlp(cfg, x, attn, layer)
+    return x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs))
 
 
 def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -263,6 +345,11 @@ def forward_uncommitted(
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
     fully masked block. `unroll`: layers per iteration of the scan over stacked layers (the
     decoding layout has no scan: see `decoding_layout`)."""
+    if isinstance(cache.k, tuple):  # a per-layer cache is written as it is read
+        logits, hidden, new_kv, _ = forward_scratch(
+            params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+            empty_cache=empty_cache)
+        return logits, hidden, new_kv
     dt = as_dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)
     inv_freq = rope_frequencies(cfg)
@@ -299,8 +386,36 @@ def forward_uncommitted(
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
     """Write [L, B, KVH, T, D] keys/values at slots lengths[b] ... (lengths unchanged)."""
+    if isinstance(cache.k, tuple):
+        return cache.replace(
+            k=tuple(_write_layer(c, k_new[i], cache.lengths) for i, c in enumerate(cache.k)),
+            v=tuple(_write_layer(c, v_new[i], cache.lengths) for i, c in enumerate(cache.v)))
     return cache.replace(k=_write_rows(cache.k, k_new, cache.lengths),
                          v=_write_rows(cache.v, v_new, cache.lengths))
+
+
+def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                    mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
+                    empty_cache: bool = False, unroll: int = 1):
+    """`forward_uncommitted` that also returns the cache with the new tokens' keys/values
+    written at slots lengths .. lengths + T - 1 (`lengths` unchanged): scratch slots past
+    the committed context, which Medusa overwrites with the accepted path (`write_kv`).
+    Returns (logits or None, hidden, (new keys, new values) [L, B, KVH, T, D], cache).
+
+    With a per-layer cache each layer writes before it reads (in place); with a stacked
+    one the new entries are written after all layers."""
+    if isinstance(cache.k, tuple):
+        dt = as_dtype(cfg.compute_dtype)
+        x = params["embed"][tokens].astype(dt)
+        x, k_new, v_new, cache = _forward_per_layer_cache(
+            params, cfg, x, positions, mask, cache, empty_cache, rope_frequencies(cfg))
+        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
+        return logits, hidden, (k_new, v_new), cache
+    logits, hidden, (k_new, v_new) = forward_uncommitted(
+        params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+        empty_cache=empty_cache, unroll=unroll)
+    return logits, hidden, (k_new, v_new), write_kv(cache, k_new, v_new)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -315,10 +430,10 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     Returns (logits [B, T, V] float32 or None, hidden [B, T, H] after the final norm, cache
     with the new keys/values written at those slots; `lengths` is left to the caller).
     """
-    logits, hidden, (k_new, v_new) = forward_uncommitted(
+    logits, hidden, _, cache = forward_scratch(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
         empty_cache=empty_cache, unroll=unroll)
-    return logits, hidden, write_kv(cache, k_new, v_new)
+    return logits, hidden, cache
 
 
 class ParamSpec(NamedTuple):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
 from medusa_jax.config import ModelConfig, as_dtype
 from medusa_jax.decode import generate, medusa_capacity, medusa_generate, pad_prompts
 from medusa_jax.tree import DynamicTree, Tree
@@ -294,7 +294,7 @@ def verification_pass(cfg: ModelConfig, params, num_tokens: int, *, prefix: int,
     Returns (fn, cache): `fn(params, cache)` runs the loop."""
     t = num_tokens
     capacity = capacity or prefix + t
-    cache = KVCache.init(cfg, batch, capacity)
+    cache = KVCache.init(cfg, batch, capacity, per_layer=is_decoding_layout(params))
     cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
     positions = cache.lengths[:, None] + jnp.arange(t)[None]
     mask = causal_mask(cache.lengths, t, capacity)
@@ -732,7 +732,7 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
             prop = decode.propose_candidates(s.root, s.head_logits, tree)
         else:
             prop = stand_in(s.root)
-        logits, hidden, (k_new, v_new) = decode.verify(params, cfg, prop, s.cache)
+        logits, hidden, (k_new, v_new), scratch = decode.verify(params, cfg, prop, s.cache)
         if "acceptance" in stages:
             best, acc_len, next_root = acceptance.accept(
                 logits, prop.tokens, static, Sampling(), None, prop.valid, prop.slot)
@@ -744,9 +744,9 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
         fed_path = prop.fed_index(path)
         advance = jnp.where(live, acc_len + 1, 0)
         if "commit" in stages:
-            cache = decode.commit(s.cache, k_new, v_new, fed_path, advance)
+            cache = decode.commit(scratch, k_new, v_new, fed_path, advance)
         else:
-            cache = s.cache.advance(advance)
+            cache = scratch.advance(advance)
         if "heads" in stages:
             new_hl = decode.standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], None)
         else:

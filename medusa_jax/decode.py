@@ -31,8 +31,8 @@ from flax import struct
 
 from medusa_jax import acceptance, sharding
 from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import (KVCache, Params, causal_mask, forward,
-                                 forward_uncommitted, tree_mask_after_prefix, write_kv)
+from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_scratch,
+                                 is_decoding_layout, tree_mask_after_prefix, write_kv)
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads
 from medusa_jax.tree import DynamicTree, Tree
@@ -134,7 +134,8 @@ def _eos_mask(tokens: jax.Array, eos: tuple[int, ...]) -> jax.Array:
 def _prefill(params, cfg, tokens, lengths, capacity):
     b, p = tokens.shape
     tokens = sharding.constrain_rows(tokens)  # under `jax.set_mesh`: rows over data axes
-    cache = KVCache.init(cfg, b, capacity)
+    # the decoding layout (one device) writes a per-layer cache in place
+    cache = KVCache.init(cfg, b, capacity, per_layer=is_decoding_layout(params))
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     logits, hidden, cache = forward(params, cfg, tokens, positions,
                                     causal_mask(cache.lengths, p, capacity), cache,
@@ -315,11 +316,12 @@ def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache,
     """Stage 2. One backbone pass over the proposed tokens [B, T], each at position
     length + its depth, attending the prefix (within the first `window` cache slots,
     default all) and its own ancestors. Returns (logits [B, T, V], hidden [B, T, H], the new
-    keys/values [L, B, KVH, T, D] each, uncommitted)."""
+    keys/values [L, B, KVH, T, D] each, and the cache with them written in the scratch
+    slots past the context, uncommitted: `commit` keeps the accepted path)."""
     depth = prop.fed_depth if prop.fed_depth.ndim == 2 else prop.fed_depth[None, :]
     positions = cache.lengths[:, None] + depth
     mask = tree_mask_after_prefix(cache.lengths, prop.fed_mask, window or cache.capacity)
-    return forward_uncommitted(params, cfg, prop.fed, positions, mask, cache)
+    return forward_scratch(params, cfg, prop.fed, positions, mask, cache)
 
 
 def emit(s: MedusaState, chunk: jax.Array, acc_len: jax.Array, eos: tuple[int, ...],
@@ -399,7 +401,7 @@ def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
     live = ~s.done
     static = tree.pool if isinstance(tree, DynamicTree) else tree
     prop = propose_candidates(s.root, s.head_logits, tree)  # 1
-    logits, hidden, (k_new, v_new) = verify(params, cfg, prop, s.cache, window)  # 2
+    logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)  # 2
     keys, sub = _next_keys(s.keys, sampling.mode == "rejection")
     best, acc_len, next_root = acceptance.accept(logits, prop.tokens, static, sampling, sub,
                                                  prop.valid, prop.slot)  # 3
@@ -407,7 +409,7 @@ def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
     chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
     out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
     fed_path = prop.fed_index(path)
-    cache = commit(s.cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
+    cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
     new_head_logits = head_fn(heads, hidden[rows, fed_path[rows, acc_len]], cache.lengths)  # 5
     return MedusaState(
         cache=cache, root=jnp.where(live, next_root, s.root),

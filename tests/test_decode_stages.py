@@ -58,7 +58,7 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
     chain = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
     cache = _prefilled(params, [[1, 2, 3, 4], [5, 6, 7, 8]])
     cand = jnp.array([[10, 11, 12, 13], [20, 21, 22, 23]], jnp.int32)
-    logits, hidden, (k_new, _) = decode.verify(params, CFG, _fed(cand, chain), cache)
+    logits, hidden, (k_new, _), _ = decode.verify(params, CFG, _fed(cand, chain), cache)
     want, want_hidden, want_cache = forward(
         params, CFG, cand, cache.lengths[:, None] + jnp.arange(4)[None],
         causal_mask(cache.lengths, 4, cache.capacity), cache)
@@ -75,7 +75,7 @@ def test_acceptance_rules_are_looked_up_by_mode(params):
     prop = decode.propose_candidates(jnp.array([4]), jax.random.normal(jax.random.key(1),
                                                                         (3, 1, V)), TREE)
     cand = prop.fed
-    logits, _, _ = decode.verify(params, CFG, prop, cache)
+    logits, _, _, _ = decode.verify(params, CFG, prop, cache)
     keys = jax.random.split(jax.random.key(0), 1)
     got = acceptance.accept(logits, cand, TREE, Sampling(), keys)
     want = acceptance.greedy(logits, cand, TREE)
@@ -114,7 +114,7 @@ def test_commit_keeps_only_the_accepted_path_in_consecutive_slots(params):
     cache = _prefilled(params, [[1, 2, 3], [4, 5, 6]])
     cand = jnp.array([[9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24]],
                      jnp.int32)
-    _, _, (k_new, v_new) = decode.verify(params, CFG, _fed(cand, TREE), cache)
+    _, _, (k_new, v_new), _ = decode.verify(params, CFG, _fed(cand, TREE), cache)
     # row 0 keeps root -> [0] -> [0, 1] (nodes 0, 1, 5); row 1 keeps root -> [1] (nodes 0, 2)
     path = jnp.array([[0, 1, 5, 0], [0, 2, 0, 0]], jnp.int32)
     acc_len = jnp.array([2, 1])
