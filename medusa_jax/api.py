@@ -88,17 +88,7 @@ def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
     return bb, hd
 
 
-def check_model_axis(cfg: ModelConfig, mesh):
-    """A `model` axis that splits none of the backbone's big dimensions would only copy the
-    model to every device: refuse it in one line."""
-    m = sharding.make_mesh(mesh).shape["model"]
-    if m == 1:
-        return
-    if cfg.vocab_size % m and cfg.intermediate_size % m and cfg.num_heads % m:
-        raise ValueError(f"mesh model={m} splits none of this model's tensors (vocabulary "
-                         f"{cfg.vocab_size}, MLP width {cfg.intermediate_size}, "
-                         f"{cfg.num_heads} attention heads): pick a model size that divides "
-                         f"them")
+check_model_axis = sharding.check_model_axis  # the one rule, shared with training
 
 
 def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, mesh):

@@ -7,6 +7,9 @@
 - `StopSignals`: SIGINT (Ctrl-C) and SIGTERM (what schedulers and preemptible TPU/GPU VMs
   send) set a flag instead of killing the process; the training loop finishes the current
   step, saves a checkpoint and exits. A second signal stops at once.
+- What a command may write into: `is_run_dir` / `run_method` (is this folder a training run,
+  and of which method), `check_output_dir` (a new or empty folder, or a run: never a
+  non-empty folder that is something else), `check_new_folder` (export folders).
 """
 
 from __future__ import annotations
@@ -21,6 +24,70 @@ import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+CONFIG_FILE = "config.json"
+# TrainConfig fields every run's config.json holds (a model's or a heads folder's config.json
+# holds none of them); rundir stays free of the config classes, a test keeps these in step
+RUN_FIELDS = ("output_dir", "num_heads", "seq_len", "batch_size", "save_every",
+              "distill_samples")
+
+
+def run_config(folder: str | Path) -> dict | None:
+    """The saved config of the training run in `folder`, or None when it is not a run."""
+    conf = Path(folder) / CONFIG_FILE
+    if not conf.is_file():
+        return None
+    try:
+        raw = json.loads(conf.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) and all(k in raw for k in RUN_FIELDS) else None
+
+
+def is_run_dir(folder: str | Path) -> bool:
+    return run_config(folder) is not None
+
+
+def run_method(folder: str | Path) -> str | None:
+    """"medusa1" or "medusa2" (the command that made the run), None when not a run. Runs
+    written before config.json recorded its method are told apart by Medusa-2's own fields."""
+    raw = run_config(folder)
+    if raw is None:
+        return None
+    return raw.get("method") or ("medusa2" if "stage1_steps" in raw else "medusa1")
+
+
+def _listing(folder: Path, n: int = 2) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def check_output_dir(folder: str | Path, flag: str = "--output-dir"):
+    """A training run may write into a new folder, an empty one, or a training run (its own,
+    unfinished or resumed); anything else is refused in one line (ValueError)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: is a file, not a folder")
+    if folder.is_dir() and any(folder.iterdir()) and not is_run_dir(folder):
+        raise ValueError(f"{flag} {folder}: holds files and is not a training run "
+                         f"({_listing(folder)}); give a new or empty folder")
+
+
+def check_new_folder(folder: str | Path, flag: str = "--output", force: bool = False,
+                     allowed=None):
+    """An output folder that must be new or empty, or, with `force`, hold only what
+    `allowed(folder)` accepts (e.g. an earlier export of the same layout). ValueError."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: is a file, not a folder")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not force:
+        raise ValueError(f"{flag} {folder}: the folder holds files ({_listing(folder)}); give "
+                         f"a new or empty folder, or --force to replace an earlier export")
+    if allowed is not None:
+        why = allowed(folder)
+        if why:
+            raise ValueError(f"{flag} {folder}: {why}; not replaced even with --force")
 
 
 class RunDirBusy(RuntimeError):
