@@ -9,6 +9,7 @@ loads in transformers.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -190,6 +191,19 @@ def _check(array: np.ndarray, want: tuple, name: str, file: Path,
     return ours
 
 
+def save_safetensors(tensors: dict, file: str | Path, metadata: dict | None = None) -> Path:
+    """Write a safetensors file atomically (a temp file, then a rename), with the
+    permissions of any other file the process writes (safetensors itself creates 0600)."""
+    file = Path(file)
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, file)
+    return file
+
+
 def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
                     source_dir: str | Path | None = None) -> Path:
     """Write params in the Hugging Face layout (config.json + model.safetensors).
@@ -213,9 +227,7 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         for i in range(cfg.num_layers):
             a = stacked[i]
             tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(a.T) if transpose else a
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
     if source_dir is not None:
         for f in Path(source_dir).iterdir():
             if f.is_file() and f.suffix in (".json", ".model", ".txt") and \
