@@ -528,6 +528,15 @@ def check_heads(tensors: dict, cfg: ModelConfig | None, file, k: int, lyr: int):
             raise HeadsFormatError(
                 f"{file}: tensor {name} has shape {shape[name]}, expected {s} for {k} heads x "
                 f"{lyr} layers on a backbone with hidden {h}, vocab {v}")
+    for name in ("w", "b", "proj"):  # corrupt or mislabelled heads would decode silently
+        a = np.asarray(tensors[name])
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise HeadsFormatError(f"{file}: tensor {name} has dtype {a.dtype}, expected "
+                                   f"floating point")
+        try:
+            weights.check_finite(a, name, file)
+        except weights.WeightsError as e:
+            raise HeadsFormatError(str(e)) from None
     if reduced:
         index = np.asarray(tensors["token_index"])
         if not np.issubdtype(index.dtype, np.integer):

@@ -98,6 +98,17 @@ def _read_tensors(files: list[Path]) -> dict[str, tuple[np.ndarray, Path]]:
     return tensors
 
 
+def check_finite(array: np.ndarray, name: str, file) -> None:
+    """Random bytes under an intact header still read as tensors; NaN or inf never belongs to
+    a trained model (it would decode as garbage, e.g. token 0 forever): refused, named."""
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        return
+    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    if bad:
+        raise WeightsError(f"{file}: tensor {name} holds {bad} non-finite values (NaN or inf) "
+                           f"of {array.size}; the file is corrupt")
+
+
 def load_pretrained(
     path: str | Path | None = None,
     *,
@@ -119,6 +130,7 @@ def load_pretrained(
     layer_parts: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
     params: Params = {}
     for name, (array, file) in tensors.items():
+        check_finite(array, name, file)
         m = _LAYER_RE.match(name)
         if m and m.group(2) in _LAYER_MAP:
             idx = int(m.group(1))
@@ -169,11 +181,37 @@ def load_tokenizer(model_dir: str | Path | None = None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types, over many lines
         first = (str(e).strip().splitlines() or [""])[0].rstrip(": ")
         raise WeightsError(f"{path}: cannot load the tokenizer from {', '.join(found)} "
                            f"({type(e).__name__}: {first})") from None
+    if not (path / "tokenizer_config.json").is_file():
+        add_config_bos(tokenizer, path)
+    return tokenizer
+
+
+def add_config_bos(tokenizer, path: Path) -> None:
+    """A tokenizer without tokenizer_config.json (e.g. tokenizer.model alone) is built
+    without knowing whether the model expects BOS first: config.json's bos_token_id says it
+    does, so it is added (prompts then encode as in training); refused when it cannot be."""
+    try:
+        bos = json.loads((path / "config.json").read_text()).get("bos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(bos, int) or isinstance(bos, bool) or tokenizer.encode("a")[:1] == [bos]:
+        return
+    try:
+        if tokenizer.bos_token is None:
+            tokenizer.bos_token = tokenizer.convert_ids_to_tokens(bos)
+        tokenizer.add_bos_token = True
+        ok = tokenizer.encode("a")[:1] == [bos]
+    except (AttributeError, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise WeightsError(f"{path}: the tokenizer does not start prompts with BOS (token {bos}, "
+                           f"config.json's bos_token_id) and cannot be told to; add a "
+                           f"tokenizer_config.json with \"add_bos_token\": true")
 
 
 def _check(array: np.ndarray, want: tuple, name: str, file: Path,
