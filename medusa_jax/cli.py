@@ -139,6 +139,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a PRNG seed (what jax.random.key takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in -2**63..2**63-1, got {value}")
+    return value
+
+
+def name_list(text: str) -> str:
+    """argparse type: comma-separated names without empty entries (kept as the string)."""
+    if any(not x.strip() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+    return text
+
+
 def int_list(minimum: int | None = None):
     """argparse type: comma-separated integers, each >= `minimum` when given."""
 
