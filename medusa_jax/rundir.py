@@ -152,26 +152,65 @@ class Interrupted(Exception):
         self.code = 128 + signum
 
 
+class StopNow(KeyboardInterrupt):
+    """A second signal: stop at once. `code`: the exit status (128 + the signal number);
+    `run_dir`: set by the trainer to the run a --resume would continue (None: removed, it
+    held nothing worth keeping)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.code = signum, 128 + signum
+        self.run_dir: Path | None = None
+
+
 class StopSignals:
     """Within the `with` block, SIGINT/SIGTERM set `requested` (the signal number); a second
-    one raises KeyboardInterrupt at once. Outside the main thread it does nothing (Python
-    only delivers signals there)."""
+    one raises StopNow at once. Outside the main thread it does nothing (Python only
+    delivers signals there).
+
+    Signals that arrive while the main thread is inside one long C call (a compile, a batch
+    of self-distillation) reach the Python handler only once; the C handler still writes one
+    byte per signal to the wakeup fd, so the handler counts those: two SIGTERMs during one
+    compile are two."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested: int | None = None
         self._old = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_fd = -1
+
+    def _arrived(self, signum: int) -> int:
+        """How many `signum`s arrived since the last call (at least this one)."""
+        n = 0
+        while self._pipe is not None:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except (BlockingIOError, OSError):
+                break
+            n += data.count(bytes([signum]))
+            if len(data) < 512:
+                break
+        return max(n, 1)
 
     def _handle(self, signum, frame):
+        n = self._arrived(signum)
         if self.requested is not None:
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.requested = signum
         print(f"\n{signal.Signals(signum).name} received: finishing the current step and "
               f"saving a checkpoint (send it again to stop at once)", flush=True)
+        if n > 1:
+            raise StopNow(signum)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
+            r, w = os.pipe()
+            for fd in (r, w):
+                os.set_blocking(fd, False)
+            self._pipe = (r, w)
+            self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
         return self
@@ -180,3 +219,8 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_fd)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None

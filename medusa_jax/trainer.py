@@ -44,7 +44,7 @@ from medusa_jax import cli
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
-from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopSignals
+from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSignals
 from medusa_jax.tree import Tree
 
 
@@ -149,8 +149,9 @@ class TrainConfig:
         need(self.num_processes is None or self.num_processes >= 1,
              "--num-processes must be >= 1")
         sharding.parse_mesh_spec(self.mesh)
-        # the benchmark's tree, before the run rather than after training (vocabulary: later)
-        Tree.load(self.tree, num_heads=self.tree_heads())
+        # the benchmark's tree, before the run rather than after training (its depth only
+        # matters when the benchmark runs; the vocabulary is checked there)
+        Tree.load(self.tree, num_heads=self.tree_heads() if self.eval_prompts else None)
         return self
 
     def tree_heads(self) -> int | None:
@@ -285,9 +286,11 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
                       f"(started {lock.stale.get('started')}), which is gone", flush=True)
             return _train(dataclasses.replace(cfg, output_dir=str(run_dir)), recipe, run_dir,
                           mesh, resume, stop_after, stop)
-        except BaseException:
+        except BaseException as e:
             if created and distributed.is_writer():
                 remove_if_empty(run_dir)
+            if isinstance(e, StopNow):  # what the message may offer to --resume
+                e.run_dir = run_dir if rundir.is_run_dir(run_dir) else None
             raise
 
 
@@ -671,7 +674,13 @@ class Command:
         except Interrupted as e:
             print(f"\n{e}", file=sys.stderr, flush=True)
             sys.exit(e.code)
-        except KeyboardInterrupt:
-            print("\nstopped at once (second signal); the last finished checkpoint is intact: "
-                  "continue with --resume RUN_DIR", file=sys.stderr, flush=True)
+        except StopNow as e:
+            name = signal.Signals(e.signum).name
+            print(f"\nstopped at once (second {name}) before anything was saved; nothing to "
+                  f"resume" if e.run_dir is None else
+                  f"\nstopped at once (second {name}); the last finished checkpoint is intact: "
+                  f"continue with --resume {e.run_dir}", file=sys.stderr, flush=True)
+            sys.exit(e.code)
+        except KeyboardInterrupt:  # Ctrl-C outside the training run
+            print("\nstopped (SIGINT)", file=sys.stderr, flush=True)
             sys.exit(128 + signal.SIGINT)

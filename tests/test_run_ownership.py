@@ -201,6 +201,7 @@ def test_resume_refuses_steps_below_the_checkpoint(tmp_path, no_training):
 @pytest.mark.parametrize("argv, message", [
     (["--tree", "dynamic:abc"], "dynamic:abc"),
     (["--num-heads", "2", "--tree", "mc_sim_7b_63"], "only 2 Medusa heads"),
+    (["--num-heads", "2"], "only 2 Medusa heads"),  # the default tree, benchmarked
     (["--mesh", "data=2,data=4"], "axis 'data' given twice"),
     (["--init-timeout", "-1"], "--init-timeout must be >= 1"),
     (["--num-processes", "0"], "--num-processes must be >= 1"),
