@@ -67,7 +67,8 @@ def check_output_dir(folder: str | Path, flag: str = "--output-dir"):
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{flag} {folder}: is a file, not a folder")
-    if folder.is_dir() and any(folder.iterdir()) and not is_run_dir(folder):
+    if folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir()) and \
+            not is_run_dir(folder):
         raise ValueError(f"{flag} {folder}: holds files and is not a training run "
                          f"({_listing(folder)}); give a new or empty folder")
 

@@ -146,6 +146,7 @@ class TrainConfig:
         need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
         need(0 <= self.heldout_fraction < 1, "--heldout-fraction must be in [0, 1)")
         need(self.init_timeout >= 1, "--init-timeout must be >= 1")
+        need(-2**63 <= self.seed < 2**63, f"--seed must be in -2**63..2**63-1, got {self.seed}")
         need(self.num_processes is None or self.num_processes >= 1,
              "--num-processes must be >= 1")
         sharding.parse_mesh_spec(self.mesh)
@@ -267,7 +268,8 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
     if mesh.shape["model"] > 1:
         sharding.check_model_axis(ModelConfig.from_dir(cfg.model or weights.default_model_dir()),
                                   mesh)
-    rundir.check_output_dir(run_dir, "--resume" if resume is not None else "--output-dir")
+    if distributed.is_writer():  # process 0 owns the folder (the others may see it half made)
+        rundir.check_output_dir(run_dir, "--resume" if resume is not None else "--output-dir")
     if resume is not None:
         check_resume(cfg, run_dir)
     created = not run_dir.exists()

@@ -205,6 +205,7 @@ def test_resume_refuses_steps_below_the_checkpoint(tmp_path, no_training):
     (["--mesh", "data=2,data=4"], "axis 'data' given twice"),
     (["--init-timeout", "-1"], "--init-timeout must be >= 1"),
     (["--num-processes", "0"], "--num-processes must be >= 1"),
+    (["--seed", str(2**70)], "--seed must be in -2**63..2**63-1"),
 ])
 def test_flags_that_cannot_work_are_refused_before_training(argv, message, capsys, no_training):
     with pytest.raises(SystemExit) as e:
