@@ -680,8 +680,9 @@ class Command:
             name = signal.Signals(e.signum).name
             print(f"\nstopped at once (second {name}) before anything was saved; nothing to "
                   f"resume" if e.run_dir is None else
-                  f"\nstopped at once (second {name}); the last finished checkpoint is intact: "
-                  f"continue with --resume {e.run_dir}", file=sys.stderr, flush=True)
+                  f"\nstopped at once (second {name}); continue with --resume {e.run_dir} "
+                  f"(its last finished checkpoint, if any, is intact)", file=sys.stderr,
+                  flush=True)
             sys.exit(e.code)
         except KeyboardInterrupt:  # Ctrl-C outside the training run
             print("\nstopped (SIGINT)", file=sys.stderr, flush=True)

@@ -185,6 +185,6 @@ def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, mo
     with pytest.raises(SystemExit) as e:
         medusa1.command.main(["--output-dir", str(run)])
     assert e.value.code == 130 and run.is_dir()
-    assert capsys.readouterr().err.strip() == (f"stopped at once (second SIGINT); the last "
-                                               f"finished checkpoint is intact: continue with "
-                                               f"--resume {run}")
+    assert capsys.readouterr().err.strip() == (f"stopped at once (second SIGINT); continue "
+                                               f"with --resume {run} (its last finished "
+                                               f"checkpoint, if any, is intact)")
