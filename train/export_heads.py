@@ -92,10 +92,14 @@ def earlier_export(fmt: str):
         from medusa_jax import heads_formats as hf
 
         try:
-            layout = hf.detect(folder).layout
+            found = hf.detect(folder)
         except (ValueError, FileNotFoundError) as e:
             return f"it is not an earlier export ({e})"
-        return None if layout == fmt else f"it holds the {layout} layout, not {fmt}"
+        if found.layout != fmt:
+            return f"it holds the {found.layout} layout, not {fmt}"
+        if any(f.parent != folder for f in found.files):  # e.g. a run directory's heads/
+            return f"it is not an earlier export (its heads are in {found.files[0].parent})"
+        return None
     return check
 
 
