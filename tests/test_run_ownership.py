@@ -228,3 +228,20 @@ def test_run_dir_rule_is_the_library_s(tmp_path, model_copy):
     assert not rundir.is_run_dir(model_copy) and not rundir.is_run_dir(tmp_path / "none")
     # the fields that identify a run are TrainConfig's own
     assert set(rundir.RUN_FIELDS) <= {f.name for f in dataclasses.fields(trainer.TrainConfig)}
+
+
+def test_each_method_resumes_its_own_runs_only(tmp_path, capsys, no_training):
+    from medusa_jax.medusa2 import Medusa2Config
+
+    run = tmp_path / "R2"
+    run.mkdir()
+    cfg = Medusa2Config(steps=5, eval_prompts=0, output_dir=str(run))
+    (run / "config.json").write_text(json.dumps({"method": "medusa2",
+                                                 **dataclasses.asdict(cfg)}))
+    with pytest.raises(TrainingStarted):
+        medusa2.command.main(["--resume", str(run), "--steps", "6"])
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--resume", str(run)])
+    assert e.value.code == 2
+    assert last_err(capsys).endswith(f"--resume {run}: a medusa2 run; continue it with "
+                                     f"python -m train.medusa2 --resume {run}")
