@@ -36,7 +36,7 @@ def build_parser():
     p.add_argument("--num-prompts", type=cli.positive_int, default=16)
     p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
-    p.add_argument("--trees", default=None, help="comma list of tree names/files "
+    p.add_argument("--trees", type=cli.name_list, default=None, help="comma list of tree names/files "
                                                  "(default: the model's default tree)")
     p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=cli.int_list(1),
                    default=[1],

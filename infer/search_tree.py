@@ -50,6 +50,13 @@ def main(argv=None) -> int:
     model = cli.load_with_heads(args.model, args.heads)
     num_heads = model.heads["w"].shape[0]
     ids = [model.encode(p) for p in prompts]
+    from medusa_jax.decode import check_fits
+
+    for n in args.sizes:  # a tree no decode can use is not worth measuring
+        try:
+            check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, n + 1)
+        except ValueError as e:
+            ap.error(f"--sizes {n}: {e}")
     print(f"measuring head accuracies on {len(ids)} prompts ...", file=sys.stderr)
     acc = head_rank_accuracy(model.params, model.cfg, model.heads, ids,
                              max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos=model.eos)

@@ -88,17 +88,7 @@ def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
     return bb, hd
 
 
-def check_model_axis(cfg: ModelConfig, mesh):
-    """A `model` axis that splits none of the backbone's big dimensions would only copy the
-    model to every device: refuse it in one line."""
-    m = sharding.make_mesh(mesh).shape["model"]
-    if m == 1:
-        return
-    if cfg.vocab_size % m and cfg.intermediate_size % m and cfg.num_heads % m:
-        raise ValueError(f"mesh model={m} splits none of this model's tensors (vocabulary "
-                         f"{cfg.vocab_size}, MLP width {cfg.intermediate_size}, "
-                         f"{cfg.num_heads} attention heads): pick a model size that divides "
-                         f"them")
+check_model_axis = sharding.check_model_axis  # the one rule, shared with training
 
 
 def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, mesh):
@@ -154,6 +144,8 @@ class Medusa:
         model_dir = Path(model) if model is not None else default_model_dir()
         # the tokenizer first, so a folder without one fails before its weights are read
         # (a missing folder is reported by load_pretrained)
+        if model_dir.is_dir():
+            ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
         tokenizer = load_tokenizer(model_dir) if model_dir.is_dir() else None
         if heads == "default":
             if model is not None:
@@ -262,6 +254,9 @@ class Medusa:
         if mode != "greedy" and temperature <= 0:
             raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
         top_k = _int_arg("top_k", top_k, 0)
+        if top_k > self.cfg.vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size "
+                             f"({self.cfg.vocab_size}), got {top_k}")
         top_p = _float_arg("top_p", top_p)
         if not 0 < top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
@@ -269,6 +264,8 @@ class Medusa:
         if epsilon < 0 or delta < 0:
             raise ValueError(f"epsilon and delta must be >= 0, got {epsilon}, {delta}")
         seed = _int_arg("seed", seed)
+        if not -2**63 <= seed < 2**63:  # what jax.random.key takes
+            raise ValueError(f"seed must be in -2**63..2**63-1, got {seed}")
         batch_size = _int_arg("batch_size", batch_size, 1)
         if medusa is not None and not isinstance(medusa, (bool, np.bool_)):
             raise TypeError(f"medusa must be True, False or None, got {type(medusa).__name__} "
@@ -283,7 +280,7 @@ class Medusa:
         the_tree = self.tree(tree) if use_medusa else None
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
-        check_fits(self.cfg, longest, max_new_tokens, the_tree.num_nodes if the_tree else 1)
+        check_fits(self.cfg, longest, max_new_tokens, the_tree.num_nodes if the_tree else 0)
         batch_size = min(batch_size, len(encoded))
         key = jax.random.key(seed)
         results: list[Generation] = []

@@ -69,6 +69,15 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
         line = line.strip()
         if not line:
             continue
+        if line.startswith("["):
+            try:
+                json.loads(line)
+            except json.JSONDecodeError:
+                pass
+            else:
+                raise ValueError(f"{file}:{n}: a JSON array, not a prompt: give text, or an "
+                                 f"object with 'prompt' or 'turns' (token ids are not read "
+                                 f"from prompt files)")
         if line.startswith("{"):
             try:
                 rec = json.loads(line)

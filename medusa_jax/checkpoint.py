@@ -131,6 +131,20 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
+    def saved_config(self) -> tuple[int | None, dict | None]:
+        """(step, config) from the metadata of the newest checkpoint whose metadata reads;
+        (None, None) without one. Reads no arrays (what --resume checks before any work)."""
+        self.manager.reload()
+        for s in sorted(self.all_steps(), reverse=True):
+            try:
+                meta = self.manager.restore(s, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore())).meta
+            except Exception:  # noqa: BLE001 - unreadable: restore() will skip it too
+                continue
+            if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+                return s, meta["config"]
+        return None, None
+
     def save(self, state: TrainState, trained: tuple[str, ...], data_position: int,
              config: dict, force: bool = False) -> bool:
         """Start saving `state` at its step (asynchronously); returns whether it saves.

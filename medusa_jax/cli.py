@@ -87,16 +87,32 @@ def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
 
 
 def _resumed(cls, given: dict, resume: str):
+    from medusa_jax import rundir
+
     run_dir = Path(resume)
-    saved = run_dir / "config.json"
+    saved = run_dir / rundir.CONFIG_FILE
     if not saved.is_file():
-        raise ValueError(f"--resume {resume}: no config.json there (not a run directory)")
+        raise ValueError(f"--resume {resume}: not a training run (no config.json there)")
     try:
-        fields = {f.name for f in dataclasses.fields(cls)}
         raw = json.loads(saved.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--resume {resume}: unreadable config.json ({e})") from None
+    if rundir.run_config(run_dir) is None:
+        raise ValueError(f"--resume {resume}: not a training run (its config.json is not a "
+                         f"run's: a model or heads folder?)")
+    method = rundir.run_method(run_dir)
+    if method != cls.RUN_PREFIX:
+        raise ValueError(f"--resume {resume}: a {method} run; continue it with "
+                         f"python -m train.{method} --resume {resume}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields - {"method"})
+    if unknown:
+        raise ValueError(f"--resume {resume}: config.json has unknown field"
+                         f"{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    try:
         base = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()
                       if k in fields})
-    except (json.JSONDecodeError, TypeError) as e:
+    except TypeError as e:
         raise ValueError(f"--resume {resume}: unreadable config.json ({e})") from None
     changed = sorted(k for k, v in given.items()
                      if k not in cls.RESUMABLE and k != "output_dir" and v != getattr(base, k))
@@ -121,6 +137,24 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a PRNG seed (what jax.random.key takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in -2**63..2**63-1, got {value}")
+    return value
+
+
+def name_list(text: str) -> str:
+    """argparse type: comma-separated names without empty entries (kept as the string)."""
+    if any(not x.strip() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+    return text
 
 
 def int_list(minimum: int | None = None):

@@ -162,7 +162,14 @@ class ModelConfig:
             cfg = json.loads(file.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{file}: invalid JSON ({e})") from None
-        return cls.from_hf_dict(cfg, source=str(file))
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
+        try:
+            return cls.from_hf_dict(cfg, source=str(file))
+        except (TypeError, ValueError) as e:  # e.g. int("wide"): name the file
+            if str(file) in str(e):
+                raise
+            raise ValueError(f"{file}: invalid model config ({e})") from None
 
 
 def stop_tokens(cfg: ModelConfig, tokenizer=None) -> tuple[int, ...]:

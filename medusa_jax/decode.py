@@ -65,10 +65,12 @@ def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_toke
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     need = prompt_len + max_new_tokens + tree_tokens
     if need > cfg.max_position_embeddings:
+        # tree_tokens=0: plain decoding (its last token is emitted, never fed)
+        tree = f" + tree ({tree_tokens} tokens)" if tree_tokens else ""
         raise ValueError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) + tree "
-            f"({tree_tokens} tokens) = {need} exceeds the model's context of "
-            f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}){tree} = {need} "
+            f"exceeds the model's context of {cfg.max_position_embeddings}; shorten the "
+            f"prompt or lower max_new_tokens")
 
 
 # Cache phases: each widens the attention window by at least CACHE_BLOCK slots, a decode

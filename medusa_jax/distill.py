@@ -67,8 +67,9 @@ def generate_answers(params, cfg, tokenizer, prompts: list[str], *, template: st
     stops = stop_tokens(cfg, tokenizer)
     sampling = sampling_for(temperature)
     ids = [data.render_prompt(data.prompt_conversation(p), tokenizer, template) for p in prompts]
-    bucket = decode.prompt_bucket(max(len(i) for i in ids))
-    decode.check_fits(cfg, bucket, max_new_tokens)
+    longest = max(len(i) for i in ids)
+    bucket = decode.prompt_bucket(longest)
+    decode.check_fits(cfg, longest, max_new_tokens, 0)  # the prompt's tokens, not the bucket's
     batch_size = min(batch_size, num_samples)
     records, new_tokens, mismatched, t0 = [], 0, 0, time.perf_counter()
     key = jax.random.key(seed)

@@ -12,7 +12,8 @@ all processes together.
 
 JAX aborts a process whose coordinator does not answer (a C++ fatal error with a stack
 trace), so a non-coordinator first checks, with a plain TCP connection retried for
-`timeout` seconds, that the coordinator is listening, and fails with one line if not.
+`timeout` seconds, that the coordinator is listening, and process 0 that the coordinator's
+address is its own; each fails with one line if not.
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ def wait_for_coordinator(address: str, timeout: float):
             time.sleep(0.2)
 
 
+def check_coordinator_host(address: str):
+    """Process 0 runs the coordinator on `address`: its host must be this machine (JAX would
+    otherwise wait out the timeout and abort with a C++ stack trace)."""
+    host, _ = _split(address)
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"--coordinator {address}: cannot resolve {host} "
+                         f"({e.strerror or e})") from None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((sockaddr[0], 0))
+            return
+        except OSError as e:
+            why = e.strerror or str(e)
+    raise ValueError(f"--coordinator {address}: process 0 runs the coordinator, but {host} is "
+                     f"not an address of this machine ({why}); give process 0's own host name "
+                     f"or IP")
+
+
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
                timeout: float = 300):
     """Join the cluster (once per process; a no-op when already joined or single-process)."""
@@ -79,6 +101,8 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         return
     if process_id != 0:
         wait_for_coordinator(coordinator, timeout)
+    else:
+        check_coordinator_host(coordinator)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id,
                                initialization_timeout=int(timeout))

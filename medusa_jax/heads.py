@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
+from medusa_jax.weights import save_safetensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +126,7 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
     }
     tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
                                                   np.float32)) for k, v in heads.items()}
-    tmp = file.with_name(file.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, file)
-    return file
+    return save_safetensors(tensors, file, metadata=meta)
 
 
 def load_heads(path: str | Path, cfg: ModelConfig, *,

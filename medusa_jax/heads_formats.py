@@ -45,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 from medusa_jax import weights
 from medusa_jax.backbone import Params
@@ -121,8 +120,9 @@ def is_medusa2_model(path: str | Path) -> bool:
     """A folder holding a backbone and its Medusa heads (the reference's Medusa-2 layout)."""
     p = Path(path)
     cfg = p / "config.json"
-    if not p.is_dir() or not cfg.is_file() or (p / HEADS_FILE).is_file():
-        return False
+    if not p.is_dir() or not cfg.is_file() or any(
+            (p / f).is_file() for f in (HEADS_FILE, REFERENCE_ST, REFERENCE_PT)):
+        return False  # `detect` reads those first: the folder is heads, not a model
     try:
         conf = json.loads(cfg.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -528,6 +528,15 @@ def check_heads(tensors: dict, cfg: ModelConfig | None, file, k: int, lyr: int):
             raise HeadsFormatError(
                 f"{file}: tensor {name} has shape {shape[name]}, expected {s} for {k} heads x "
                 f"{lyr} layers on a backbone with hidden {h}, vocab {v}")
+    for name in ("w", "b", "proj"):  # corrupt or mislabelled heads would decode silently
+        a = np.asarray(tensors[name])
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise HeadsFormatError(f"{file}: tensor {name} has dtype {a.dtype}, expected "
+                                   f"floating point")
+        try:
+            weights.check_finite(a, name, file)
+        except weights.WeightsError as e:
+            raise HeadsFormatError(str(e)) from None
     if reduced:
         index = np.asarray(tensors["token_index"])
         if not np.issubdtype(index.dtype, np.integer):
@@ -625,9 +634,7 @@ def _write_json(file: Path, data: dict):
 
 
 def _write_st(file: Path, tensors: dict, metadata: dict | None = None):
-    tmp = file.with_name(file.name + ".tmp")
-    save_file({n: _c(a) for n, a in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, file)
+    weights.save_safetensors({n: _c(a) for n, a in tensors.items()}, file, metadata)
 
 
 def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | None = None,

@@ -347,6 +347,9 @@ class Medusa2Config(trainer.TrainConfig):
             resolve_init(self.init)
         return self
 
+    def tree_heads(self) -> int | None:
+        return None if self.init is not None else self.num_heads  # --init: its artifact's
+
     def stage1_config(self, run_dir: Path) -> Medusa1Config:
         """The first stage as a Medusa-1 run in <run>/stage1 (no decoding benchmark)."""
         return Medusa1Config(**self.shared(output_dir=str(run_dir / "stage1"),

@@ -7,6 +7,9 @@
 - `StopSignals`: SIGINT (Ctrl-C) and SIGTERM (what schedulers and preemptible TPU/GPU VMs
   send) set a flag instead of killing the process; the training loop finishes the current
   step, saves a checkpoint and exits. A second signal stops at once.
+- What a command may write into: `is_run_dir` / `run_method` (is this folder a training run,
+  and of which method), `check_output_dir` (a new or empty folder, or a run: never a
+  non-empty folder that is something else), `check_new_folder` (export folders).
 """
 
 from __future__ import annotations
@@ -21,6 +24,71 @@ import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+CONFIG_FILE = "config.json"
+# TrainConfig fields every run's config.json holds (a model's or a heads folder's config.json
+# holds none of them); rundir stays free of the config classes, a test keeps these in step
+RUN_FIELDS = ("output_dir", "num_heads", "seq_len", "batch_size", "save_every",
+              "distill_samples")
+
+
+def run_config(folder: str | Path) -> dict | None:
+    """The saved config of the training run in `folder`, or None when it is not a run."""
+    conf = Path(folder) / CONFIG_FILE
+    if not conf.is_file():
+        return None
+    try:
+        raw = json.loads(conf.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return raw if isinstance(raw, dict) and all(k in raw for k in RUN_FIELDS) else None
+
+
+def is_run_dir(folder: str | Path) -> bool:
+    return run_config(folder) is not None
+
+
+def run_method(folder: str | Path) -> str | None:
+    """"medusa1" or "medusa2" (the command that made the run), None when not a run. Runs
+    written before config.json recorded its method are told apart by Medusa-2's own fields."""
+    raw = run_config(folder)
+    if raw is None:
+        return None
+    return raw.get("method") or ("medusa2" if "stage1_steps" in raw else "medusa1")
+
+
+def _listing(folder: Path, n: int = 2) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def check_output_dir(folder: str | Path, flag: str = "--output-dir"):
+    """A training run may write into a new folder, an empty one, or a training run (its own,
+    unfinished or resumed); anything else is refused in one line (ValueError)."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: is a file, not a folder")
+    if folder.is_dir() and any(p.name != LOCK_FILE for p in folder.iterdir()) and \
+            not is_run_dir(folder):
+        raise ValueError(f"{flag} {folder}: holds files and is not a training run "
+                         f"({_listing(folder)}); give a new or empty folder")
+
+
+def check_new_folder(folder: str | Path, flag: str = "--output", force: bool = False,
+                     allowed=None):
+    """An output folder that must be new or empty, or, with `force`, hold only what
+    `allowed(folder)` accepts (e.g. an earlier export of the same layout). ValueError."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{flag} {folder}: is a file, not a folder")
+    if not folder.is_dir() or not any(folder.iterdir()):
+        return
+    if not force:
+        raise ValueError(f"{flag} {folder}: the folder holds files ({_listing(folder)}); give "
+                         f"a new or empty folder, or --force to replace an earlier export")
+    if allowed is not None:
+        why = allowed(folder)
+        if why:
+            raise ValueError(f"{flag} {folder}: {why}; not replaced even with --force")
 
 
 class RunDirBusy(RuntimeError):
@@ -85,26 +153,65 @@ class Interrupted(Exception):
         self.code = 128 + signum
 
 
+class StopNow(KeyboardInterrupt):
+    """A second signal: stop at once. `code`: the exit status (128 + the signal number);
+    `run_dir`: set by the trainer to the run a --resume would continue (None: removed, it
+    held nothing worth keeping)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.code = signum, 128 + signum
+        self.run_dir: Path | None = None
+
+
 class StopSignals:
     """Within the `with` block, SIGINT/SIGTERM set `requested` (the signal number); a second
-    one raises KeyboardInterrupt at once. Outside the main thread it does nothing (Python
-    only delivers signals there)."""
+    one raises StopNow at once. Outside the main thread it does nothing (Python only
+    delivers signals there).
+
+    Signals that arrive while the main thread is inside one long C call (a compile, a batch
+    of self-distillation) reach the Python handler only once; the C handler still writes one
+    byte per signal to the wakeup fd, so the handler counts those: two SIGTERMs during one
+    compile are two."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
         self.requested: int | None = None
         self._old = {}
+        self._pipe: tuple[int, int] | None = None
+        self._old_fd = -1
+
+    def _arrived(self, signum: int) -> int:
+        """How many `signum`s arrived since the last call (at least this one)."""
+        n = 0
+        while self._pipe is not None:
+            try:
+                data = os.read(self._pipe[0], 512)
+            except (BlockingIOError, OSError):
+                break
+            n += data.count(bytes([signum]))
+            if len(data) < 512:
+                break
+        return max(n, 1)
 
     def _handle(self, signum, frame):
+        n = self._arrived(signum)
         if self.requested is not None:
-            raise KeyboardInterrupt
+            raise StopNow(signum)
         self.requested = signum
         print(f"\n{signal.Signals(signum).name} received: finishing the current step and "
               f"saving a checkpoint (send it again to stop at once)", flush=True)
+        if n > 1:
+            raise StopNow(signum)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
+            r, w = os.pipe()
+            for fd in (r, w):
+                os.set_blocking(fd, False)
+            self._pipe = (r, w)
+            self._old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
             for s in self.SIGNALS:
                 self._old[s] = signal.signal(s, self._handle)
         return self
@@ -113,3 +220,8 @@ class StopSignals:
         for s, old in self._old.items():
             signal.signal(s, old)
         self._old = {}
+        if self._pipe is not None:
+            signal.set_wakeup_fd(self._old_fd)
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None

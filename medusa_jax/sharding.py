@@ -67,13 +67,16 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
         return int(text)
 
     parts = [p.strip() for p in str(spec).split(",") if p.strip()]
-    out = dict.fromkeys(AXES, 1)
+    out, seen = dict.fromkeys(AXES, 1), set()
     if parts and all("=" in p for p in parts):
         for p in parts:
             name, value = (s.strip() for s in p.split("=", 1))
             if name not in AXES:
                 raise ValueError(f"bad mesh {spec!r}: unknown axis {name!r} "
                                  f"(axes: {', '.join(AXES)})")
+            if name in seen:
+                raise ValueError(f"bad mesh {spec!r}: axis {name!r} given twice")
+            seen.add(name)
             out[name] = size(value)
     elif len(parts) in (2, 3) and not any("=" in p for p in parts):
         out.update({a: size(p) for a, p in zip(AXES, parts)})
@@ -100,6 +103,20 @@ def make_mesh(spec: "str | Mesh" = "1,1", devices=None) -> Mesh:
                          f"every device")
     grid = np.array(devices[:need], dtype=object).reshape([sizes[a] for a in AXES])
     return Mesh(grid, AXES)
+
+
+def check_model_axis(cfg, mesh):
+    """A `model` axis that splits none of the backbone's big dimensions (`cfg`: a
+    ModelConfig) would only copy the model to every device: refused in one line, for
+    decoding and training alike."""
+    m = make_mesh(mesh).shape["model"]
+    if m == 1:
+        return
+    if cfg.vocab_size % m and cfg.intermediate_size % m and cfg.num_heads % m:
+        raise ValueError(f"mesh model={m} splits none of this model's tensors (vocabulary "
+                         f"{cfg.vocab_size}, MLP width {cfg.intermediate_size}, "
+                         f"{cfg.num_heads} attention heads): pick a model size that divides "
+                         f"them")
 
 
 def mesh_str(mesh: Mesh) -> str:

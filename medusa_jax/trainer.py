@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from medusa_jax import assets, bench, data, distill, distributed, sharding, weights
+from medusa_jax import assets, bench, data, distill, distributed, rundir, sharding, weights
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
 from medusa_jax import backbone as backbone_lib
@@ -44,7 +44,7 @@ from medusa_jax import cli
 from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
-from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopSignals
+from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSignals
 from medusa_jax.tree import Tree
 
 
@@ -145,8 +145,19 @@ class TrainConfig:
         need(self.distill_temperature >= 0, "--distill-temperature must be >= 0")
         need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
         need(0 <= self.heldout_fraction < 1, "--heldout-fraction must be in [0, 1)")
+        need(self.init_timeout >= 1, "--init-timeout must be >= 1")
+        need(-2**63 <= self.seed < 2**63, f"--seed must be in -2**63..2**63-1, got {self.seed}")
+        need(self.num_processes is None or self.num_processes >= 1,
+             "--num-processes must be >= 1")
         sharding.parse_mesh_spec(self.mesh)
+        # the benchmark's tree, before the run rather than after training (its depth only
+        # matters when the benchmark runs; the vocabulary is checked there)
+        Tree.load(self.tree, num_heads=self.tree_heads() if self.eval_prompts else None)
         return self
+
+    def tree_heads(self) -> int | None:
+        """The head count --tree is checked against (None: not known before the run)."""
+        return self.num_heads
 
     def total_steps(self, num_rows: int) -> int:
         if self.steps:
@@ -254,6 +265,13 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
     run_dir = open_run_dir(cfg)
     mesh = sharding.make_mesh(cfg.mesh)  # fail on a bad mesh before creating anything
     sharding.check_batch_size(cfg.batch_size, mesh)
+    if mesh.shape["model"] > 1:
+        sharding.check_model_axis(ModelConfig.from_dir(cfg.model or weights.default_model_dir()),
+                                  mesh)
+    if distributed.is_writer():  # process 0 owns the folder (the others may see it half made)
+        rundir.check_output_dir(run_dir, "--resume" if resume is not None else "--output-dir")
+    if resume is not None:
+        check_resume(cfg, run_dir)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     # process 0 owns the run directory (lock, files); the others only compute
@@ -270,10 +288,40 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
                       f"(started {lock.stale.get('started')}), which is gone", flush=True)
             return _train(dataclasses.replace(cfg, output_dir=str(run_dir)), recipe, run_dir,
                           mesh, resume, stop_after, stop)
-        except BaseException:
+        except BaseException as e:
             if created and distributed.is_writer():
                 remove_if_empty(run_dir)
+            if isinstance(e, StopNow):  # what the message may offer to --resume
+                e.run_dir = run_dir if rundir.is_run_dir(run_dir) else None
             raise
+
+
+def check_resume(cfg: TrainConfig, run_dir: Path):
+    """--resume continues the run as its checkpoint was trained: a field of config.json
+    edited since (other than the RESUMABLE ones) or --steps below the checkpoint's step is
+    refused in one line, before any work."""
+    ckpt_dir = run_dir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return  # stopped before its first checkpoint: config.json is all there is
+    ck = Checkpointer(ckpt_dir, create=False, async_save=False)
+    try:
+        step, saved = ck.saved_config()
+    finally:
+        ck.close()
+    if saved is None:
+        return
+    now = json.loads(json.dumps(dataclasses.asdict(cfg)))  # tuples as JSON lists
+    for f in dataclasses.fields(cfg):
+        k = f.name
+        if k in cfg.RESUMABLE or k == "output_dir" or k not in saved or now[k] == saved[k]:
+            continue
+        raise ValueError(f"{run_dir}/config.json: {k} is {now[k]!r}, but checkpoint {step} "
+                         f"was trained with {saved[k]!r} (only "
+                         f"{', '.join(sorted(cfg.RESUMABLE))} may change on --resume); "
+                         f"restore it, or start a new run")
+    if cfg.steps is not None and cfg.steps < step:
+        raise ValueError(f"--steps {cfg.steps}: the run in {run_dir} is already at step "
+                         f"{step} (give more steps to continue it)")
 
 
 def remove_if_empty(run_dir: Path):
@@ -292,7 +340,8 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
                                          f"{jax.process_count()}, {jax.device_count()} devices)"
                                          if jax.process_count() > 1 else ""), flush=True)
     if writer:
-        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
+        (run_dir / "config.json").write_text(json.dumps(
+            {"method": cfg.RUN_PREFIX, **dataclasses.asdict(cfg)}, indent=2))
 
     model_cfg, backbone = weights.load_pretrained(cfg.model)
     tokenizer = weights.load_tokenizer(cfg.model)
@@ -324,6 +373,9 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
             print(f"note: checkpoint {skipped['step']} is unreadable ({skipped['reason']}); "
                   f"moved to {skipped['moved_to']}", flush=True)
         position = meta["data_position"]
+        if meta["step"] > total:  # --epochs fewer than done (--steps is checked up front)
+            raise ValueError(f"the run in {run_dir} is already at step {meta['step']}, past "
+                             f"the {total} steps asked for")
         metrics.truncate(meta["step"])
         print(f"resumed at step {meta['step']} (data position {position})", flush=True)
     else:
@@ -627,7 +679,14 @@ class Command:
         except Interrupted as e:
             print(f"\n{e}", file=sys.stderr, flush=True)
             sys.exit(e.code)
-        except KeyboardInterrupt:
-            print("\nstopped at once (second signal); the last finished checkpoint is intact: "
-                  "continue with --resume RUN_DIR", file=sys.stderr, flush=True)
+        except StopNow as e:
+            name = signal.Signals(e.signum).name
+            print(f"\nstopped at once (second {name}) before anything was saved; nothing to "
+                  f"resume" if e.run_dir is None else
+                  f"\nstopped at once (second {name}); continue with --resume {e.run_dir} "
+                  f"(its last finished checkpoint, if any, is intact)", file=sys.stderr,
+                  flush=True)
+            sys.exit(e.code)
+        except KeyboardInterrupt:  # Ctrl-C outside the training run
+            print("\nstopped (SIGINT)", file=sys.stderr, flush=True)
             sys.exit(128 + signal.SIGINT)

@@ -9,6 +9,7 @@ loads in transformers.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -123,6 +124,17 @@ class _Tensors:
         return self._open[file]
 
 
+def check_finite(array: np.ndarray, name: str, file) -> None:
+    """Random bytes under an intact header still read as tensors; NaN or inf never belongs to
+    a trained model (it would decode as garbage, e.g. token 0 forever): refused, named."""
+    if array.dtype.kind != "f" and array.dtype.name != "bfloat16":
+        return
+    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    if bad:
+        raise WeightsError(f"{file}: tensor {name} holds {bad} non-finite values (NaN or inf) "
+                           f"of {array.size}; the file is corrupt")
+
+
 def load_pretrained(
     path: str | Path | None = None,
     *,
@@ -179,6 +191,7 @@ def load_pretrained(
     # 2. the data, one tensor at a time
     def read(name: str, transpose: bool) -> np.ndarray:
         array = tensors.read(name)
+        check_finite(array, name, tensors.where[name])
         return array.T if transpose else array
 
     def to_device(array: np.ndarray) -> jax.Array:
@@ -214,11 +227,37 @@ def load_tokenizer(model_dir: str | Path | None = None):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types, over many lines
         first = (str(e).strip().splitlines() or [""])[0].rstrip(": ")
         raise WeightsError(f"{path}: cannot load the tokenizer from {', '.join(found)} "
                            f"({type(e).__name__}: {first})") from None
+    if not (path / "tokenizer_config.json").is_file():
+        add_config_bos(tokenizer, path)
+    return tokenizer
+
+
+def add_config_bos(tokenizer, path: Path) -> None:
+    """A tokenizer without tokenizer_config.json (e.g. tokenizer.model alone) is built
+    without knowing whether the model expects BOS first: config.json's bos_token_id says it
+    does, so it is added (prompts then encode as in training); refused when it cannot be."""
+    try:
+        bos = json.loads((path / "config.json").read_text()).get("bos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(bos, int) or isinstance(bos, bool) or tokenizer.encode("a")[:1] == [bos]:
+        return
+    try:
+        if tokenizer.bos_token is None:
+            tokenizer.bos_token = tokenizer.convert_ids_to_tokens(bos)
+        tokenizer.add_bos_token = True
+        ok = tokenizer.encode("a")[:1] == [bos]
+    except (AttributeError, ValueError, TypeError):
+        ok = False
+    if not ok:
+        raise WeightsError(f"{path}: the tokenizer does not start prompts with BOS (token {bos}, "
+                           f"config.json's bos_token_id) and cannot be told to; add a "
+                           f"tokenizer_config.json with \"add_bos_token\": true")
 
 
 def _check_shape(shape: tuple, want: tuple, name: str, file: Path,
@@ -233,6 +272,19 @@ def _check_shape(shape: tuple, want: tuple, name: str, file: Path,
         raise WeightsError(
             f"{file}: tensor {name} has shape {tuple(shape)}, expected {in_file}{layout}"
         )
+
+
+def save_safetensors(tensors: dict, file: str | Path, metadata: dict | None = None) -> Path:
+    """Write a safetensors file atomically (a temp file, then a rename), with the
+    permissions of any other file the process writes (safetensors itself creates 0600)."""
+    file = Path(file)
+    tmp = file.with_name(file.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, file)
+    return file
 
 
 def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
@@ -258,9 +310,7 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
         for i in range(cfg.num_layers):
             a = stacked[i]
             tensors[f"model.layers.{i}.{hf}"] = np.ascontiguousarray(a.T) if transpose else a
-    tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(out / "model.safetensors")
+    save_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
     if source_dir is not None:
         for f in Path(source_dir).iterdir():
             if f.is_file() and f.suffix in (".json", ".model", ".txt") and \

@@ -171,3 +171,36 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     back = standard_layout(cfg, fast)
     assert jax.tree.map(jnp.shape, back) == param_shapes(cfg)
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), back, params)))
+
+
+def test_per_layer_cache_gives_the_same_logits_and_entries():
+    """The decoding layout's per-layer cache (written before it is read) against the stacked
+    cache: rows at different lengths, a second pass over a window narrower than the cache,
+    the same logits and the same keys/values in every slot that was written."""
+    from medusa_jax.backbone import decoding_layout, forward_scratch
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    fast = decoding_layout(cfg, params)
+    rng = np.random.RandomState(0)
+    caches = {"stacked": KVCache.init(cfg, 2, 32),
+              "per-layer": KVCache.init(cfg, 2, 32, per_layer=True)}
+    lengths = jnp.asarray([5, 9])
+    first = jnp.asarray(rng.randint(0, 61, (2, 9)))
+    second = jnp.asarray(rng.randint(0, 61, (2, 3)))
+    out = {}
+    for name, cache in caches.items():
+        p = params if name == "stacked" else fast
+        pos = jnp.broadcast_to(jnp.arange(9), (2, 9))
+        _, _, cache = forward(p, cfg, first, pos, causal_mask(cache.lengths, 9, 32), cache,
+                              empty_cache=True)
+        cache = cache.replace(lengths=lengths)
+        pos2 = lengths[:, None] + jnp.arange(3)[None]
+        logits, _, (k_new, _), cache = forward_scratch(
+            p, cfg, second, pos2, causal_mask(cache.lengths, 3, 16), cache)  # window 16 < 32
+        k = jnp.stack(cache.k) if name == "per-layer" else cache.k
+        out[name] = (np.asarray(logits), np.asarray(k_new), np.asarray(k).reshape(3, 2, 2, 32, 8))
+    for a, b in zip(out["stacked"], out["per-layer"]):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)

@@ -68,3 +68,68 @@ def test_heads_cost_needs_random_weights_and_times_every_projection():
     times = heads_cost(16, 64, num_heads=3, reps=2)
     assert set(times) == {"per-head", "shared", "reduced", "shared+reduced"}
     assert all(t > 0 for t in times.values())
+
+
+# ---- issue 23: checked against the model before any measurement
+
+
+@pytest.mark.parametrize("main, argv, message", [
+    (bench.main, ["--trees", "dynamic:4,,stories260K_cpu"], "empty entry"),
+    (generate.main, ["--seed", "99999999999999999999999"], "--seed: must be in -2**63..2**63-1"),
+])
+def test_more_bad_flags_exit_2_with_one_line(main, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+def test_generate_top_k_beyond_the_vocabulary_is_one_line(capsys):
+    assert generate.main(["--top-k", "100000", "--mode", "rejection", "--max-new-tokens",
+                          "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: top_k must be at most the vocabulary size (512), got 100000"]
+
+
+def test_search_tree_refuses_sizes_that_cannot_fit_the_context(monkeypatch, tmp_path, capsys):
+    from medusa_jax import tree_search
+
+    def tripwire(*a, **k):
+        raise AssertionError("measuring started before the sizes were checked")
+
+    monkeypatch.setattr(tree_search, "head_rank_accuracy", tripwire)
+    out = tmp_path / "t.json"
+    with pytest.raises(SystemExit) as e:
+        search_tree.main(["--sizes", "4,1000", "--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "--sizes 1000: prompt (" in err and "tree (1001 tokens)" in err
+    assert "exceeds the model's context of 512" in err and not out.exists()
+
+
+def _long_prompt_file(tmp_path, tokenizer, n_tokens):
+    words = ("Once upon a time there was a little girl named Lily who liked to play in the "
+             "park with her dog ").split()
+    text, i = "", 0
+    while len(tokenizer.encode(text)) < n_tokens:
+        text += words[i % len(words)] + " "
+        i += 1
+    f = tmp_path / "p.txt"
+    f.write_text(text.strip() + "\n")
+    return f, len(tokenizer.encode(text.strip()))
+
+
+def test_distill_checks_the_prompts_length_not_its_padded_bucket(tmp_path, stories, capsys):
+    _, _, tok = stories
+    prompts, n = _long_prompt_file(tmp_path, tok, 300)  # padded to a bucket of 512
+    assert 256 < n + 1 and n + 100 + 1 <= 512
+    out = tmp_path / "o.jsonl"
+    distill.main(["--prompts", str(prompts), "--output", str(out), "--max-new-tokens", "100",
+                  "--temperature", "0", "--template", "plain"])
+    assert len(out.read_text().splitlines()) == 1
+    long_prompts, m = _long_prompt_file(tmp_path, tok, 600)
+    with pytest.raises(SystemExit) as e:
+        distill.main(["--prompts", str(long_prompts), "--output", str(tmp_path / "x.jsonl"),
+                      "--max-new-tokens", "10", "--template", "plain"])
+    assert e.value.code.startswith(f"error: prompt ({m} tokens) + max_new_tokens (10)")

@@ -65,3 +65,27 @@ def test_save_load_round_trip_and_strict_mismatch(tmp_path):
     (tmp_path / "medusa_heads.safetensors").write_bytes(b"junk")
     with pytest.raises(ValueError, match="corrupt or truncated heads file"):
         load_heads(tmp_path, CFG)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("nan-proj", "tensor proj holds 1 non-finite values (NaN or inf) of 1280; the file is corrupt"),
+    ("int-w", "tensor w has dtype int32, expected floating point"),
+])
+def test_corrupt_heads_are_refused_at_load(tmp_path, bad, message):
+    import json
+
+    from safetensors.numpy import save_file
+
+    params = init_params(CFG, jax.random.key(0))
+    heads = {k: np.array(v) for k, v in init_heads(CFG, params, HeadsConfig(2)).items()}
+    if bad == "nan-proj":
+        heads["proj"][1, 2, 3] = np.nan
+    else:
+        heads["w"] = heads["w"].astype(np.int32)
+    file = tmp_path / "medusa_heads.safetensors"
+    save_file(heads, str(file), metadata={
+        "format": "medusa_jax.heads/1", "num_heads": "2", "num_layers": "1",
+        "hidden_size": "16", "vocab_size": "40", "extra": json.dumps({})})
+    with pytest.raises(ValueError) as e:
+        load_heads(tmp_path, CFG)
+    assert str(e.value) == f"{file}: {message}"

@@ -71,6 +71,12 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     (["Lily"], dict(batch_size=2.0), TypeError, "batch_size must be an int, got float 2.0"),
     (["Lily"], dict(seed=0.5), TypeError, "seed must be an int, got float 0.5"),
     (["Lily"], dict(top_k=-1), ValueError, "top_k must be >= 0, got -1"),
+    (["Lily"], dict(top_k=100000), ValueError, "top_k must be at most the vocabulary size "
+                                               "(512), got 100000"),
+    (["Lily"], dict(seed=2**70), ValueError, f"seed must be in -2**63..2**63-1, got {2**70}"),
+    (["Lily"], dict(max_new_tokens=511, medusa=False), ValueError,
+     "prompt (2 tokens) + max_new_tokens (511) = 513 exceeds the model's context of 512; "
+     "shorten the prompt or lower max_new_tokens"),
     (["Lily"], dict(top_p=1.5), ValueError, "top_p must be in (0, 1], got 1.5"),
     (["Lily"], dict(temperature="hot"), TypeError, "temperature must be a number, got str "
                                                    "'hot'"),
@@ -92,6 +98,13 @@ def test_generate_rejects(model, no_decoding, prompts, kwargs, error, message):
     with pytest.raises(error) as e:
         model.generate(prompts, **kwargs)
     assert one_line(e) == message
+
+
+def test_plain_decoding_may_fill_the_whole_context(model):
+    """400 + 112 = 512 tokens (like "Lily" + 510): plain decoding feeds no tree, and its last
+    token is emitted, never fed, so nothing more is needed."""
+    out = model.generate([[1] + [403] * 399], max_new_tokens=112, medusa=False)
+    assert 1 <= out[0].new_tokens <= 112
 
 
 def test_generate_checks_the_tree_against_the_vocabulary(model, no_decoding, tmp_path):
@@ -121,6 +134,15 @@ def test_load_rejects(kwargs, message):
     with pytest.raises(TypeError) as e:
         Medusa.load(**kwargs)
     assert one_line(e) == message
+
+
+def test_load_names_an_invalid_model_config_not_the_tokenizer(tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(default_model_dir(), d)
+    (d / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
+    with pytest.raises(ValueError) as e:
+        Medusa.load(d)
+    assert "config.json" in one_line(e) and "tokenizer" not in str(e.value)
 
 
 def test_load_model_without_tokenizer(tmp_path):
@@ -188,6 +210,9 @@ def test_data_file_with_a_byte_order_mark(tmp_path):
     (b'{"prompt": "  "}\n', "1: 'prompt' is empty"),
     (b'{"text": "a"}\n', "1: no 'prompt' or 'turns' field"),
     (b'{"prompt": "a"\n', "1: invalid JSON (Expecting ',' delimiter)"),
+    (b'{"prompt": "a"}\n[1,2,3]\n', "2: a JSON array, not a prompt: give text, or an object "
+                                     "with 'prompt' or 'turns' (token ids are not read from "
+                                     "prompt files)"),
     (b"", " the file is empty"),
     (b"\n \n", " the file is empty (whitespace only)"),
 ])

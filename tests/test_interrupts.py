@@ -123,3 +123,68 @@ def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ")
     assert not run.exists()
+
+
+# ---- issue 23: the second signal is never lost, and says what it stopped (in-process)
+
+
+def test_two_signals_during_one_long_call_are_two(tmp_path):
+    """Signals that arrive while the main thread is inside one C call (a compile, a batch of
+    self-distillation) reach Python's handler once: the second must still stop at once."""
+    import hashlib
+
+    from medusa_jax.rundir import StopNow, StopSignals
+
+    pid = os.getpid()
+    with pytest.raises(StopNow) as e:
+        with StopSignals() as stop:
+            sender = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -TERM {pid}; sleep 0.1; "
+                                                   f"kill -TERM {pid}"])
+            hashlib.pbkdf2_hmac("sha256", b"x", b"y", 4_000_000)  # ~1-3 s in C, no bytecode
+            sender.wait()
+            time.sleep(0.5)  # the handler runs by now (it raises)
+    assert stop.requested == signal.SIGTERM and e.value.code == 143
+    sender.wait()
+
+
+def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resume(
+        tmp_path, monkeypatch, capsys):
+    from medusa_jax import trainer
+    from medusa_jax.rundir import StopNow
+    from train import medusa1
+
+    def second_signal(*a, **k):  # as if during self-distillation
+        raise StopNow(signal.SIGTERM)
+
+    monkeypatch.setattr(trainer, "_train", second_signal)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--output-dir", str(run)])
+    assert e.value.code == 143 and not run.exists()
+    assert capsys.readouterr().err.strip() == ("stopped at once (second SIGTERM) before anything "
+                                               "was saved; nothing to resume")
+
+
+def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, monkeypatch,
+                                                                    capsys):
+    from medusa_jax import trainer
+    from medusa_jax.rundir import StopNow
+    from train import medusa1
+
+    run = tmp_path / "run"
+
+    def second_signal(cfg, recipe, run_dir, *a, **k):
+        import dataclasses
+
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        (run_dir / "checkpoints" / "5").mkdir(parents=True)
+        (run_dir / "checkpoints" / "5" / "x").write_text("saved")
+        raise StopNow(signal.SIGINT)
+
+    monkeypatch.setattr(trainer, "_train", second_signal)
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--output-dir", str(run)])
+    assert e.value.code == 130 and run.is_dir()
+    assert capsys.readouterr().err.strip() == (f"stopped at once (second SIGINT); continue "
+                                               f"with --resume {run} (its last finished "
+                                               f"checkpoint, if any, is intact)")

@@ -141,3 +141,19 @@ def test_unreachable_coordinator_fails_in_one_line(tmp_path, data_file):
     lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "cannot reach the coordinator" in lines[0], p.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_coordinator_address_that_is_not_this_machine_fails_process_0_in_one_line(
+        tmp_path, data_file):
+    """Process 0 runs the coordinator: an address of another machine (192.0.2.1, TEST-NET-1)
+    would make JAX abort with a C++ stack trace (exit 134) after the timeout."""
+    p = subprocess.run(
+        [sys.executable, "-m", "train.medusa1", "--output-dir", str(tmp_path / "r"),
+         "--data", str(data_file), *FLAGS, "--coordinator", "192.0.2.1:12345",
+         "--num-processes", "2", "--process-id", "0", "--init-timeout", "5"],
+        cwd=ROOT, env=_env(4), capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert p.returncode == 1 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("error: --coordinator 192.0.2.1:12345: process 0 runs the "
+                               "coordinator, but 192.0.2.1 is not an address of this machine")
+    assert not (tmp_path / "r").exists()

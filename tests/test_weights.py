@@ -167,3 +167,73 @@ def test_load_tokenizer(small_model_dir, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(WeightsError, match="no such model folder"):
         load_tokenizer(tmp_path / "nope")
+
+
+# ---- corrupted weights and tokenizers that say less than the model (issue 23)
+
+
+def _random_data(file, seed=0):
+    """Keep the safetensors header, replace every data byte with random ones."""
+    raw = bytearray(file.read_bytes())
+    start = 8 + int.from_bytes(raw[:8], "little")
+    raw[start:] = np.random.default_rng(seed).integers(0, 256, len(raw) - start, np.uint8).tobytes()
+    file.write_bytes(bytes(raw))
+
+
+def test_random_bytes_under_an_intact_header_are_refused_at_load(tmp_path, capsys):
+    from infer import generate
+
+    d = _copy(default_model_dir(), tmp_path / "M2")
+    _random_data(d / "model.safetensors")
+    with pytest.raises(WeightsError, match=r"model\.safetensors: tensor \S+ holds \d+ non-finite "
+                                           r"values \(NaN or inf\) of \d+; the file is corrupt"):
+        load_pretrained(d)
+    assert generate.main(["--model", str(d), "--prompt", "Lily", "--json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-finite values" in err[0]
+
+
+def test_one_nan_is_named_with_its_tensor(small_model_dir, tmp_path):
+    d = _copy(small_model_dir, tmp_path / "m")
+
+    def poison(t):
+        t["model.layers.1.mlp.up_proj.weight"][3, 4] = np.nan
+
+    _edit(d, poison)
+    with pytest.raises(WeightsError) as e:
+        load_pretrained(d)
+    assert str(e.value) == (f"{d / 'model.safetensors'}: tensor model.layers.1.mlp.up_proj."
+                            f"weight holds 1 non-finite values (NaN or inf) of 1280; the file is "
+                            f"corrupt")
+
+
+def test_a_tokenizer_that_adds_no_bos_gets_the_models_bos(tmp_path, stories):
+    """Without tokenizer_config.json nothing says whether to add BOS: config.json's
+    bos_token_id decides, so prompts encode as the model was trained ("Lily" -> [1, 317])."""
+    from medusa_jax.weights import load_tokenizer
+
+    _, _, reference = stories
+    d = tmp_path / "m"
+    d.mkdir()
+    shutil.copy(default_model_dir() / "config.json", d)
+    tok = json.loads((default_model_dir() / "tokenizer.json").read_text())
+    tok["post_processor"] = None  # a tokenizer file that adds no special tokens itself
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    loaded = load_tokenizer(d)
+    assert loaded.encode("Lily") == reference.encode("Lily") == [1, 317]
+    assert loaded.bos_token_id == 1
+
+
+def test_a_sentencepiece_model_alone_loads_with_bos_or_is_one_line(tmp_path):
+    from medusa_jax.weights import load_tokenizer
+
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.model"):
+        shutil.copy(default_model_dir() / f, d)
+    try:
+        tok = load_tokenizer(d)
+    except WeightsError as e:  # no sentencepiece installed here: cannot be read at all
+        assert "\n" not in str(e) and "cannot load the tokenizer" in str(e)
+    else:
+        assert tok.encode("Lily")[0] == 1

@@ -29,7 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("source", help="run directory, heads artifact, or heads in another layout")
     ap.add_argument("--format", required=True, choices=FORMATS, help="layout to write")
-    ap.add_argument("--output", required=True, help="folder to write into")
+    ap.add_argument("--output", required=True, help="folder to write into: new or empty")
+    ap.add_argument("--force", action="store_true", help="replace an earlier export of the "
+                    "same format in --output (a folder of anything else is never replaced)")
     ap.add_argument("--model", help="the backbone the heads belong to: shapes are checked "
                     "against it, and --format medusa2 bundles it (default: the run's model, "
                     "the Medusa-2 folder itself, or the one the artifact records)")
@@ -83,10 +85,35 @@ def resolve_model(source: Path, found, meta: dict, given: str | None) -> Path | 
     return None
 
 
+def earlier_export(fmt: str):
+    """`rundir.check_new_folder`'s test for --force: None when the folder holds an export of
+    `fmt`, else why not."""
+    def check(folder: Path) -> str | None:
+        from medusa_jax import heads_formats as hf
+
+        try:
+            found = hf.detect(folder)
+        except (ValueError, FileNotFoundError) as e:
+            return f"it is not an earlier export ({e})"
+        if found.layout != fmt:
+            return f"it holds the {found.layout} layout, not {fmt}"
+        if any(f.parent != folder for f in found.files):  # e.g. a run directory's heads/
+            return f"it is not an earlier export (its heads are in {found.files[0].parent})"
+        return None
+    return check
+
+
 def export(args: argparse.Namespace) -> list[Path]:
     from medusa_jax import heads_formats as hf
     from medusa_jax.config import ModelConfig
+    from medusa_jax.rundir import check_new_folder
 
+    out = Path(args.output)
+    if args.format == "medusa_jax" and out.suffix == ".safetensors":  # a file of its own
+        if out.exists() and not (args.force and out.is_file()):
+            raise ValueError(f"--output {out}: already exists (--force replaces it)")
+    else:
+        check_new_folder(out, "--output", args.force, earlier_export(args.format))
     source = Path(args.source)
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
@@ -96,7 +123,6 @@ def export(args: argparse.Namespace) -> list[Path]:
     if cfg is not None:  # strict: the shapes against the backbone's
         heads, meta = hf.read(found, cfg, base_model=model)
     base = args.base_model or hf.base_model_of(meta) or (str(model.resolve()) if model else None)
-    out = Path(args.output)
     if args.format == "medusa2":
         from medusa_jax.weights import load_pretrained
 

@@ -11,7 +11,14 @@ and a stable hash of the text sends about one opening in five to the held-out fi
 goes where its opening goes: held-out stories are only ever evaluated on (perplexity), the
 training stories anchor Medusa-2's self-distillation (train.medusa2 --anchor-text).
 
-    python -m train.make_openings [--source FILE] [--out-dir DIR] [--text-dir DIR]
+    python -m train.make_openings --out-dir DIR [--source FILE] [--text-dir DIR]
+    # the shipped ones:
+    python -m train.make_openings --out-dir medusa_jax/assets/prompts \
+        --text-dir medusa_jax/assets/text
+
+The output folder is always given (the package's own assets are never a default), the text
+goes next to the openings unless --text-dir says otherwise, and a source that holds no story
+opening (or is not UTF-8 text) is refused in one line before anything is written.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ import re
 from pathlib import Path
 
 from medusa_jax import assets
+from medusa_jax.data import DataError, read_text
 
 DEFAULT_SOURCE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
                      / "train_head.txt")  # ../shared next to the project
+# where the shipped files live (rebuilt only when given as --out-dir / --text-dir)
 DEFAULT_OUT = assets.prompts_file("train").parent
 DEFAULT_TEXT_OUT = assets.text_file("train").parent
 
@@ -71,7 +80,7 @@ def is_heldout(line: str) -> bool:
 
 def build(source: Path) -> tuple[list[str], list[str]]:
     seen, train, heldout = set(), [], []
-    for p in story_starts(source.read_text(encoding="utf-8")):
+    for p in story_starts(read_text(source)):
         line = opening(p)
         if line in seen:
             continue
@@ -84,7 +93,7 @@ def split_stories(source: Path) -> tuple[list[str], list[str]]:
     """(train, held-out) stories, each one string with its paragraphs joined by newlines; a
     story is held out exactly when its opening is."""
     train, heldout = [], []
-    for s in stories(source.read_text(encoding="utf-8")):
+    for s in stories(read_text(source)):
         (heldout if is_heldout(opening(s[0])) else train).append("\n".join(s))
     return train, heldout
 
@@ -92,12 +101,21 @@ def split_stories(source: Path) -> tuple[list[str], list[str]]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", default=DEFAULT_SOURCE)
-    ap.add_argument("--out-dir", default=str(DEFAULT_OUT))
-    ap.add_argument("--text-dir", default=str(DEFAULT_TEXT_OUT))
+    ap.add_argument("--out-dir", required=True,
+                    help=f"folder for the openings (the shipped ones: {DEFAULT_OUT})")
+    ap.add_argument("--text-dir", help=f"folder for the stories (default: --out-dir; the "
+                                        f"shipped ones: {DEFAULT_TEXT_OUT})")
     args = ap.parse_args(argv)
     source = Path(args.source)
     if not source.is_file():
         ap.error(f"{source}: no such file")
+    try:
+        text = read_text(source)
+    except DataError as e:
+        ap.error(str(e))
+    if not any(OPENER.match(p) for p in story_starts(text)):
+        ap.error(f"{source}: no story opening in it (a paragraph starting 'Once', 'One day, "
+                 f"a', 'There was', 'Long ago', ...): not TinyStories text?")
     train, heldout = build(source)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,7 +123,7 @@ def main(argv=None):
     (out / "heldout_openings.txt").write_text("\n".join(heldout) + "\n", encoding="utf-8")
     print(f"{len(train)} train and {len(heldout)} held-out openings written to {out}")
     train_s, heldout_s = split_stories(source)
-    text_out = Path(args.text_dir)
+    text_out = Path(args.text_dir or args.out_dir)
     text_out.mkdir(parents=True, exist_ok=True)
     # one story per document: stories separated by blank lines (data's plain-text format)
     for name, rows in (("tinystories_train.txt", train_s), ("tinystories_heldout.txt", heldout_s)):
