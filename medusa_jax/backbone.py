@@ -145,11 +145,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return out.astype(x.dtype)
 
 
+# Batch rows written one in-place update each (up to this many; see `_write_rows`).
+MAX_UNROLLED_ROWS = 16
+
+
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
     """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b].
 
     One in-place update per row (B is static): a `vmap` over the row axis would move it
-    to the front and back, which XLA does by copying the whole cache at every step."""
+    to the front and back, which XLA does by copying the whole cache at every step. Past
+    `MAX_UNROLLED_ROWS` rows (sampling tests, big offline batches) the vmap it is: a copy
+    per step is cheaper there than thousands of updates to trace and compile."""
+    if cache.shape[1] > MAX_UNROLLED_ROWS:
+        def one(c, n, s):  # c [L, KVH, S, D]
+            return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2)
+
+        return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(cache, new, starts)
     zero = jnp.zeros((), jnp.int32)
     for b in range(cache.shape[1]):
         start = (zero, jnp.asarray(b, jnp.int32), zero, starts[b].astype(jnp.int32), zero)
@@ -269,8 +280,13 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask,
 def _write_layer(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
     """cache [B*KVH, S, D], new [B, KVH, T, D]: row b's entries go to slot starts[b], one
     in-place update per row."""
-    zero = jnp.zeros((), jnp.int32)
     kvh = new.shape[1]
+    if new.shape[0] > MAX_UNROLLED_ROWS:  # see `_write_rows`
+        rows = cache.reshape(new.shape[0], kvh, *cache.shape[1:])
+        rows = jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, axis=1)
+                        )(rows, new, starts)
+        return rows.reshape(cache.shape)
+    zero = jnp.zeros((), jnp.int32)
     for b in range(new.shape[0]):
         cache = jax.lax.dynamic_update_slice(
             cache, new[b], (jnp.asarray(b * kvh, jnp.int32), starts[b], zero))
