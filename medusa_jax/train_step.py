@@ -93,8 +93,9 @@ def medusa_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
 
 
 def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
-                decay: float) -> tuple[jax.Array, dict]:
-    """head_logits [K, B, T, V], targets/valid [K, B, T] -> (loss, metrics with [K] arrays)."""
+                decay: float, count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """head_logits [K, B, T, V], targets/valid [K, B, T] -> (loss, metrics with [K] arrays).
+    `count` ([K]): the per-head means' denominators (default: the valid positions here)."""
     k = head_logits.shape[0]
     logits = head_logits.astype(jnp.float32)
     tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [K, B, T]
@@ -102,8 +103,9 @@ def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
     # rank of the target = how many logits beat it (ties count in its favour)
     rank = jnp.sum(logits > tgt_logit[..., None], axis=-1)
     validf = valid.astype(jnp.float32)
-    count = jnp.sum(validf, axis=(1, 2))  # [K]
-    denom = jnp.maximum(count, 1.0)  # no valid position: loss 0, not NaN
+    own = jnp.sum(validf, axis=(1, 2))  # [K]
+    # no valid position: loss 0, not NaN
+    denom = jnp.maximum(own if count is None else count, 1.0)
     head_loss = jnp.sum(ce * validf, axis=(1, 2)) / denom
     weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
     loss = jnp.sum(weights * head_loss)
@@ -112,20 +114,107 @@ def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
         "head_loss": head_loss,
         "top1": jnp.sum((rank < 1) * validf, axis=(1, 2)) / denom,
         "top5": jnp.sum((rank < 5) * validf, axis=(1, 2)) / denom,
-        "count": count,
+        "count": own,
     }
     return loss, metrics
 
 
-def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8) -> LossFn:
-    """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state."""
+# One chunk's heads' logits [K, C, V] float32 stay under this many bytes when the chunk
+# size is automatic: ~1 GiB, so a 7B model's batch of 8 x 2,048 tokens is scored in 16
+# chunks of 1,024 positions (5 heads, 32,000 words) instead of one 10.5 GB block.
+AUTO_CHUNK_BYTES = 2 ** 30
+
+
+def loss_chunk_size(positions: int, num_heads: int, vocab: int, chunk: int = 0) -> int:
+    """Positions per chunk of the heads' loss: `chunk` when given (>= 1), else the largest
+    power of two whose logits [K, chunk, V] in float32 fit `AUTO_CHUNK_BYTES`; never more
+    than `positions` (then the loss is one block: exactly the unchunked computation)."""
+    if chunk < 1:
+        per_position = num_heads * vocab * 4
+        chunk = 2 ** max(0, int(AUTO_CHUNK_BYTES // per_position).bit_length() - 1)
+    return min(chunk, positions)
+
+
+def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array):
+    """One chunk: hidden [C, H], targets/valid [K, C] -> per-head sums [K] of the
+    cross-entropy, top-1 and top-5 hits over the valid positions (the ranks as in
+    `medusa_loss`)."""
+    logits = apply_heads(heads, hidden)  # [K, C, V] float32
+    tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(logits, axis=-1) - tgt_logit
+    rank = jax.lax.stop_gradient(jnp.sum(logits > tgt_logit[..., None], axis=-1))
+    validf = valid.astype(jnp.float32)
+    return (jnp.sum(ce * validf, axis=1), jnp.sum((rank < 1) * validf, axis=1),
+            jnp.sum((rank < 5) * validf, axis=1))
+
+
+def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
+                        valid: jax.Array, decay: float, chunk: int,
+                        count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """`medusa_loss(apply_heads(heads, hidden), ...)` without the [K, B, T, V] logits: the
+    B*T positions are scored `chunk` at a time in a `lax.scan` whose body is under
+    `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of keeping
+    them; at most one chunk's logits (and their gradient) exist at once. hidden [B, T, H],
+    targets/valid [K, B, T]; the same loss, gradients (to float rounding) and metrics.
+    `count` ([K]): the denominators of the per-head means (default: the valid positions
+    here; gradient accumulation passes the whole batch's)."""
+    k, b, t = targets.shape
+    n = b * t
+    hidden = hidden.reshape(n, hidden.shape[-1])
+    targets, valid = targets.reshape(k, n), valid.reshape(k, n)
+    pad = -n % chunk  # padded positions are invalid: they add nothing
+    if pad:
+        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+        targets, valid = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))
+    m = (n + pad) // chunk
+    xs = (hidden.reshape(m, chunk, -1), targets.reshape(k, m, chunk).transpose(1, 0, 2),
+          valid.reshape(k, m, chunk).transpose(1, 0, 2))
+    body = jax.checkpoint(_chunk_sums, prevent_cse=False)
+
+    def step(acc, x):
+        return jax.tree.map(jnp.add, acc, body(heads, *x)), None
+
+    zeros = jnp.zeros((k,), jnp.float32)
+    (ce, top1, top5), _ = jax.lax.scan(step, (zeros, zeros, zeros), xs)
+    own = jnp.sum(valid.astype(jnp.float32), axis=1)
+    denom = jnp.maximum(own if count is None else count, 1.0)
+    head_loss = ce / denom
+    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
+    loss = jnp.sum(weights * head_loss)
+    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
+                  "top5": top5 / denom, "count": own}
+
+
+def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,
+               decay: float, chunk: int = 0, count: jax.Array | None = None
+               ) -> tuple[jax.Array, dict]:
+    """The heads' loss and metrics from the last hidden state [B, T, H]: in one block when
+    the chunk (`loss_chunk_size`) covers every position (today's computation exactly),
+    else `chunked_medusa_loss`."""
+    k, b, t = targets.shape
+    size = loss_chunk_size(b * t, k, heads_vocab(heads), chunk)
+    if size >= b * t:
+        return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count)
+    return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count)
+
+
+def heads_vocab(heads: Params) -> int:
+    """The vocabulary the heads' logits cover (token ids: reduced heads too)."""
+    if "token_index" in heads:
+        return int(heads["token_index"].shape[-1])
+    return int(heads["proj"].shape[-1])
+
+
+def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0) -> LossFn:
+    """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
+    loss in chunks of `chunk` positions (0: `loss_chunk_size`'s automatic size)."""
 
     def loss_fn(params: Params, batch: Batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
         hidden = jax.lax.stop_gradient(backbone_hidden(backbone, cfg, batch))
-        head_logits = apply_heads(params["heads"], hidden)  # [K, B, T, V]
-        targets, valid = medusa_targets(batch, head_logits.shape[0])
-        return medusa_loss(head_logits, targets, valid, decay)
+        targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
+        return heads_loss(params["heads"], hidden, targets, valid, decay, chunk,
+                          batch.get("totals", {}).get("heads"))
 
     return loss_fn
 
@@ -201,13 +290,78 @@ def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: d
     return state, shardings
 
 
+def medusa_totals(batch: Batch, num_heads: int) -> dict:
+    """What the heads' per-head means divide by, over a whole batch: {"heads": [K]}."""
+    _, valid = medusa_targets(batch, num_heads)
+    return {"heads": jnp.sum(valid.astype(jnp.float32), axis=(1, 2))}
+
+
+def accumulate(loss_fn: LossFn, totals_fn: Callable[[Batch], dict], params: Params,
+               batch: Batch, trained: tuple[str, ...], micro_batches: int,
+               mean_metrics: tuple[str, ...] = (), mesh=None):
+    """(loss, metrics), gradients of the `trained` subtrees: one `micro_batches`-times
+    smaller batch at a time (a `lax.scan`), equal to one pass over the whole batch.
+
+    Equal, not an average of micro-batch means: every micro-batch's loss divides by the
+    whole batch's valid-position counts (`totals_fn`, passed as batch["totals"]), so the
+    micro-batches' losses, gradients and metrics add up to the whole batch's. Metrics named
+    in `mean_metrics` (the same in every micro-batch, e.g. a loss weight) are averaged.
+    Micro-batch j holds rows j, j + N, j + 2N, ...: each device keeps its own rows."""
+    totals = totals_fn(batch)
+    n = micro_batches
+
+    def split(x):  # [B, ...] -> [N, B/N, ...], row r -> (r % N, r // N)
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is None:
+            return x
+        spec = jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+    micro = jax.tree.map(split, batch)
+    fixed = {k: v for k, v in params.items() if k not in trained}
+
+    def grad_of(tr, mb):
+        loss, metrics = loss_fn({**tr, **fixed}, dict(mb, totals=totals))
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(grad_of, has_aux=True)
+    tr0 = {k: params[k] for k in trained}
+
+    def body(acc, mb):
+        (_, metrics), grads = grad_fn(tr0, mb)
+        return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+    abstract = jax.eval_shape(grad_fn, tr0, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (abstract[1], abstract[0][1]))
+    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    metrics = {k: (v / n if k in mean_metrics else v) for k, v in metrics.items()}
+    return (metrics["loss"], metrics), grads
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, labels: dict,
-                    shardings: TrainState, mesh, schedule: optax.Schedule | None = None):
-    """jit(step)(state, batch) -> (state, metrics); state is donated."""
+                    shardings: TrainState, mesh, schedule: optax.Schedule | None = None,
+                    grad_accum: int = 1, totals_fn: Callable[[Batch], dict] | None = None,
+                    mean_metrics: tuple[str, ...] = ()):
+    """jit(step)(state, batch) -> (state, metrics); state is donated.
+
+    `grad_accum` > 1: the batch is `grad_accum` micro-batches, one forward/backward pass
+    each, one optimizer step (`accumulate`; `totals_fn` gives the whole batch's
+    denominators, the loss function reads them from batch["totals"])."""
     frozen = frozen_keys(labels)
+    if grad_accum > 1 and totals_fn is None:
+        raise ValueError("gradient accumulation needs the loss's totals_fn")
 
     def step(state: TrainState, batch: Batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        if grad_accum > 1:
+            trained = tuple(k for k in state.params if k not in frozen)
+            (loss, metrics), grads = accumulate(loss_fn, totals_fn, state.params, batch,
+                                                trained, grad_accum, mean_metrics, mesh)
+            # frozen subtrees: zero gradients for the optimizer's set_to_zero (never used)
+            grads = {k: grads[k] if k in grads else jax.tree.map(jnp.zeros_like, v)
+                     for k, v in state.params.items()}
+        else:
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # frozen subtrees keep their exact arrays (set_to_zero makes the update 0 already;

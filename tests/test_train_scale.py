@@ -1,0 +1,160 @@
+"""Training at scale on small shapes: the chunked heads' loss equals the unchunked one and
+never holds [K, B*T, V]; gradient accumulation equals one larger batch."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax import backbone, sharding
+from medusa_jax import heads as heads_lib
+from medusa_jax import train_step as ts
+from medusa_jax.config import ModelConfig
+
+CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
+                  max_position_embeddings=128)
+K = 3
+
+
+def trained_heads(seed=0, layers=2):
+    """Heads with non-zero blocks (init_heads' zero blocks would hide mistakes there)."""
+    bb = backbone.init_params(CFG, jax.random.key(seed), std=0.2)
+    heads = heads_lib.init_heads(CFG, bb, heads_lib.HeadsConfig(K, layers))
+    ks = jax.random.split(jax.random.key(seed + 1), 3)
+    heads = {"w": 0.3 * jax.random.normal(ks[0], heads["w"].shape),
+             "b": 0.1 * jax.random.normal(ks[1], heads["b"].shape),
+             "proj": heads["proj"] + 0.3 * jax.random.normal(ks[2], heads["proj"].shape)}
+    return bb, heads
+
+
+def random_batch(b=8, t=16, seed=0):
+    """Packed rows whose examples and labels differ from row to row (so micro-batches hold
+    different numbers of valid positions)."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(3, CFG.vocab_size, (b, t)).astype(np.int32)
+    segments = np.zeros((b, t), np.int32)
+    positions = np.zeros((b, t), np.int32)
+    for r in range(b):
+        cut = int(rng.integers(4, t - 2))
+        end = int(rng.integers(cut + 2, t + 1))  # a padded tail on some rows
+        segments[r, :cut], segments[r, cut:end] = 1, 2
+        positions[r, :cut], positions[r, cut:end] = np.arange(cut), np.arange(end - cut)
+    loss_mask = (positions >= rng.integers(1, 4, (b, 1))) & (segments > 0)
+    return {"tokens": tokens, "positions": positions, "segments": segments,
+            "loss_mask": loss_mask}
+
+
+def _unchunked(heads, hidden, targets, valid):
+    return ts.medusa_loss(heads_lib.apply_heads(heads, hidden), targets, valid, 0.8)
+
+
+def test_chunked_loss_equals_unchunked_loss_metrics_and_gradients():
+    chunk = 7  # 64 positions: 9 full chunks and a padded last one
+    _, heads = trained_heads()
+    batch = random_batch(b=4, t=16)
+    hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
+    targets, valid = ts.medusa_targets(batch, K)
+
+    def both(h, x):
+        return (_unchunked(h, x, targets, valid),
+                ts.chunked_medusa_loss(h, x, targets, valid, 0.8, chunk))
+
+    (ref, ref_m), (got, got_m) = jax.jit(both)(heads, hidden)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
+    for key in ("head_loss", "top1", "top5", "count"):
+        np.testing.assert_allclose(np.asarray(got_m[key]), np.asarray(ref_m[key]),
+                                   rtol=1e-6, atol=1e-7, err_msg=key)
+    assert 0 < float(ref_m["top5"][0]) < 1  # the ranks are exercised, not trivially 0 or 1
+    # gradients with respect to the heads and to the hidden state (Medusa-2 trains through it)
+    g_ref = jax.jit(jax.grad(lambda h, x: _unchunked(h, x, targets, valid)[0],
+                             argnums=(0, 1)))(heads, hidden)
+    g_got = jax.jit(jax.grad(lambda h, x: ts.chunked_medusa_loss(
+        h, x, targets, valid, 0.8, chunk)[0], argnums=(0, 1)))(heads, hidden)
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
+        assert np.any(np.asarray(a))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """The most elements of any value computed in a jaxpr, sub-jaxprs (scan, checkpoint,
+    custom derivatives) included."""
+    most = 0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            most = max(most, int(np.prod(getattr(v.aval, "shape", ()) or (1,))))
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None:
+                    most = max(most, _largest_intermediate(getattr(inner, "jaxpr", inner)))
+    return most
+
+
+def test_chunked_loss_and_its_gradient_never_hold_all_logits():
+    _, heads = trained_heads()
+    b, t, chunk = 8, 32, 32  # a chunk's logits [K, 32, V] outsize every parameter
+    batch = random_batch(b=b, t=t)
+    hidden = jnp.zeros((b, t, CFG.hidden_size))
+    targets, valid = ts.medusa_targets(batch, K)
+    everything = K * b * t * CFG.vocab_size
+
+    def grad(fn):
+        return jax.make_jaxpr(jax.grad(lambda h, x: fn(h, x)[0], argnums=(0, 1)))(
+            heads, hidden).jaxpr
+
+    assert _largest_intermediate(grad(lambda h, x: _unchunked(h, x, targets, valid))) \
+        >= everything  # the check sees the unchunked logits
+    chunked = _largest_intermediate(grad(lambda h, x: ts.chunked_medusa_loss(
+        h, x, targets, valid, 0.8, chunk)))
+    assert heads["proj"].size <= chunked <= K * chunk * CFG.vocab_size < everything
+
+
+def test_chunk_size_is_automatic_and_one_block_when_everything_fits():
+    # a small vocabulary: the whole batch in one block (today's computation)
+    assert ts.loss_chunk_size(16 * 256, 5, 512) == 16 * 256
+    # Llama-2-7B's 32,000 words, 5 heads: the largest power of two under 1 GiB of logits
+    size = ts.loss_chunk_size(8 * 2048, 5, 32000)
+    assert size == 1024 and 5 * size * 32000 * 4 <= ts.AUTO_CHUNK_BYTES < 5 * 2 * size * 32000 * 4
+    assert ts.loss_chunk_size(8 * 2048, 5, 32000, chunk=300) == 300
+    assert ts.loss_chunk_size(100, 5, 32000, chunk=300) == 100
+
+
+def _step(grad_accum, mesh_spec="1,1"):
+    bb, heads = trained_heads()
+    params = {"backbone": bb, "heads": heads}
+    labels = ts.medusa1_labels(params)
+    tx, schedule = ts.make_optimizer(ts.OptimConfig(lr=1e-2, warmup_ratio=0.0), 10, labels)
+    mesh = sharding.make_mesh(mesh_spec)
+    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
+                                   ts.param_axes(CFG, params), mesh)
+    step = ts.make_train_step(ts.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
+                              schedule, grad_accum=grad_accum,
+                              totals_fn=lambda b: ts.medusa_totals(b, K))
+    return jax.device_put(ts.init_state(params, tx), shardings), step
+
+
+def test_gradient_accumulation_equals_one_larger_batch():
+    # on two devices: each micro-batch's rows stay split over the batch axis
+    mesh_spec = "data=2" if jax.device_count() >= 2 else "1,1"
+    batch = random_batch(b=8)
+    _, valid = ts.medusa_targets(batch, K)
+    per_micro = np.asarray(valid).reshape(K, 2, 4, -1).sum(axis=(2, 3))
+    assert len(set(per_micro[0].tolist())) > 1  # micro-batches hold different counts
+    one, step1 = _step(1)
+    acc, step4 = _step(4, mesh_spec)
+    for i in range(2):
+        batch = random_batch(b=8, seed=i)
+        one, m1 = step1(one, batch)
+        acc, m4 = step4(acc, batch)
+        for key in ("loss", "head_loss", "top1", "top5", "count", "grad_norm", "lr"):
+            np.testing.assert_allclose(np.asarray(m4[key]), np.asarray(m1[key]), rtol=2e-5,
+                                       atol=1e-7, err_msg=key)
+    # Adam divides by sqrt(v): where a gradient is ~0 its rounding moves the update, so the
+    # parameters agree to 2% of one step (lr 1e-2), the gradient norms above to 2e-5
+    for name in ("w", "b", "proj"):
+        np.testing.assert_allclose(np.asarray(acc.params["heads"][name]),
+                                   np.asarray(one.params["heads"][name]), atol=2e-4)
+    # the frozen backbone is untouched and has no optimizer state
+    for a, b in zip(jax.tree.leaves(one.params["backbone"]), jax.tree.leaves(acc.params["backbone"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
