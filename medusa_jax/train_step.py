@@ -25,7 +25,7 @@ import optax
 from flax import struct
 
 from medusa_jax import sharding
-from medusa_jax.backbone import KVCache, Params, forward
+from medusa_jax.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.backbone import param_axes as backbone_param_axes
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads, heads_axes
@@ -62,13 +62,17 @@ def packed_mask(segments: jax.Array) -> jax.Array:
     return causal[None] & same
 
 
-def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch) -> jax.Array:
-    """Final-norm hidden states [B, T, H] of a packed batch."""
+def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch,
+                    remat: bool = False) -> jax.Array:
+    """Final-norm hidden states [B, T, H] of a packed batch (`remat`: each layer
+    rematerialised in the backward pass, see `backbone.forward_uncommitted`)."""
     b, t = batch["tokens"].shape
     cache = KVCache.init(cfg, b, t)  # scratch: training attends within the batch only
-    _, hidden, _ = forward(params, cfg, batch["tokens"], batch["positions"],
-                           packed_mask(batch["segments"]), cache, return_logits=False,
-                           empty_cache=True)
+    # uncommitted: the new keys/values are dropped, never written into a [L, B, KVH, T, D]
+    # cache (at 7B, batch 8 x 2,048 tokens, that cache would be 8.6 GB in bfloat16)
+    _, hidden, _ = forward_uncommitted(params, cfg, batch["tokens"], batch["positions"],
+                                       packed_mask(batch["segments"]), cache,
+                                       return_logits=False, empty_cache=True, remat=remat)
     return hidden
 
 
@@ -119,56 +123,58 @@ def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
     return loss, metrics
 
 
-# One chunk's heads' logits [K, C, V] float32 stay under this many bytes when the chunk
-# size is automatic: ~1 GiB, so a 7B model's batch of 8 x 2,048 tokens is scored in 16
-# chunks of 1,024 positions (5 heads, 32,000 words) instead of one 10.5 GB block.
+# One chunk's heads' logits [K, rows, chunk, V] float32 (per device) stay under this many
+# bytes when the chunk is automatic: ~1 GiB, so a 7B model's 8 rows x 2,048 tokens on one
+# device are scored 128 tokens of every row at a time (5 heads, 32,000 words: 0.66 GB per
+# chunk) instead of in one 10.5 GB block.
 AUTO_CHUNK_BYTES = 2 ** 30
 
 
-def loss_chunk_size(positions: int, num_heads: int, vocab: int, chunk: int = 0) -> int:
-    """Positions per chunk of the heads' loss: `chunk` when given (>= 1), else the largest
-    power of two whose logits [K, chunk, V] in float32 fit `AUTO_CHUNK_BYTES`; never more
-    than `positions` (then the loss is one block: exactly the unchunked computation)."""
+def loss_chunk_size(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0) -> int:
+    """Tokens of every row per chunk of the heads' loss: `chunk` when given (>= 1), else
+    the largest power of two whose logits [K, rows, chunk, V] in float32 fit
+    `AUTO_CHUNK_BYTES` (`rows`: a device's rows of the batch); never more than `seq_len`
+    (then the loss is one block: exactly the unchunked computation)."""
     if chunk < 1:
-        per_position = num_heads * vocab * 4
-        chunk = 2 ** max(0, int(AUTO_CHUNK_BYTES // per_position).bit_length() - 1)
-    return min(chunk, positions)
+        per_token = num_heads * max(rows, 1) * vocab * 4
+        chunk = 2 ** max(0, int(AUTO_CHUNK_BYTES // per_token).bit_length() - 1)
+    return min(chunk, seq_len)
 
 
 def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array):
-    """One chunk: hidden [C, H], targets/valid [K, C] -> per-head sums [K] of the
+    """One chunk: hidden [B, C, H], targets/valid [K, B, C] -> per-head sums [K] of the
     cross-entropy, top-1 and top-5 hits over the valid positions (the ranks as in
     `medusa_loss`)."""
-    logits = apply_heads(heads, hidden)  # [K, C, V] float32
+    logits = apply_heads(heads, hidden)  # [K, B, C, V] float32
     tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = jax.nn.logsumexp(logits, axis=-1) - tgt_logit
-    rank = jax.lax.stop_gradient(jnp.sum(logits > tgt_logit[..., None], axis=-1))
+    rank = jnp.sum(logits > tgt_logit[..., None], axis=-1)
     validf = valid.astype(jnp.float32)
-    return (jnp.sum(ce * validf, axis=1), jnp.sum((rank < 1) * validf, axis=1),
-            jnp.sum((rank < 5) * validf, axis=1))
+    return (jnp.sum(ce * validf, axis=(1, 2)), jnp.sum((rank < 1) * validf, axis=(1, 2)),
+            jnp.sum((rank < 5) * validf, axis=(1, 2)))
 
 
 def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
                         valid: jax.Array, decay: float, chunk: int,
                         count: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """`medusa_loss(apply_heads(heads, hidden), ...)` without the [K, B, T, V] logits: the
-    B*T positions are scored `chunk` at a time in a `lax.scan` whose body is under
-    `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of keeping
-    them; at most one chunk's logits (and their gradient) exist at once. hidden [B, T, H],
-    targets/valid [K, B, T]; the same loss, gradients (to float rounding) and metrics.
-    `count` ([K]): the denominators of the per-head means (default: the valid positions
-    here; gradient accumulation passes the whole batch's)."""
+    T positions of every row are scored `chunk` at a time in a `lax.scan` whose body is
+    under `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of
+    keeping them; at most one chunk's logits (and their gradient) exist at once. Chunks
+    cut the sequence, not the batch, so a batch split over devices stays split. hidden
+    [B, T, H], targets/valid [K, B, T]; the same loss, gradients (to float rounding) and
+    metrics. `count` ([K]): the denominators of the per-head means (default: the valid
+    positions here; gradient accumulation passes the whole batch's)."""
     k, b, t = targets.shape
-    n = b * t
-    hidden = hidden.reshape(n, hidden.shape[-1])
-    targets, valid = targets.reshape(k, n), valid.reshape(k, n)
-    pad = -n % chunk  # padded positions are invalid: they add nothing
+    pad = -t % chunk  # padded positions are invalid: they add nothing
     if pad:
-        hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
-        targets, valid = jnp.pad(targets, ((0, 0), (0, pad))), jnp.pad(valid, ((0, 0), (0, pad)))
-    m = (n + pad) // chunk
-    xs = (hidden.reshape(m, chunk, -1), targets.reshape(k, m, chunk).transpose(1, 0, 2),
-          valid.reshape(k, m, chunk).transpose(1, 0, 2))
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, 0), (0, pad)))
+    m = (t + pad) // chunk
+    xs = (hidden.reshape(b, m, chunk, -1).swapaxes(0, 1),  # [m, B, C, H]
+          targets.reshape(k, b, m, chunk).transpose(2, 0, 1, 3),  # [m, K, B, C]
+          valid.reshape(k, b, m, chunk).transpose(2, 0, 1, 3))
     body = jax.checkpoint(_chunk_sums, prevent_cse=False)
 
     def step(acc, x):
@@ -176,7 +182,7 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
 
     zeros = jnp.zeros((k,), jnp.float32)
     (ce, top1, top5), _ = jax.lax.scan(step, (zeros, zeros, zeros), xs)
-    own = jnp.sum(valid.astype(jnp.float32), axis=1)
+    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))
     denom = jnp.maximum(own if count is None else count, 1.0)
     head_loss = ce / denom
     weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
@@ -186,14 +192,14 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
 
 
 def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,
-               decay: float, chunk: int = 0, count: jax.Array | None = None
-               ) -> tuple[jax.Array, dict]:
+               decay: float, chunk: int = 0, count: jax.Array | None = None,
+               batch_ways: int = 1) -> tuple[jax.Array, dict]:
     """The heads' loss and metrics from the last hidden state [B, T, H]: in one block when
-    the chunk (`loss_chunk_size`) covers every position (today's computation exactly),
-    else `chunked_medusa_loss`."""
+    the chunk (`loss_chunk_size`; `batch_ways`: the devices the rows are split over) covers
+    the whole sequence (today's computation exactly), else `chunked_medusa_loss`."""
     k, b, t = targets.shape
-    size = loss_chunk_size(b * t, k, heads_vocab(heads), chunk)
-    if size >= b * t:
+    size = loss_chunk_size(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
+    if size >= t:
         return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count)
     return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count)
 
@@ -205,16 +211,18 @@ def heads_vocab(heads: Params) -> int:
     return int(heads["proj"].shape[-1])
 
 
-def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0) -> LossFn:
+def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
+                    batch_ways: int = 1) -> LossFn:
     """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
-    loss in chunks of `chunk` positions (0: `loss_chunk_size`'s automatic size)."""
+    loss in chunks of `chunk` tokens per row (0: `loss_chunk_size`'s automatic size for rows
+    split `batch_ways` ways)."""
 
     def loss_fn(params: Params, batch: Batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
         hidden = jax.lax.stop_gradient(backbone_hidden(backbone, cfg, batch))
         targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
         return heads_loss(params["heads"], hidden, targets, valid, decay, chunk,
-                          batch.get("totals", {}).get("heads"))
+                          batch.get("totals", {}).get("heads"), batch_ways)
 
     return loss_fn
 

@@ -50,7 +50,7 @@ def _unchunked(heads, hidden, targets, valid):
 
 
 def test_chunked_loss_equals_unchunked_loss_metrics_and_gradients():
-    chunk = 7  # 64 positions: 9 full chunks and a padded last one
+    chunk = 7  # 16 tokens per row: 2 full chunks and a padded last one
     _, heads = trained_heads()
     batch = random_batch(b=4, t=16)
     hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
@@ -93,7 +93,7 @@ def _largest_intermediate(jaxpr) -> int:
 
 def test_chunked_loss_and_its_gradient_never_hold_all_logits():
     _, heads = trained_heads()
-    b, t, chunk = 8, 32, 32  # a chunk's logits [K, 32, V] outsize every parameter
+    b, t, chunk = 8, 32, 4  # a chunk's logits [K, 8, 4, V] outsize every parameter
     batch = random_batch(b=b, t=t)
     hidden = jnp.zeros((b, t, CFG.hidden_size))
     targets, valid = ts.medusa_targets(batch, K)
@@ -107,17 +107,20 @@ def test_chunked_loss_and_its_gradient_never_hold_all_logits():
         >= everything  # the check sees the unchunked logits
     chunked = _largest_intermediate(grad(lambda h, x: ts.chunked_medusa_loss(
         h, x, targets, valid, 0.8, chunk)))
-    assert heads["proj"].size <= chunked <= K * chunk * CFG.vocab_size < everything
+    assert heads["proj"].size <= chunked <= K * b * chunk * CFG.vocab_size < everything
 
 
 def test_chunk_size_is_automatic_and_one_block_when_everything_fits():
-    # a small vocabulary: the whole batch in one block (today's computation)
-    assert ts.loss_chunk_size(16 * 256, 5, 512) == 16 * 256
-    # Llama-2-7B's 32,000 words, 5 heads: the largest power of two under 1 GiB of logits
-    size = ts.loss_chunk_size(8 * 2048, 5, 32000)
-    assert size == 1024 and 5 * size * 32000 * 4 <= ts.AUTO_CHUNK_BYTES < 5 * 2 * size * 32000 * 4
-    assert ts.loss_chunk_size(8 * 2048, 5, 32000, chunk=300) == 300
-    assert ts.loss_chunk_size(100, 5, 32000, chunk=300) == 100
+    # the embedded model's default job (16 rows x 256 tokens, 512 words): one block, today's
+    assert ts.loss_chunk_size(256, 16, 5, 512) == 256
+    # Llama-2-7B's 32,000 words, 5 heads, 8 rows a device: the largest power of two of
+    # tokens per row whose logits stay under 1 GiB
+    size = ts.loss_chunk_size(2048, 8, 5, 32000)
+    per_token = 5 * 8 * 32000 * 4
+    assert size == 128 and size * per_token <= ts.AUTO_CHUNK_BYTES < 2 * size * per_token
+    assert ts.loss_chunk_size(2048, 1, 5, 32000) == 1024  # 1 row a device (fsdp=8)
+    assert ts.loss_chunk_size(2048, 8, 5, 32000, chunk=300) == 300
+    assert ts.loss_chunk_size(100, 8, 5, 32000, chunk=300) == 100
 
 
 def _step(grad_accum, mesh_spec="1,1"):
