@@ -58,7 +58,8 @@ class Medusa1(Recipe):
         return {"backbone": backbone,
                 "heads": heads_lib.init_heads(model_cfg, backbone,
                                               heads_lib.HeadsConfig(cfg.num_heads,
-                                                                    cfg.num_layers))}
+                                                                    cfg.num_layers),
+                                              shared_proj=cfg.shared_proj)}
 
     def memory_params(self, cfg: Medusa1Config, model_cfg, backbone) -> dict:
         """The parameters `memory.training_memory` compiles with (under `jax.eval_shape`)."""
@@ -67,7 +68,8 @@ class Medusa1(Recipe):
     @staticmethod
     def method(cfg: Medusa1Config, model_cfg, params: dict, total_steps: int) -> Method:
         """Labels, optimizer and loss for `params` (also what `memory` compiles)."""
-        labels = ts.medusa1_labels(params)
+        frozen_proj = cfg.shared_proj
+        labels = ts.medusa1_labels(params, frozen_proj)
         tx, schedule = ts.make_optimizer(
             ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
@@ -75,5 +77,5 @@ class Medusa1(Recipe):
         num_heads = params["heads"]["w"].shape[0]
         return Method(params, labels, tx, schedule,
                       ts.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,
-                                         cfg.batch_ways),
+                                         cfg.batch_ways, frozen_proj),
                       totals_fn=lambda batch: ts.medusa_totals(batch, num_heads))

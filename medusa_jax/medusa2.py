@@ -161,11 +161,11 @@ MEAN_METRICS = ("head_weight",)
 
 
 def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk: int = 0,
-                 remat: bool = False, batch_ways: int = 1) -> LossFn:
+                 remat: bool = False, batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
     """(params, batch) -> (loss, metrics). Metrics keep Medusa-1's per-head keys (head_loss,
     top1, top5, count: [K] arrays) so Medusa-1's evaluation and plots read them unchanged.
     `chunk`: tokens per row per chunk of the heads' loss (`train_step.heads_loss`; 0 = auto
-    for rows split `batch_ways` ways);
+    for rows split `batch_ways` ways); `frozen_proj`: no gradient for the heads' projection;
     `remat`: the trained backbone's layers rematerialised in the backward pass."""
     lam_fn = head_weight_schedule(loss_cfg)
 
@@ -190,8 +190,11 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk
             metrics["kl"] = lm
         else:
             lm = nll
-        h_targets, h_valid = heads_targets(batch, params["heads"]["w"].shape[0])
-        heads_loss, head_metrics = ts.heads_loss(params["heads"], hidden, h_targets, h_valid,
+        heads = params["heads"]
+        if frozen_proj:
+            heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
+        h_targets, h_valid = heads_targets(batch, heads["w"].shape[0])
+        heads_loss, head_metrics = ts.heads_loss(heads, hidden, h_targets, h_valid,
                                                  loss_cfg.decay, chunk, totals.get("heads"),
                                                  batch_ways)
         # eval batches carry no step: they are scored with the peak weight
@@ -214,9 +217,12 @@ def with_step(batch: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- optimizer
 
 
-def labels(params: Params) -> dict:
-    """One optax partition per top-level subtree; the teacher is frozen."""
-    names = {"backbone": "backbone", "heads": "heads", "teacher": "frozen"}
+def labels(params: Params, frozen_proj: bool = False) -> dict:
+    """One optax partition per top-level subtree; the teacher is frozen (and, with
+    `frozen_proj`, the heads' shared projection: only their residual blocks train)."""
+    heads = {n: ("frozen" if n == "proj" else "heads") for n in params["heads"]} \
+        if frozen_proj else "heads"
+    names = {"backbone": "backbone", "heads": heads, "teacher": "frozen"}
     unknown = set(params) - set(names)
     if unknown:
         raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")
@@ -382,7 +388,14 @@ class Medusa2Config(trainer.TrainConfig):
         if self.anchor_text not in ("auto", "none") and not Path(self.anchor_text).is_file():
             raise ValueError(f"--anchor-text {self.anchor_text}: no such file")
         if self.init is not None:
-            resolve_init(self.init)
+            init = resolve_init(self.init)
+            if self.shared_proj:  # our artifact: its header says (other layouts: at load)
+                found = heads_formats.detect(init.heads)
+                if found.layout == "medusa_jax":
+                    from safetensors import safe_open
+
+                    with safe_open(str(found.files[0]), framework="numpy") as f:
+                        check_shared(init.heads, tuple(f.get_slice("proj").get_shape()))
         return self
 
     def stage1_config(self, run_dir: Path) -> Medusa1Config:
@@ -450,6 +463,8 @@ class Medusa2(trainer.Recipe):
             self.init = self._stage1(cfg, ctx.run_dir)
         check_init_model(cfg, self.init)
         self.heads, _ = heads_lib.load_heads(self.init.heads, ctx.model_cfg)
+        if cfg.shared_proj:
+            check_shared(self.init.heads, self.heads["proj"].shape)
         reuse_distilled(self.init, ctx.run_dir)
 
     @staticmethod
@@ -502,7 +517,8 @@ class Medusa2(trainer.Recipe):
         """The parameters `memory.training_memory` compiles with (under `jax.eval_shape`):
         fresh heads of --num-heads/--num-layers stand for the first stage's."""
         heads = heads_lib.init_heads(model_cfg, backbone,
-                                     heads_lib.HeadsConfig(cfg.num_heads, cfg.num_layers))
+                                     heads_lib.HeadsConfig(cfg.num_heads, cfg.num_layers),
+                                     shared_proj=cfg.shared_proj)
         return make_params(backbone, heads, cfg.resolved_lm_loss,
                            teacher_dtype=model_cfg.compute_dtype)
 
@@ -515,14 +531,14 @@ class Medusa2(trainer.Recipe):
     @classmethod
     def method(cls, cfg, model_cfg, params: Params, total_steps: int) -> trainer.Method:
         """Labels, optimizer and loss for `params` (also what `memory` compiles)."""
-        lbl = labels(params)
+        lbl = labels(params, cfg.shared_proj)
         tx, schedule = make_joint_optimizer(
             OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
                         grad_clip=cfg.grad_clip), total_steps, lbl, cfg.head_lr_ratio)
         num_heads = params["heads"]["w"].shape[0]
         loss_fn = make_loss_fn(model_cfg, cls.loss_config(cfg, total_steps),
                                chunk=cfg.loss_chunk, remat=cfg.remat,
-                               batch_ways=cfg.batch_ways)
+                               batch_ways=cfg.batch_ways, frozen_proj=cfg.shared_proj)
         return trainer.Method(params, lbl, tx, schedule, loss_fn,
                               totals_fn=lambda batch: loss_totals(batch, num_heads),
                               mean_metrics=MEAN_METRICS)
@@ -586,6 +602,14 @@ class Medusa2(trainer.Recipe):
         print(f"compare: python -m infer.bench --model {model_out} --heads "
               f"{ctx.run_dir / 'heads'} --trees {trees}")
         return finetuned
+
+
+def check_shared(heads_path, proj_shape):
+    """--shared-proj needs heads with one projection (proj [1, H, V])."""
+    if proj_shape[0] != 1:
+        raise ValueError(f"--shared-proj: the heads in {heads_path} have their own "
+                         f"projections (proj {list(proj_shape)}); train heads with "
+                         f"train.medusa1 --shared-proj, or drop --shared-proj")
 
 
 def reuse_distilled(init: Init, run_dir: Path):

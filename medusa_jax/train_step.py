@@ -76,6 +76,39 @@ def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch,
     return hidden
 
 
+# A frozen backbone's pass (no gradient, nothing kept for a backward pass) runs a few rows
+# at a time, so that one layer's attention scores [rows, NH, T, T] float32 stay under this
+# many bytes per device: at 7B (32 heads) and 2,048 tokens a row's scores are 0.54 GB, and
+# 8 rows at once would hold 4.3 GB of scores and as much of probabilities.
+FROZEN_PASS_BYTES = 2 ** 30
+
+
+def frozen_pass_rows(cfg: ModelConfig, rows: int, seq_len: int) -> int:
+    """How many of a device's `rows` one frozen backbone pass takes (a divisor of rows)."""
+    per_row = cfg.num_heads * seq_len * seq_len * 4
+    most = max(1, FROZEN_PASS_BYTES // per_row)
+    return max(g for g in range(1, rows + 1) if rows % g == 0 and g <= most)
+
+
+def frozen_hidden(params: Params, cfg: ModelConfig, batch: Batch,
+                  batch_ways: int = 1) -> jax.Array:
+    """`backbone_hidden` of a frozen backbone (under stop_gradient), a few rows at a time
+    (`frozen_pass_rows`; `batch_ways`: the devices the rows are split over) in a `lax.map`
+    when the whole batch's attention scores would be large; one pass otherwise (the
+    embedded model's batches). Pass j takes rows j, j + n, j + 2n, ...: each device keeps
+    its own rows."""
+    params = jax.lax.stop_gradient(params)
+    b, t = batch["tokens"].shape
+    local = max(1, b // batch_ways)
+    n = local // frozen_pass_rows(cfg, local, t)  # passes
+    if n == 1:
+        return jax.lax.stop_gradient(backbone_hidden(params, cfg, batch))
+    keys = ("tokens", "positions", "segments")
+    parts = {k: batch[k].reshape(b // n, n, t).swapaxes(0, 1) for k in keys}
+    hidden = jax.lax.map(lambda part: backbone_hidden(params, cfg, part), parts)
+    return jax.lax.stop_gradient(hidden.swapaxes(0, 1).reshape(b, t, -1))
+
+
 def medusa_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
     """Targets and validity for every head: both [K, B, T].
 
@@ -212,16 +245,18 @@ def heads_vocab(heads: Params) -> int:
 
 
 def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
-                    batch_ways: int = 1) -> LossFn:
+                    batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
     """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
     loss in chunks of `chunk` tokens per row (0: `loss_chunk_size`'s automatic size for rows
-    split `batch_ways` ways)."""
+    split `batch_ways` ways). `frozen_proj`: no gradient for the heads' projection."""
 
     def loss_fn(params: Params, batch: Batch):
-        backbone = jax.lax.stop_gradient(params["backbone"])
-        hidden = jax.lax.stop_gradient(backbone_hidden(backbone, cfg, batch))
+        hidden = frozen_hidden(params["backbone"], cfg, batch, batch_ways)
+        heads = params["heads"]
+        if frozen_proj:
+            heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
         targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
-        return heads_loss(params["heads"], hidden, targets, valid, decay, chunk,
+        return heads_loss(heads, hidden, targets, valid, decay, chunk,
                           batch.get("totals", {}).get("heads"), batch_ways)
 
     return loss_fn
@@ -230,9 +265,13 @@ def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
 # ----------------------------------------------------------------------------- optimizer
 
 
-def medusa1_labels(params: Params) -> dict:
-    """Label per top-level subtree (a prefix of the params tree)."""
-    return {name: ("train" if name == "heads" else "frozen") for name in params}
+def medusa1_labels(params: Params, frozen_proj: bool = False) -> dict:
+    """Label per top-level subtree (a prefix of the params tree); `frozen_proj`: the heads'
+    projection is frozen too (a shared projection: the base model's output layer), only
+    their residual blocks train."""
+    heads = {n: ("frozen" if n == "proj" else "train") for n in params["heads"]} \
+        if frozen_proj else "train"
+    return {name: (heads if name == "heads" else "frozen") for name in params}
 
 
 def make_optimizer(opt: OptimConfig, total_steps: int, labels: dict

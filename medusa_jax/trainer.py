@@ -80,6 +80,11 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay (default {default})")
     grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
     loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
+    shared_proj: bool = option(False, "heads share one projection: the base model's output "
+                                      "layer, frozen; only their residual blocks train (K x "
+                                      "H x H trained weights instead of K x H x (H + V); "
+                                      "vLLM's original_lm_head form; Medusa-2: for its first "
+                                      "stage, and kept frozen jointly; default: off)")
     dtype: str = option("float32", "the backbone's dtype: its weights and activations "
                                    "(Medusa-2: its activations; its trained weights stay "
                                    "float32). The heads' master weights, their gradients and "

@@ -1,5 +1,8 @@
 """Training at scale on small shapes: the chunked heads' loss equals the unchunked one and
-never holds [K, B*T, V]; gradient accumulation equals one larger batch."""
+never holds [K, B, T, V]; gradient accumulation equals one larger batch; the frozen backbone
+in passes of a few rows equals one pass; shared-projection heads train only their blocks."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +164,61 @@ def test_gradient_accumulation_equals_one_larger_batch():
     # the frozen backbone is untouched and has no optimizer state
     for a, b in zip(jax.tree.leaves(one.params["backbone"]), jax.tree.leaves(acc.params["backbone"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_frozen_backbone_in_passes_of_a_few_rows_equals_one_pass(monkeypatch):
+    bb, _ = trained_heads()
+    batch = random_batch(b=8)
+    whole = jax.jit(lambda p, b: ts.backbone_hidden(p, CFG, b))(bb, batch)
+    # scores of 2 rows fit: 4 passes of rows (0, 4), (1, 5), ...
+    monkeypatch.setattr(ts, "FROZEN_PASS_BYTES", 2 * CFG.num_heads * 16 * 16 * 4)
+    assert ts.frozen_pass_rows(CFG, 8, 16) == 2
+    jaxpr = jax.make_jaxpr(lambda p, b: ts.frozen_hidden(p, CFG, b))(bb, batch)
+    assert "scan" in str(jaxpr)  # really in passes
+    parts = jax.jit(lambda p, b: ts.frozen_hidden(p, CFG, b))(bb, batch)
+    np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-6)
+
+
+def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_path):
+    from medusa_jax import heads_formats
+    from medusa_jax.medusa1 import Medusa1, Medusa1Config
+
+    cfg = Medusa1Config(num_heads=K, num_layers=1, batch_size=8, seq_len=16, lr=1e-2,
+                        shared_proj=True)
+    bb = backbone.init_params(CFG, jax.random.key(0), std=0.2)
+    params = Medusa1.params(cfg, CFG, bb)
+    assert params["heads"]["proj"].shape == (1, CFG.hidden_size, CFG.vocab_size)
+    method = Medusa1.method(cfg, CFG, params, 10)
+    mesh = sharding.make_mesh("1,1")
+    state, shardings = ts.create_state(params, method.tx, mesh, ts.param_axes(CFG, params))
+    proj = np.asarray(state.params["heads"]["proj"]).copy()
+    step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
+                              method.schedule)
+    for i in range(2):
+        state, m = step(state, random_batch(seed=i))
+    heads = jax.tree.map(np.asarray, state.params["heads"])
+    np.testing.assert_array_equal(heads["proj"].view(np.uint32), proj.view(np.uint32))
+    assert np.any(heads["w"]) and np.any(heads["b"])
+    # Adam moments for the blocks only (w, b), nothing shaped like the projection
+    shapes = sorted(tuple(x.shape) for x in jax.tree.leaves(state.opt_state) if np.ndim(x) > 0)
+    assert shapes == sorted([heads["w"].shape, heads["b"].shape] * 2)
+    # vLLM's form: one original_lm_head, and it reads back as the same heads
+    heads_formats.write_vllm(heads, tmp_path / "vllm")
+    conf = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert conf["original_lm_head"] is True
+    back, _ = heads_lib.load_heads(tmp_path / "vllm", CFG)
+    for name in ("w", "b", "proj"):
+        np.testing.assert_allclose(np.asarray(back[name]), heads[name], rtol=1e-6)
+
+
+def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
+    from train.medusa2 import command
+
+    heads = heads_lib.init_heads(CFG, backbone.init_params(CFG, jax.random.key(0)),
+                                 heads_lib.HeadsConfig(K, 1))
+    heads_lib.save_heads(tmp_path / "own", heads, CFG)
+    with pytest.raises(SystemExit) as e:
+        command.parse_args(["--init", str(tmp_path / "own"), "--shared-proj"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--shared-proj: the heads in" in err[-1] and "have their own projections" in err[-1]
