@@ -95,7 +95,7 @@ class TrainConfig:
                                 "(default {default})")
     loss_chunk: int = option(0, "tokens of every row scored at once by the heads' loss "
                                 "(0 = auto: a power of two that keeps one chunk's logits "
-                                "under 1 GiB per device; the whole row, today's unchunked "
+                                "under 512 MiB per device; the whole row, today's unchunked "
                                 "loss, when it fits; default {default})")
     seed: int = option(0, "data order, held-out split and sampling (default {default})")
     mesh: str = option("1,1", "device mesh, e.g. 'data=1,fsdp=8' or '2,4' (default {default})")
