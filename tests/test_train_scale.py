@@ -222,3 +222,49 @@ def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--shared-proj: the heads in" in err[-1] and "have their own projections" in err[-1]
+
+
+def test_remat_gives_the_same_backbone_gradients():
+    bb, _ = trained_heads()
+    batch = random_batch(b=2)
+
+    def grads(remat):
+        return jax.jit(jax.grad(lambda p: jnp.sum(
+            ts.backbone_hidden(p, CFG, batch, remat) ** 2)))(bb)
+
+    for a, b in zip(jax.tree.leaves(grads(False)), jax.tree.leaves(grads(True))):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+
+
+def test_medusa2_accumulation_equals_one_batch_and_bfloat16_keeps_float32_state():
+    from medusa_jax import medusa2
+
+    bb, heads = trained_heads(layers=1)
+    cfg16 = CFG.replace(param_dtype="float32", compute_dtype="bfloat16")
+    params = medusa2.make_params(bb, heads, "kl", teacher_dtype="bfloat16")
+    assert params["teacher"]["embed"].dtype == jnp.bfloat16
+    lbl = medusa2.labels(params)
+    tx, schedule = medusa2.make_joint_optimizer(ts.OptimConfig(lr=1e-3, warmup_ratio=0.0),
+                                                10, lbl)
+    loss_fn = medusa2.make_loss_fn(cfg16, medusa2.LossConfig(lm_loss="kl"), chunk=4)
+    batch = medusa2.with_step(random_batch(b=4), 0)
+    batch["lm_only"] = np.array([False, True, False, False])  # an anchor row
+    mesh = sharding.make_mesh("1,1")
+    out = {}
+    for n in (1, 2):
+        state, sh = ts.create_state(params, tx, mesh, ts.param_axes(CFG, params))
+        step = ts.make_train_step(loss_fn, tx, lbl, sh, mesh, schedule, grad_accum=n,
+                                  totals_fn=lambda b: medusa2.loss_totals(b, K),
+                                  mean_metrics=medusa2.MEAN_METRICS)
+        out[n] = step(state, batch)
+    (s1, m1), (s2, m2) = out[1], out[2]
+    for key in ("loss", "kl", "lm_nll", "heads_loss", "top1", "count", "head_weight",
+                "grad_norm"):
+        np.testing.assert_allclose(np.asarray(m2[key]), np.asarray(m1[key]), rtol=1e-4,
+                                   atol=1e-6, err_msg=key)
+    # master weights and Adam moments stay float32; the teacher is untouched
+    mu = [s for s in jax.tree.leaves(s2.opt_state, is_leaf=lambda s: hasattr(s, "mu"))
+          if hasattr(s, "mu")]
+    assert all(x.dtype == jnp.float32 for m in mu for x in jax.tree.leaves(m.mu))
+    assert s2.params["backbone"]["embed"].dtype == jnp.float32
+    assert not np.array_equal(np.asarray(s2.params["backbone"]["embed"]), np.asarray(bb["embed"]))
