@@ -59,21 +59,20 @@ def test_chunked_loss_equals_unchunked_loss_metrics_and_gradients():
     hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
     targets, valid = ts.medusa_targets(batch, K)
 
-    def both(h, x):
-        return (_unchunked(h, x, targets, valid),
-                ts.chunked_medusa_loss(h, x, targets, valid, 0.8, chunk))
+    def both(h, x):  # one compile: losses, metrics and gradients of both
+        ref = jax.value_and_grad(lambda h, x: _unchunked(h, x, targets, valid), argnums=(0, 1),
+                                 has_aux=True)(h, x)
+        got = jax.value_and_grad(lambda h, x: ts.chunked_medusa_loss(
+            h, x, targets, valid, 0.8, chunk), argnums=(0, 1), has_aux=True)(h, x)
+        return ref, got
 
-    (ref, ref_m), (got, got_m) = jax.jit(both)(heads, hidden)
+    ((ref, ref_m), g_ref), ((got, got_m), g_got) = jax.jit(both)(heads, hidden)
     np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
     for key in ("head_loss", "top1", "top5", "count"):
         np.testing.assert_allclose(np.asarray(got_m[key]), np.asarray(ref_m[key]),
                                    rtol=1e-6, atol=1e-7, err_msg=key)
     assert 0 < float(ref_m["top5"][0]) < 1  # the ranks are exercised, not trivially 0 or 1
     # gradients with respect to the heads and to the hidden state (Medusa-2 trains through it)
-    g_ref = jax.jit(jax.grad(lambda h, x: _unchunked(h, x, targets, valid)[0],
-                             argnums=(0, 1)))(heads, hidden)
-    g_got = jax.jit(jax.grad(lambda h, x: ts.chunked_medusa_loss(
-        h, x, targets, valid, 0.8, chunk)[0], argnums=(0, 1)))(heads, hidden)
     for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
         assert np.any(np.asarray(a))
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
@@ -246,7 +245,7 @@ def test_medusa2_accumulation_equals_one_batch_and_bfloat16_keeps_float32_state(
     lbl = medusa2.labels(params)
     tx, schedule = medusa2.make_joint_optimizer(ts.OptimConfig(lr=1e-3, warmup_ratio=0.0),
                                                 10, lbl)
-    loss_fn = medusa2.make_loss_fn(cfg16, medusa2.LossConfig(lm_loss="kl"), chunk=4)
+    loss_fn = medusa2.make_loss_fn(cfg16, medusa2.LossConfig(lm_loss="kl"))
     batch = medusa2.with_step(random_batch(b=4), 0)
     batch["lm_only"] = np.array([False, True, False, False])  # an anchor row
     mesh = sharding.make_mesh("1,1")
