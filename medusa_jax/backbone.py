@@ -247,6 +247,7 @@ def forward_uncommitted(
     return_logits: bool = True,
     empty_cache: bool = False,
     unroll: int = 1,
+    remat: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
@@ -260,7 +261,10 @@ def forward_uncommitted(
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
     fully masked block. `unroll` layers per iteration of the scan over layers: decoding
     unrolls small models completely (`decode_unroll`), which removes the per-layer loop and
-    weight-slicing kernels that dominate a tiny model's step on CPU."""
+    weight-slicing kernels that dominate a tiny model's step on CPU. `remat=True` (training
+    the backbone) wraps each layer in `jax.checkpoint` saving nothing inside it: the backward
+    pass keeps only the layers' inputs and recomputes each layer (attention scores included)
+    instead of holding every layer's intermediates."""
     dt = as_dtype(cfg.compute_dtype)
     x = params["embed"][tokens].astype(dt)
     inv_freq = rope_frequencies(cfg)
@@ -281,6 +285,9 @@ def forward_uncommitted(
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
+    if remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
+                              prevent_cse=False)
     if isinstance(params["layers"], (tuple, list)):  # `decoding_layout`: a straight line
         outs = []
         for i, layer in enumerate(params["layers"]):
@@ -303,7 +310,7 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-            empty_cache: bool = False, unroll: int = 1
+            empty_cache: bool = False, unroll: int = 1, remat: bool = False
             ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
@@ -315,7 +322,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     """
     logits, hidden, (k_new, v_new) = forward_uncommitted(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache, unroll=unroll)
+        empty_cache=empty_cache, unroll=unroll, remat=remat)
     return logits, hidden, write_kv(cache, k_new, v_new)
 
 
