@@ -365,6 +365,7 @@ def check_resume(cfg: TrainConfig, run_dir: Path):
         raise ValueError(f"--steps {cfg.steps}: the run in {run_dir} is already at step "
                          f"{step} (give more steps to continue it)")
 
+
 def check_batch(cfg: TrainConfig, mesh):
     """Every micro-batch (--batch-size / --grad-accum rows) splits over the mesh's batch
     shards."""
