@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
 from medusa_jax import sharding
 from medusa_jax.config import ModelConfig, as_dtype

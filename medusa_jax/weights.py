@@ -17,12 +17,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from medusa_jax import assets
 from medusa_jax.backbone import Params, param_shapes, standard_layout
 from medusa_jax.config import ModelConfig, as_dtype
+from medusa_jax.startup import read_safetensors
 
 
 class WeightsError(ValueError):
@@ -85,14 +86,11 @@ def _read_tensors(files: list[Path]) -> dict[str, tuple[np.ndarray, Path]]:
     tensors: dict[str, tuple[np.ndarray, Path]] = {}
     for file in files:
         try:
-            # framework="flax" reads bfloat16, which numpy's reader does not.
-            with safe_open(str(file), framework="flax") as f:
-                for name in f.keys():
-                    if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
-                        continue
-                    if name in tensors:
-                        raise WeightsError(f"{file}: tensor {name} also in {tensors[name][1]}")
-                    tensors[name] = (np.asarray(f.get_tensor(name)), file)
+            # as numpy arrays; a Medusa-2 model's heads are never read
+            for name, array in read_safetensors(file, skip=_IGNORED.match):
+                if name in tensors:
+                    raise WeightsError(f"{file}: tensor {name} also in {tensors[name][1]}")
+                tensors[name] = (array, file)
         except (SafetensorError, OSError) as e:
             raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") from None
     return tensors
@@ -178,10 +176,10 @@ def load_tokenizer(model_dir: str | Path | None = None):
     if not found:
         raise WeightsError(f"{path}: no tokenizer in this folder (looked for "
                            f"{', '.join(TOKENIZER_FILES)})")
-    from transformers import AutoTokenizer
+    from medusa_jax.startup import tokenizer_class  # AutoTokenizer, or what it would pick
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = tokenizer_class(path).from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types, over many lines
         first = (str(e).strip().splitlines() or [""])[0].rstrip(": ")
         raise WeightsError(f"{path}: cannot load the tokenizer from {', '.join(found)} "
