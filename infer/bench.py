@@ -24,7 +24,7 @@ import json
 import sys
 from collections import defaultdict
 
-from medusa_jax import cli
+from medusa_jax import cli, compile_cache
 
 
 def build_parser():
@@ -92,6 +92,7 @@ def build_parser():
                         "to all (parameters, heads, KV cache, compiled temporaries)")
     p.add_argument("--context", type=cli.positive_int, default=2048,
                    help="KV cache length for --layers (default 2048)")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -309,6 +310,7 @@ def breakdown(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    compile_cache.enable_from_args(args)
     if args.layers is not None:
         if not args.random_weights:
             raise SystemExit("error: --layers needs --random-weights and --shape")

@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-from medusa_jax import cli
+from medusa_jax import cli, compile_cache
 from medusa_jax.acceptance import MODES
 
 
@@ -46,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=cli.positive_int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -59,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         prompts = ["Once upon a time"]
-    from medusa_jax.api import Medusa  # after argument errors: importing jax takes a moment
+    compile_cache.enable_from_args(args)  # after argument errors: importing jax takes a moment
+    from medusa_jax.api import Medusa
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
@@ -67,26 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         kwargs = dict(max_new_tokens=args.max_new_tokens, mode=args.mode, tree=args.tree,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, batch_size=args.batch_size)
-        t0 = time.perf_counter()
         results = model.generate(prompts, **kwargs)
-        seconds = time.perf_counter() - t0
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    for r in results:
+    for prompt, r in zip(prompts, results):  # one result per prompt, in order
         if args.json:
-            row = r.to_json()
-            row["prompt"] = prompts[results.index(r)]
-            print(json.dumps(row))
+            print(json.dumps(dict(r.to_json(), prompt=prompt)))
         else:
             print(f"### {r.prompt}\n{r.prompt}{r.text}\n")
-    tokens = sum(r.new_tokens for r in results)
     steps = sum(r.steps for r in results)
-    summary = (f"{len(results)} prompts, {tokens} new tokens in {steps} steps: "
-               f"{tokens / max(steps, 1):.2f} tokens/step, {tokens / seconds:.0f} tokens/s "
-               f"(wall time {seconds:.2f}s incl. compile; "
-               f"{'medusa ' + model.tree(args.tree).name if model.heads is not None else 'plain'}"
-               f" {args.mode})")
+    timed = model.last_timing
+    decoding = ("medusa " + model.tree(args.tree).name) if model.heads is not None else "plain"
+    n = len(results)
+    summary = (f"{n} prompt{'s' * (n != 1)}, {decoding} {args.mode}: {timed.line()}; "
+               f"{timed.tokens / max(steps, 1):.2f} tokens/step ({steps} steps)")
     print(summary, file=sys.stderr if args.json else sys.stdout)
     return 0
 

@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax import cli
+from medusa_jax import cli, compile_cache
 
 
 def build_parser():
@@ -33,6 +33,7 @@ def build_parser():
     p.add_argument("--reps", type=cli.positive_int, default=3)
     p.add_argument("--out", default="searched_tree.json", help="where to write the chosen tree")
     p.add_argument("--plot", help="PNG of expected and measured tokens/step and speedup vs size")
+    compile_cache.add_flag(p)
     return p
 
 
@@ -42,6 +43,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
         ap.error(f"--out {out}: not a file in an existing directory")
+    compile_cache.enable_from_args(args)
+    from medusa_jax import timing
     from medusa_jax.bench import compare_decoding, run_decoder
     from medusa_jax.tree import Tree
     from medusa_jax.tree_search import expected_tokens_per_step, grow_tree, head_rank_accuracy
@@ -68,6 +71,7 @@ def main(argv=None) -> int:
 
     common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps, batch_size=1)
     plain = run_decoder(model.params, model.cfg, ids, **common)
+    print(f"plain decoding: {timing.speed_line(plain.compile, plain.new_tokens, plain.seconds)}")
     rows = []
     for n in args.sizes:
         paths, _ = grow_tree(acc, n)
@@ -81,16 +85,21 @@ def main(argv=None) -> int:
                          step_overhead=round(c.step_overhead, 3),
                          expected_speedup=round(expected / c.step_overhead, 3),
                          measured_speedup=round(plain.seconds / c.medusa.seconds, 3),
+                         compile_seconds=round(c.medusa.compile.seconds, 3),
+                         tokens_per_second=round(c.medusa.tokens_per_second, 1),
                          paths=paths))
     best = max(rows, key=lambda r: r["expected_speedup"])
     print(f"{'nodes':>5} {'depth':>5} {'exp tok/step':>12} {'meas tok/step':>13} "
-          f"{'overhead':>8} {'exp speedup':>11} {'meas speedup':>12}")
+          f"{'overhead':>8} {'exp speedup':>11} {'meas speedup':>12} {'tokens/s':>9} "
+          f"{'compiled in':>11}")
     for r in rows:
         mark = "  <- chosen" if r is best else ""
         print(f"{r['nodes']:>5} {r['depth']:>5} {r['expected_tokens_per_step']:>12.2f} "
               f"{r['measured_tokens_per_step']:>13.2f} {r['step_overhead']:>7.2f}x "
-              f"{r['expected_speedup']:>10.2f}x {r['measured_speedup']:>11.2f}x{mark}")
-    meta = {k: v for k, v in best.items() if k != "paths"}
+              f"{r['expected_speedup']:>10.2f}x {r['measured_speedup']:>11.2f}x "
+              f"{r['tokens_per_second']:>9,.0f} {timing.fmt_seconds(r['compile_seconds']):>11}"
+              f"{mark}")
+    meta = {k: v for k, v in best.items() if k not in ("paths", "compile_seconds")}
     meta["head_top1"] = [round(float(x), 4) for x in acc[:, 0]]
     with open(args.out, "w") as f:
         json.dump({"paths": best["paths"], "meta": meta}, f, indent=1)

@@ -4,7 +4,9 @@ Modules, one concept each: `config` (model config), `backbone` (the decoder), `h
 (Medusa heads), `weights` (Hugging Face I/O), `tree` (static tree buffers), `acceptance`
 (greedy / typical / rejection), `decode` (jitted decoders), `api` (the notebook API),
 `assets` (what ships), `data`, `distill`, `train_step`, `trainer`, `medusa1`, `medusa2`,
-`checkpoint`, `sharding` (training), `bench`, `tree_search` (measuring), `cli`.
+`checkpoint`, `sharding` (training), `bench`, `tree_search` (measuring), `cli`,
+`compile_cache` (the persistent compilation cache), `timing` (compile and decode time
+apart), `startup` and `pytree` (what start-up does not import).
 """
 
 import importlib

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax import assets, sharding
+from medusa_jax import assets, compile_cache, sharding, startup, timing
 from medusa_jax.acceptance import MODES, Sampling
 from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.config import ModelConfig, stop_tokens
@@ -29,7 +29,7 @@ from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.heads import heads_axes, heads_config_of, load_heads
 from medusa_jax.heads_formats import is_medusa2_model
 from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.weights import default_model_dir, load_pretrained, load_tokenizer
+from medusa_jax.weights import default_model_dir, load_pretrained
 
 
 @dataclasses.dataclass
@@ -43,7 +43,8 @@ class Generation:
     steps: int  # decoding steps (forward passes after prefill)
     tokens_per_step: float
     accept_hist: list[int]  # accept_hist[n]: steps that emitted n tokens
-    seconds: float  # wall time of the batch this prompt ran in (compile excluded if warm)
+    seconds: float  # decoding time of the batch this prompt ran in (compile excluded)
+    compile_seconds: float = 0.0  # compiling its decoder first (0 when already compiled)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -113,6 +114,7 @@ class Medusa:
         self.model_dir = model_dir
         self.default_tree = default_tree
         self.eos = stop_tokens(cfg, tokenizer)
+        self.last_timing = timing.Timed()  # compile and decode time of the last `generate`
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
@@ -128,7 +130,9 @@ class Medusa:
         another layout (`heads_formats`: the reference's, vLLM's, a Medusa-2 model folder, whose
         backbone is then the default `model`), or "default" for the embedded model's heads.
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
-        tensors are read into host memory and each device receives only its shards."""
+        tensors are read into host memory and each device receives only its shards.
+        Turns on the persistent compilation cache (`compile_cache`) unless it is off."""
+        compile_cache.enable()
         for name, value in (("model", model), ("heads", heads)):
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (str or Path) or None, got "
@@ -146,7 +150,7 @@ class Medusa:
         # (a missing folder is reported by load_pretrained)
         if model_dir.is_dir():
             ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
-        tokenizer = load_tokenizer(model_dir) if model_dir.is_dir() else None
+        tokenizer = startup.load_tokenizer(model_dir) if model_dir.is_dir() else None
         if heads == "default":
             if model is not None:
                 raise ValueError('heads="default" is only defined for the embedded model')
@@ -284,23 +288,26 @@ class Medusa:
         batch_size = min(batch_size, len(encoded))
         key = jax.random.key(seed)
         results: list[Generation] = []
+        total = timing.Timed()
         for start in range(0, len(encoded), batch_size):
             chunk = encoded[start:start + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape
             tokens, lengths = pad_prompts(padded)
             key, sub = jax.random.split(key)
-            t0 = time.perf_counter()
+            if use_medusa:
+                fn, args = medusa_generate, (self.params, self.heads, self.cfg)
+                kw = dict(tree=the_tree)
+            else:
+                fn, args, kw = generate, (self.params, self.cfg), {}
+            args += (tokens, lengths, sub)
+            kw.update(sampling=sampling, max_new_tokens=max_new_tokens, eos=self.eos)
             with self.under_mesh():
-                if use_medusa:
-                    out = medusa_generate(self.params, self.heads, self.cfg, tokens, lengths,
-                                          sub, tree=the_tree, sampling=sampling,
-                                          max_new_tokens=max_new_tokens, eos=self.eos)
-                else:
-                    out = generate(self.params, self.cfg, tokens, lengths, sub,
-                                   sampling=sampling, max_new_tokens=max_new_tokens,
-                                   eos=self.eos)
+                compiled = timing.precompile(fn, *args, **kw)  # timed apart from decoding
+                t0 = time.perf_counter()
+                out = fn(*args, **kw)
             out = sharding.to_host(out)
             seconds = time.perf_counter() - t0
+            total += timing.Timed(compiled, seconds, int(np.sum(out.num_new[:len(chunk)])))
             for i in range(len(chunk)):
                 n = int(out.num_new[i])
                 ids = [int(t) for t in np.asarray(out.tokens[i, :n])]
@@ -309,5 +316,7 @@ class Medusa:
                 results.append(Generation(
                     prompt=prompts[start + i], text=text, token_ids=ids, new_tokens=n,
                     steps=steps, tokens_per_step=n / max(steps, 1),
-                    accept_hist=[int(x) for x in out.accept_hist[i]], seconds=seconds))
+                    accept_hist=[int(x) for x in out.accept_hist[i]], seconds=seconds,
+                    compile_seconds=compiled.seconds))
+        self.last_timing = total
         return results

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import struct
+from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
 from medusa_jax import sharding
 from medusa_jax.config import ModelConfig, as_dtype
@@ -348,6 +348,7 @@ def forward_uncommitted(
     return_logits: bool = True,
     empty_cache: bool = False,
     unroll: int = 1,
+    remat: bool = False,
 ) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
@@ -360,7 +361,10 @@ def forward_uncommitted(
     `empty_cache=True` promises every row's cache is empty (prefill, training): attention
     then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
     fully masked block. `unroll`: layers per iteration of the scan over stacked layers (the
-    decoding layout has no scan: see `decoding_layout`)."""
+    decoding layout has no scan: see `decoding_layout`). `remat=True` (training the
+    backbone) wraps each layer in `jax.checkpoint` saving nothing inside it: the backward
+    pass keeps only the layers' inputs and recomputes each layer (attention scores included)
+    instead of holding every layer's intermediates."""
     if isinstance(cache.k, tuple):  # a per-layer cache is written as it is read
         logits, hidden, new_kv, _ = forward_scratch(
             params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
@@ -386,6 +390,9 @@ def forward_uncommitted(
         x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
         return x, (k, v)
 
+    if remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
+                              prevent_cse=False)
     if is_decoding_layout(params):  # a straight line, each layer's weights read in place
         outs = []
         for i, layer in enumerate(params["layers"]):
@@ -412,7 +419,7 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
 
 def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                     mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-                    empty_cache: bool = False, unroll: int = 1):
+                    empty_cache: bool = False, unroll: int = 1, remat: bool = False):
     """`forward_uncommitted` that also returns the cache with the new tokens' keys/values
     written at slots lengths .. lengths + T - 1 (`lengths` unchanged): scratch slots past
     the committed context, which Medusa overwrites with the accepted path (`write_kv`).
@@ -430,13 +437,13 @@ def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positio
         return logits, hidden, (k_new, v_new), cache
     logits, hidden, (k_new, v_new) = forward_uncommitted(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache, unroll=unroll)
+        empty_cache=empty_cache, unroll=unroll, remat=remat)
     return logits, hidden, (k_new, v_new), write_kv(cache, k_new, v_new)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-            empty_cache: bool = False, unroll: int = 1
+            empty_cache: bool = False, unroll: int = 1, remat: bool = False
             ) -> tuple[jax.Array | None, jax.Array, KVCache]:
     """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
@@ -448,7 +455,7 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     """
     logits, hidden, _, cache = forward_scratch(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache, unroll=unroll)
+        empty_cache=empty_cache, unroll=unroll, remat=remat)
     return logits, hidden, cache
 
 

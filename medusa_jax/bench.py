@@ -2,7 +2,8 @@
 
 Everything is measured in one process on the same prompts; compile and warm-up are excluded
 (each timed function runs once before the clock starts) and the median of several repetitions
-is reported. Speed claims are ratios against a baseline measured in the same run.
+is reported; the decoders' compile is timed on its own (`RunResult.compile`). Speed claims
+are ratios against a baseline measured in the same run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import timing
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
 from medusa_jax.config import ModelConfig, as_dtype
@@ -125,6 +127,7 @@ class RunResult:
     rows: list[list[int]]  # new tokens per prompt
     per_row_steps: list[int]
     loop_steps: int = 0  # iterations of the decode loops (a batch runs until its slowest row)
+    compile: timing.Compile = dataclasses.field(default_factory=timing.Compile)
 
     @property
     def step_seconds(self) -> float:
@@ -152,18 +155,19 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
         batches.append((len(chunk), *pad_prompts(chunk + [chunk[-1]] * (batch_size - len(chunk)))))
     key = jax.random.key(seed)
 
-    def run():
+    def run(call=lambda fn, *args, **kw: fn(*args, **kw)):
         outs = []
         for _, tokens, lengths in batches:
             if heads is None:
-                outs.append(generate(params, cfg, tokens, lengths, key, sampling=sampling,
-                                     max_new_tokens=max_new_tokens, eos=eos, **phases))
+                outs.append(call(generate, params, cfg, tokens, lengths, key, sampling=sampling,
+                                 max_new_tokens=max_new_tokens, eos=eos, **phases))
             else:
-                outs.append(medusa_generate(params, heads, cfg, tokens, lengths, key, tree=tree,
-                                            sampling=sampling, max_new_tokens=max_new_tokens,
-                                            eos=eos, **phases))
+                outs.append(call(medusa_generate, params, heads, cfg, tokens, lengths, key,
+                                 tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 eos=eos, **phases))
         return outs
 
+    compiled = sum(run(timing.precompile), timing.Compile())  # the compile, timed apart
     seconds, outs = _median_time(run, reps)
     rows, steps, loop_steps = [], [], 0
     for (n, _, _), out in zip(batches, outs):
@@ -173,7 +177,7 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
             rows.append(out.tokens[i, : out.num_new[i]].tolist())
             steps.append(int(out.steps[i]))
     return RunResult(name, batch_size, seconds, sum(map(len, rows)), sum(steps), rows, steps,
-                     loop_steps)
+                     loop_steps, compiled)
 
 
 @dataclasses.dataclass
@@ -210,7 +214,8 @@ class Comparison:
                 "plain_ms_per_step": 1e3 * p.step_seconds,
                 "medusa_ms_per_step": 1e3 * m.step_seconds,
                 "identical_outputs": self.identical_rows,
-                "plain_tok_s": p.tokens_per_second, "medusa_tok_s": m.tokens_per_second}
+                "plain_tok_s": p.tokens_per_second, "medusa_tok_s": m.tokens_per_second,
+                "plain_compile_s": p.compile.seconds, "medusa_compile_s": m.compile.seconds}
 
 
 def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], tree: Tree, *,
@@ -233,11 +238,12 @@ def print_comparison(c: Comparison, title: str):
     """The comparison as the training commands print it."""
     p, m = c.plain, c.medusa
     print(f"\n{title}, {len(m.rows)} held-out prompts, batch {m.batch_size}, up to "
-          f"{c.max_new_tokens} new tokens, tree {c.tree.name} (compile excluded):")
-    print(f"  plain : {p.seconds:.2f}s  {p.tokens_per_second:.0f} tok/s  1.00 tokens/step"
-          f"  {1e3 * p.step_seconds:.2f} ms/step")
-    print(f"  medusa: {m.seconds:.2f}s  {m.tokens_per_second:.0f} tok/s  "
-          f"{m.tokens_per_step:.2f} tokens/step  {1e3 * m.step_seconds:.2f} ms/step "
+          f"{c.max_new_tokens} new tokens, tree {c.tree.name} (decoding timed after a "
+          f"warm-up run):")
+    print(f"  plain : {timing.speed_line(p.compile, p.new_tokens, p.seconds)}; 1.00 tokens/step, "
+          f"{1e3 * p.step_seconds:.2f} ms/step")
+    print(f"  medusa: {timing.speed_line(m.compile, m.new_tokens, m.seconds)}; "
+          f"{m.tokens_per_step:.2f} tokens/step, {1e3 * m.step_seconds:.2f} ms/step "
           f"({c.tree.num_nodes} tokens verified per step)")
     print(f"  speedup {c.speedup:.2f}x; outputs identical to plain {c.mode} for "
           f"{c.identical_rows}/{len(m.rows)} prompts")

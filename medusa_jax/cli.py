@@ -61,19 +61,24 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (
 
 
 def add_run_flags(ap: argparse.ArgumentParser):
-    """--resume and --stop-after, which every training command takes."""
+    """--resume, --stop-after and --no-compile-cache, which every training command takes."""
+    from medusa_jax import compile_cache
+
     ap.add_argument("--resume", metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its last checkpoint")
     ap.add_argument("--stop-after", type=int, metavar="N",
                     help="stop after N steps in this invocation (as if preempted; resume later)")
+    compile_cache.add_flag(ap)
 
 
 def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
     """(config, --resume, --stop-after) from the command line. With --resume the run's saved
     config.json is the base and only the fields in `cls.RESUMABLE` may change; the config
-    is validated; every problem is an `ap.error` (one line, exit 2)."""
+    is validated; every problem is an `ap.error` (one line, exit 2). Then the persistent
+    compilation cache is turned on, unless --no-compile-cache (`compile_cache.enable`)."""
     args = vars(ap.parse_args(argv))
     resume, stop_after = args.pop("resume"), args.pop("stop_after")
+    no_compile_cache = args.pop("no_compile_cache", None)  # None: a parser without the flag
     given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in args.items()
              if v is not None}
     if stop_after is not None and stop_after < 1:
@@ -83,6 +88,10 @@ def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
         cfg = cfg.validate()
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
+    if no_compile_cache is not None:
+        from medusa_jax import compile_cache
+
+        compile_cache.enable(off=no_compile_cache)
     return cfg, resume, stop_after
 
 

@@ -27,7 +27,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
 from medusa_jax import acceptance, sharding
 from medusa_jax.acceptance import Sampling

@@ -59,15 +59,23 @@ def heads_axes(heads: Params | None = None) -> dict:
     return {k: axes[k] for k in (heads if heads is not None else ("w", "b", "proj"))}
 
 
-def init_heads(cfg: ModelConfig, backbone: Params, heads_cfg: HeadsConfig = HeadsConfig()) -> Params:
-    """Zero residual blocks and copies of the output projection (exact base logits at init)."""
+def init_heads(cfg: ModelConfig, backbone: Params, heads_cfg: HeadsConfig = HeadsConfig(),
+               shared_proj: bool = False) -> Params:
+    """Zero residual blocks and copies of the output projection (exact base logits at init);
+    `shared_proj`: one copy [1, H, V] for all heads (vLLM's `original_lm_head` form)."""
     specs = heads_param_specs(cfg.hidden_size, cfg.vocab_size, heads_cfg)
     proj = output_projection(cfg, backbone).astype(jnp.float32)
+    shape = (1, *specs["proj"].shape[1:]) if shared_proj else specs["proj"].shape
     return {
         "w": jnp.zeros(specs["w"].shape, jnp.float32),
         "b": jnp.zeros(specs["b"].shape, jnp.float32),
-        "proj": jnp.broadcast_to(proj, specs["proj"].shape).copy(),
+        "proj": jnp.broadcast_to(proj, shape).copy(),
     }
+
+
+def has_shared_proj(heads: Params) -> bool:
+    """One projection for every head (proj [1, H, V] with more than one head)."""
+    return heads["proj"].shape[0] == 1 and heads["w"].shape[0] > 1
 
 
 def heads_config_of(heads: Params) -> HeadsConfig:

@@ -48,15 +48,34 @@ class Medusa1(Recipe):
     name = "medusa1"
 
     def build(self, ctx: Context, total_steps: int) -> Method:
-        cfg = ctx.cfg
-        params = {"backbone": ctx.backbone,
-                  "heads": heads_lib.init_heads(ctx.model_cfg, ctx.backbone,
-                                                heads_lib.HeadsConfig(cfg.num_heads,
-                                                                      cfg.num_layers))}
-        labels = ts.medusa1_labels(params)
+        return self.method(ctx.cfg, ctx.model_cfg, self.params(ctx.cfg, ctx.model_cfg,
+                                                               ctx.backbone), total_steps)
+
+    @staticmethod
+    def params(cfg: Medusa1Config, model_cfg, backbone) -> dict:
+        """{"backbone", "heads"}: fresh heads on `backbone` (arrays, or shapes under
+        `jax.eval_shape`)."""
+        return {"backbone": backbone,
+                "heads": heads_lib.init_heads(model_cfg, backbone,
+                                              heads_lib.HeadsConfig(cfg.num_heads,
+                                                                    cfg.num_layers),
+                                              shared_proj=cfg.shared_proj)}
+
+    def memory_params(self, cfg: Medusa1Config, model_cfg, backbone) -> dict:
+        """The parameters `memory.training_memory` compiles with (under `jax.eval_shape`)."""
+        return self.params(cfg, model_cfg, backbone)
+
+    @staticmethod
+    def method(cfg: Medusa1Config, model_cfg, params: dict, total_steps: int) -> Method:
+        """Labels, optimizer and loss for `params` (also what `memory` compiles)."""
+        frozen_proj = cfg.shared_proj
+        labels = ts.medusa1_labels(params, frozen_proj)
         tx, schedule = ts.make_optimizer(
             ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
                            weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
             total_steps, labels)
+        num_heads = params["heads"]["w"].shape[0]
         return Method(params, labels, tx, schedule,
-                      ts.medusa1_loss_fn(ctx.model_cfg, cfg.loss_decay))
+                      ts.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,
+                                         cfg.batch_ways, frozen_proj),
+                      totals_fn=lambda batch: ts.medusa_totals(batch, num_heads))

@@ -46,14 +46,14 @@ import optax
 from medusa_jax import assets, data, distributed, sharding, trainer, weights
 from medusa_jax import heads as heads_lib
 from medusa_jax import heads_formats
+from medusa_jax import train_step as ts
 from medusa_jax.backbone import Params, logits_from_hidden
 from medusa_jax.cli import option
-from medusa_jax.config import ModelConfig
-from medusa_jax.heads import apply_heads
+from medusa_jax.config import ModelConfig, as_dtype
 from medusa_jax.medusa1 import Medusa1, Medusa1Config
 from medusa_jax.rundir import Interrupted
 from medusa_jax.train_step import (Batch, LossFn, OptimConfig, TrainState, backbone_hidden,
-                                   medusa_loss, medusa_targets)
+                                   medusa_targets)
 
 LM_LOSSES = ("kl", "ce")
 HEAD_SCHEDULES = ("constant", "sine")
@@ -116,11 +116,14 @@ def next_token_targets(batch: Batch) -> tuple[jax.Array, jax.Array]:
     return tgt, valid
 
 
-def _masked_mean(x: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Mean of x [B, T] over valid positions (0 when there are none, never NaN); count."""
+def _masked_mean(x: jax.Array, valid: jax.Array, total: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """Mean of x [B, T] over valid positions (0 when there are none, never NaN); count.
+    `total`: the denominator instead of this batch's count (gradient accumulation)."""
     validf = valid.astype(jnp.float32)
     count = jnp.sum(validf)
-    return jnp.sum(x * validf) / jnp.maximum(count, 1.0), count
+    denom = jnp.maximum(count if total is None else total, 1.0)
+    return jnp.sum(x * validf) / denom, count
 
 
 def token_kl(teacher_logits: jax.Array, student_logits: jax.Array) -> jax.Array:
@@ -137,34 +140,63 @@ def token_nll(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(logits, axis=-1) - tgt
 
 
-def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig()) -> LossFn:
+def heads_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
+    """Medusa-1's head targets/validity [K, B, T], without the anchor (lm_only) rows."""
+    h_targets, h_valid = medusa_targets(batch, num_heads)
+    if "lm_only" in batch:  # anchor rows train the LM term only
+        h_valid = h_valid & ~batch["lm_only"][None, :, None]
+    return h_targets, h_valid
+
+
+def loss_totals(batch: Batch, num_heads: int) -> dict:
+    """The whole batch's denominators of the loss's means (gradient accumulation)."""
+    _, valid = next_token_targets(batch)
+    _, h_valid = heads_targets(batch, num_heads)
+    return {"lm": jnp.sum(valid.astype(jnp.float32)),
+            "heads": jnp.sum(h_valid.astype(jnp.float32), axis=(1, 2))}
+
+
+# not sums over micro-batches: averaged by gradient accumulation
+MEAN_METRICS = ("head_weight",)
+
+
+def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk: int = 0,
+                 remat: bool = False, batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
     """(params, batch) -> (loss, metrics). Metrics keep Medusa-1's per-head keys (head_loss,
-    top1, top5, count: [K] arrays) so Medusa-1's evaluation and plots read them unchanged."""
+    top1, top5, count: [K] arrays) so Medusa-1's evaluation and plots read them unchanged.
+    `chunk`: tokens per row per chunk of the heads' loss (`train_step.heads_loss`; 0 = auto
+    for rows split `batch_ways` ways); `frozen_proj`: no gradient for the heads' projection;
+    `remat`: the trained backbone's layers rematerialised in the backward pass."""
     lam_fn = head_weight_schedule(loss_cfg)
 
     def loss_fn(params: Params, batch: Batch):
         if loss_cfg.lm_loss == "kl" and "teacher" not in params:
             raise ValueError('the "kl" LM loss needs params["teacher"] (see make_params)')
+        totals = batch.get("totals", {})
         # one backbone pass, differentiated: both the LM term and the heads train it
-        hidden = backbone_hidden(params["backbone"], cfg, batch)  # [B, T, H]
+        hidden = backbone_hidden(params["backbone"], cfg, batch, remat)  # [B, T, H]
         logits = logits_from_hidden(cfg, params["backbone"], hidden)  # [B, T, V] float32
         targets, valid = next_token_targets(batch)  # [B, T]
-        nll, count = _masked_mean(token_nll(logits, targets), valid)
+        lm_total = totals.get("lm")
+        nll, count = _masked_mean(token_nll(logits, targets), valid, lm_total)
         metrics = {"lm_nll": nll, "lm_count": count,
-                   "lm_top1": _masked_mean(jnp.argmax(logits, -1) == targets, valid)[0]}
+                   "lm_top1": _masked_mean(jnp.argmax(logits, -1) == targets, valid,
+                                           lm_total)[0]}
         if loss_cfg.lm_loss == "kl":
             teacher = jax.lax.stop_gradient(params["teacher"])
             t_hidden = backbone_hidden(teacher, cfg, batch)
             t_logits = jax.lax.stop_gradient(logits_from_hidden(cfg, teacher, t_hidden))
-            lm, _ = _masked_mean(token_kl(t_logits, logits), valid)
+            lm, _ = _masked_mean(token_kl(t_logits, logits), valid, lm_total)
             metrics["kl"] = lm
         else:
             lm = nll
-        head_logits = apply_heads(params["heads"], hidden)  # [K, B, T, V]
-        h_targets, h_valid = medusa_targets(batch, head_logits.shape[0])
-        if "lm_only" in batch:  # anchor rows train the LM term only
-            h_valid = h_valid & ~batch["lm_only"][None, :, None]
-        heads_loss, head_metrics = medusa_loss(head_logits, h_targets, h_valid, loss_cfg.decay)
+        heads = params["heads"]
+        if frozen_proj:
+            heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
+        h_targets, h_valid = heads_targets(batch, heads["w"].shape[0])
+        heads_loss, head_metrics = ts.heads_loss(heads, hidden, h_targets, h_valid,
+                                                 loss_cfg.decay, chunk, totals.get("heads"),
+                                                 batch_ways)
         # eval batches carry no step: they are scored with the peak weight
         lam = lam_fn(jnp.max(batch["step"])) if "step" in batch else \
             jnp.float32(loss_cfg.peak_head_weight)
@@ -185,22 +217,29 @@ def with_step(batch: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- optimizer
 
 
-def labels(params: Params) -> dict:
-    """One optax partition per top-level subtree; the teacher is frozen."""
-    names = {"backbone": "backbone", "heads": "heads", "teacher": "frozen"}
+def labels(params: Params, frozen_proj: bool = False) -> dict:
+    """One optax partition per top-level subtree; the teacher is frozen (and, with
+    `frozen_proj`, the heads' shared projection: only their residual blocks train)."""
+    heads = {n: ("frozen" if n == "proj" else "heads") for n in params["heads"]} \
+        if frozen_proj else "heads"
+    names = {"backbone": "backbone", "heads": heads, "teacher": "frozen"}
     unknown = set(params) - set(names)
     if unknown:
         raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")
     return {k: names[k] for k in params}
 
 
-def make_params(backbone: Params, heads: Params, lm_loss: str = "kl") -> Params:
+def make_params(backbone: Params, heads: Params, lm_loss: str = "kl",
+                teacher_dtype=None) -> Params:
     """{"backbone", "heads"} plus, for the KL loss, "teacher": a separate copy of the
     backbone (its own buffers: the train step donates the state, and two leaves sharing one
-    buffer cannot both be donated)."""
+    buffer cannot both be donated), in `teacher_dtype` when given (it is only read: a
+    bfloat16 run keeps it in bfloat16, half the float32 master weights' memory)."""
     params = {"backbone": backbone, "heads": heads}
     if lm_loss == "kl":
-        params["teacher"] = jax.tree.map(jnp.copy, backbone)
+        params["teacher"] = jax.tree.map(
+            lambda a: jnp.array(a, dtype=as_dtype(teacher_dtype or a.dtype), copy=True),
+            backbone)
     return params
 
 
@@ -299,6 +338,10 @@ class Medusa2Config(trainer.TrainConfig):
                                 choices=HEAD_SCHEDULES)
     head_weight: float | None = option(None, "lambda (constant) or its peak (sine); default "
                                              "0.2 / 0.01")
+    remat: bool = option(False, "rematerialise the backbone's layers in the backward pass "
+                                "(jax.checkpoint per layer, nothing saved inside it: only "
+                                "each layer's input is kept, each layer runs twice; for 7B+ "
+                                "shapes; default: off)")
     medusa2_folder: bool = option(False, "also write <run>/medusa2_model: the fine-tuned "
                                          "backbone and the heads in one folder, the reference's"
                                          " Medusa-2 layout (default: off)")
@@ -323,7 +366,8 @@ class Medusa2Config(trainer.TrainConfig):
         "num_layers": "residual blocks per head in stage 1 (default {default})",
         "output_dir": "run directory (default runs/medusa2-<timestamp>)"}
     RESUMABLE: ClassVar[frozenset] = trainer.TrainConfig.RESUMABLE | {"eval_text",
-                                                                        "medusa2_folder"}
+                                                                        "medusa2_folder",
+                                                                        "remat"}
 
     def validate(self):
         def need(cond, msg):
@@ -344,7 +388,14 @@ class Medusa2Config(trainer.TrainConfig):
         if self.anchor_text not in ("auto", "none") and not Path(self.anchor_text).is_file():
             raise ValueError(f"--anchor-text {self.anchor_text}: no such file")
         if self.init is not None:
-            resolve_init(self.init)
+            init = resolve_init(self.init)
+            if self.shared_proj:  # our artifact: its header says (other layouts: at load)
+                found = heads_formats.detect(init.heads)
+                if found.layout == "medusa_jax":
+                    from safetensors import safe_open
+
+                    with safe_open(str(found.files[0]), framework="numpy") as f:
+                        check_shared(init.heads, tuple(f.get_slice("proj").get_shape()))
         return self
 
     def tree_heads(self) -> int | None:
@@ -400,6 +451,11 @@ def resolve_init(path: str | Path) -> Init:
 class Medusa2(trainer.Recipe):
     name = "medusa2"
 
+    def backbone_dtypes(self, cfg):
+        """The trained backbone keeps float32 master weights (and float32 Adam moments);
+        --dtype is what it computes in (the frozen teacher is stored in it)."""
+        return {"param_dtype": "float32", "compute_dtype": cfg.dtype}
+
     def setup(self, ctx: trainer.Context) -> None:
         """Heads first: --init, or a Medusa-1 run in <run>/stage1 (resumed if interrupted);
         then its self-distilled data is reused when the settings match."""
@@ -410,6 +466,8 @@ class Medusa2(trainer.Recipe):
             self.init = self._stage1(cfg, ctx.run_dir)
         check_init_model(cfg, self.init)
         self.heads, _ = heads_lib.load_heads(self.init.heads, ctx.model_cfg)
+        if cfg.shared_proj:
+            check_shared(self.init.heads, self.heads["proj"].shape)
         reuse_distilled(self.init, ctx.run_dir)
 
     @staticmethod
@@ -445,22 +503,48 @@ class Medusa2(trainer.Recipe):
     def build(self, ctx, total_steps):
         cfg = ctx.cfg
         lm_loss = cfg.resolved_lm_loss
-        loss_cfg = LossConfig(lm_loss=lm_loss, lm_weight=cfg.lm_weight,
-                              head_schedule=cfg.head_schedule, head_weight=cfg.head_weight,
-                              head_ramp_steps=total_steps, decay=cfg.loss_decay)
+        loss_cfg = self.loss_config(cfg, total_steps)
         # the state takes the backbone over (the train step donates its buffers); the original
         # stays as the frozen teacher (KL) or is reloaded for the final report
-        params = make_params(ctx.backbone, self.heads, lm_loss)
+        params = make_params(ctx.backbone, self.heads, lm_loss,
+                             teacher_dtype=ctx.model_cfg.compute_dtype)
         ctx.backbone, self.heads = None, None
-        lbl = labels(params)
-        tx, schedule = make_joint_optimizer(
-            OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
-                        grad_clip=cfg.grad_clip), total_steps, lbl, cfg.head_lr_ratio)
+        method = self.method(cfg, ctx.model_cfg, params, total_steps)
         print(f"joint training: {total_steps} steps, LM term {lm_loss}, heads weight "
               f"{cfg.head_schedule} {loss_cfg.peak_head_weight}, lr {cfg.lr:g} (backbone) / "
               f"{cfg.lr * cfg.head_lr_ratio:g} (heads)", flush=True)
         self.head_lr_ratio = cfg.head_lr_ratio
-        return trainer.Method(params, lbl, tx, schedule, make_loss_fn(ctx.model_cfg, loss_cfg))
+        return method
+
+    def memory_params(self, cfg, model_cfg, backbone) -> Params:
+        """The parameters `memory.training_memory` compiles with (under `jax.eval_shape`):
+        fresh heads of --num-heads/--num-layers stand for the first stage's."""
+        heads = heads_lib.init_heads(model_cfg, backbone,
+                                     heads_lib.HeadsConfig(cfg.num_heads, cfg.num_layers),
+                                     shared_proj=cfg.shared_proj)
+        return make_params(backbone, heads, cfg.resolved_lm_loss,
+                           teacher_dtype=model_cfg.compute_dtype)
+
+    @staticmethod
+    def loss_config(cfg, total_steps: int) -> LossConfig:
+        return LossConfig(lm_loss=cfg.resolved_lm_loss, lm_weight=cfg.lm_weight,
+                          head_schedule=cfg.head_schedule, head_weight=cfg.head_weight,
+                          head_ramp_steps=total_steps, decay=cfg.loss_decay)
+
+    @classmethod
+    def method(cls, cfg, model_cfg, params: Params, total_steps: int) -> trainer.Method:
+        """Labels, optimizer and loss for `params` (also what `memory` compiles)."""
+        lbl = labels(params, cfg.shared_proj)
+        tx, schedule = make_joint_optimizer(
+            OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
+                        grad_clip=cfg.grad_clip), total_steps, lbl, cfg.head_lr_ratio)
+        num_heads = params["heads"]["w"].shape[0]
+        loss_fn = make_loss_fn(model_cfg, cls.loss_config(cfg, total_steps),
+                               chunk=cfg.loss_chunk, remat=cfg.remat,
+                               batch_ways=cfg.batch_ways, frozen_proj=cfg.shared_proj)
+        return trainer.Method(params, lbl, tx, schedule, loss_fn,
+                              totals_fn=lambda batch: loss_totals(batch, num_heads),
+                              mean_metrics=MEAN_METRICS)
 
     def batch(self, batch, step):
         return with_step(batch, step)
@@ -502,7 +586,7 @@ class Medusa2(trainer.Recipe):
         text_rows, what = eval_text_rows(
             cfg, ctx.tokenizer, max(cfg.seq_len, min(mcfg.max_position_embeddings, 1024)))
         original = state.params["teacher"] if "teacher" in state.params else \
-            weights.load_pretrained(cfg.model)[1]
+            weights.load_pretrained(cfg.model, **self.backbone_dtypes(cfg))[1]
         closeness = {}
         if text_rows is not None:
             closeness["eval_text"] = dict(lm_report(
@@ -521,6 +605,14 @@ class Medusa2(trainer.Recipe):
         print(f"compare: python -m infer.bench --model {model_out} --heads "
               f"{ctx.run_dir / 'heads'} --trees {trees}")
         return finetuned
+
+
+def check_shared(heads_path, proj_shape):
+    """--shared-proj needs heads with one projection (proj [1, H, V])."""
+    if proj_shape[0] != 1:
+        raise ValueError(f"--shared-proj: the heads in {heads_path} have their own "
+                         f"projections (proj {list(proj_shape)}); train heads with "
+                         f"train.medusa1 --shared-proj, or drop --shared-proj")
 
 
 def reuse_distilled(init: Init, run_dir: Path):

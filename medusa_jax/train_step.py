@@ -25,7 +25,7 @@ import optax
 from flax import struct
 
 from medusa_jax import sharding
-from medusa_jax.backbone import KVCache, Params, forward
+from medusa_jax.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.backbone import param_axes as backbone_param_axes
 from medusa_jax.config import ModelConfig
 from medusa_jax.heads import apply_heads, heads_axes
@@ -62,14 +62,51 @@ def packed_mask(segments: jax.Array) -> jax.Array:
     return causal[None] & same
 
 
-def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch) -> jax.Array:
-    """Final-norm hidden states [B, T, H] of a packed batch."""
+def backbone_hidden(params: Params, cfg: ModelConfig, batch: Batch,
+                    remat: bool = False) -> jax.Array:
+    """Final-norm hidden states [B, T, H] of a packed batch (`remat`: each layer
+    rematerialised in the backward pass, see `backbone.forward_uncommitted`)."""
     b, t = batch["tokens"].shape
     cache = KVCache.init(cfg, b, t)  # scratch: training attends within the batch only
-    _, hidden, _ = forward(params, cfg, batch["tokens"], batch["positions"],
-                           packed_mask(batch["segments"]), cache, return_logits=False,
-                           empty_cache=True)
+    # uncommitted: the new keys/values are dropped, never written into a [L, B, KVH, T, D]
+    # cache (at 7B, batch 8 x 2,048 tokens, that cache would be 8.6 GB in bfloat16)
+    _, hidden, _ = forward_uncommitted(params, cfg, batch["tokens"], batch["positions"],
+                                       packed_mask(batch["segments"]), cache,
+                                       return_logits=False, empty_cache=True, remat=remat)
     return hidden
+
+
+# A frozen backbone's pass (no gradient, nothing kept for a backward pass) runs a few rows
+# at a time, so that one layer's attention scores [rows, NH, T, T] float32 stay under this
+# many bytes per device: at 7B (32 heads) and 2,048 tokens a row's scores are 0.54 GB, and
+# 8 rows at once would hold 4.3 GB of scores and as much of probabilities.
+FROZEN_PASS_BYTES = 2 ** 30
+
+
+def frozen_pass_rows(cfg: ModelConfig, rows: int, seq_len: int) -> int:
+    """How many of a device's `rows` one frozen backbone pass takes (a divisor of rows)."""
+    per_row = cfg.num_heads * seq_len * seq_len * 4
+    most = max(1, FROZEN_PASS_BYTES // per_row)
+    return max(g for g in range(1, rows + 1) if rows % g == 0 and g <= most)
+
+
+def frozen_hidden(params: Params, cfg: ModelConfig, batch: Batch,
+                  batch_ways: int = 1) -> jax.Array:
+    """`backbone_hidden` of a frozen backbone (under stop_gradient), a few rows at a time
+    (`frozen_pass_rows`; `batch_ways`: the devices the rows are split over) in a `lax.map`
+    when the whole batch's attention scores would be large; one pass otherwise (the
+    embedded model's batches). Pass j takes rows j, j + n, j + 2n, ...: each device keeps
+    its own rows."""
+    params = jax.lax.stop_gradient(params)
+    b, t = batch["tokens"].shape
+    local = max(1, b // batch_ways)
+    n = local // frozen_pass_rows(cfg, local, t)  # passes
+    if n == 1:
+        return jax.lax.stop_gradient(backbone_hidden(params, cfg, batch))
+    keys = ("tokens", "positions", "segments")
+    parts = {k: batch[k].reshape(b // n, n, t).swapaxes(0, 1) for k in keys}
+    hidden = jax.lax.map(lambda part: backbone_hidden(params, cfg, part), parts)
+    return jax.lax.stop_gradient(hidden.swapaxes(0, 1).reshape(b, t, -1))
 
 
 def medusa_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -93,8 +130,9 @@ def medusa_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
 
 
 def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
-                decay: float) -> tuple[jax.Array, dict]:
-    """head_logits [K, B, T, V], targets/valid [K, B, T] -> (loss, metrics with [K] arrays)."""
+                decay: float, count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """head_logits [K, B, T, V], targets/valid [K, B, T] -> (loss, metrics with [K] arrays).
+    `count` ([K]): the per-head means' denominators (default: the valid positions here)."""
     k = head_logits.shape[0]
     logits = head_logits.astype(jnp.float32)
     tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [K, B, T]
@@ -102,8 +140,9 @@ def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
     # rank of the target = how many logits beat it (ties count in its favour)
     rank = jnp.sum(logits > tgt_logit[..., None], axis=-1)
     validf = valid.astype(jnp.float32)
-    count = jnp.sum(validf, axis=(1, 2))  # [K]
-    denom = jnp.maximum(count, 1.0)  # no valid position: loss 0, not NaN
+    own = jnp.sum(validf, axis=(1, 2))  # [K]
+    # no valid position: loss 0, not NaN
+    denom = jnp.maximum(own if count is None else count, 1.0)
     head_loss = jnp.sum(ce * validf, axis=(1, 2)) / denom
     weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
     loss = jnp.sum(weights * head_loss)
@@ -112,20 +151,114 @@ def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
         "head_loss": head_loss,
         "top1": jnp.sum((rank < 1) * validf, axis=(1, 2)) / denom,
         "top5": jnp.sum((rank < 5) * validf, axis=(1, 2)) / denom,
-        "count": count,
+        "count": own,
     }
     return loss, metrics
 
 
-def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8) -> LossFn:
-    """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state."""
+# One chunk's heads' logits [K, rows, chunk, V] float32 (per device) stay under this many
+# bytes when the chunk is automatic: 512 MiB, so a 7B model's 8 rows x 2,048 tokens on one
+# device are scored 64 tokens of every row at a time (5 heads, 32,000 words: 0.33 GB per
+# chunk) instead of in one 10.5 GB block. (1 GiB chunks: the 7B step's temporaries 8.5 GB
+# instead of 7.9 GB, float32, 1 layer, XLA:CPU; both from 33.3 GB unchunked.)
+AUTO_CHUNK_BYTES = 2 ** 29
+
+
+def loss_chunk_size(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0) -> int:
+    """Tokens of every row per chunk of the heads' loss: `chunk` when given (>= 1), else
+    the largest power of two whose logits [K, rows, chunk, V] in float32 fit
+    `AUTO_CHUNK_BYTES` (`rows`: a device's rows of the batch); never more than `seq_len`
+    (then the loss is one block: exactly the unchunked computation)."""
+    if chunk < 1:
+        per_token = num_heads * max(rows, 1) * vocab * 4
+        chunk = 2 ** max(0, int(AUTO_CHUNK_BYTES // per_token).bit_length() - 1)
+    return min(chunk, seq_len)
+
+
+def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array):
+    """One chunk: hidden [B, C, H], targets/valid [K, B, C] -> per-head sums [K] of the
+    cross-entropy, top-1 and top-5 hits over the valid positions (the ranks as in
+    `medusa_loss`)."""
+    logits = apply_heads(heads, hidden)  # [K, B, C, V] float32
+    tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = jax.nn.logsumexp(logits, axis=-1) - tgt_logit
+    rank = jnp.sum(logits > tgt_logit[..., None], axis=-1)
+    validf = valid.astype(jnp.float32)
+    return (jnp.sum(ce * validf, axis=(1, 2)), jnp.sum((rank < 1) * validf, axis=(1, 2)),
+            jnp.sum((rank < 5) * validf, axis=(1, 2)))
+
+
+def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
+                        valid: jax.Array, decay: float, chunk: int,
+                        count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """`medusa_loss(apply_heads(heads, hidden), ...)` without the [K, B, T, V] logits: the
+    T positions of every row are scored `chunk` at a time in a `lax.scan` whose body is
+    under `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of
+    keeping them; at most one chunk's logits (and their gradient) exist at once. Chunks
+    cut the sequence, not the batch, so a batch split over devices stays split. hidden
+    [B, T, H], targets/valid [K, B, T]; the same loss, gradients (to float rounding) and
+    metrics. `count` ([K]): the denominators of the per-head means (default: the valid
+    positions here; gradient accumulation passes the whole batch's)."""
+    k, b, t = targets.shape
+    pad = -t % chunk  # padded positions are invalid: they add nothing
+    if pad:
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, 0), (0, pad)))
+        valid = jnp.pad(valid, ((0, 0), (0, 0), (0, pad)))
+    m = (t + pad) // chunk
+    xs = (hidden.reshape(b, m, chunk, -1).swapaxes(0, 1),  # [m, B, C, H]
+          targets.reshape(k, b, m, chunk).transpose(2, 0, 1, 3),  # [m, K, B, C]
+          valid.reshape(k, b, m, chunk).transpose(2, 0, 1, 3))
+    body = jax.checkpoint(_chunk_sums, prevent_cse=False)
+
+    def step(acc, x):
+        return jax.tree.map(jnp.add, acc, body(heads, *x)), None
+
+    zeros = jnp.zeros((k,), jnp.float32)
+    (ce, top1, top5), _ = jax.lax.scan(step, (zeros, zeros, zeros), xs)
+    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))
+    denom = jnp.maximum(own if count is None else count, 1.0)
+    head_loss = ce / denom
+    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
+    loss = jnp.sum(weights * head_loss)
+    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
+                  "top5": top5 / denom, "count": own}
+
+
+def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,
+               decay: float, chunk: int = 0, count: jax.Array | None = None,
+               batch_ways: int = 1) -> tuple[jax.Array, dict]:
+    """The heads' loss and metrics from the last hidden state [B, T, H]: in one block when
+    the chunk (`loss_chunk_size`; `batch_ways`: the devices the rows are split over) covers
+    the whole sequence (today's computation exactly), else `chunked_medusa_loss`."""
+    k, b, t = targets.shape
+    size = loss_chunk_size(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
+    if size >= t:
+        return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count)
+    return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count)
+
+
+def heads_vocab(heads: Params) -> int:
+    """The vocabulary the heads' logits cover (token ids: reduced heads too)."""
+    if "token_index" in heads:
+        return int(heads["token_index"].shape[-1])
+    return int(heads["proj"].shape[-1])
+
+
+def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
+                    batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
+    """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
+    loss in chunks of `chunk` tokens per row (0: `loss_chunk_size`'s automatic size for rows
+    split `batch_ways` ways). `frozen_proj`: no gradient for the heads' projection."""
 
     def loss_fn(params: Params, batch: Batch):
-        backbone = jax.lax.stop_gradient(params["backbone"])
-        hidden = jax.lax.stop_gradient(backbone_hidden(backbone, cfg, batch))
-        head_logits = apply_heads(params["heads"], hidden)  # [K, B, T, V]
-        targets, valid = medusa_targets(batch, head_logits.shape[0])
-        return medusa_loss(head_logits, targets, valid, decay)
+        hidden = frozen_hidden(params["backbone"], cfg, batch, batch_ways)
+        heads = params["heads"]
+        if frozen_proj:
+            heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
+        targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
+        return heads_loss(heads, hidden, targets, valid, decay, chunk,
+                          batch.get("totals", {}).get("heads"), batch_ways)
 
     return loss_fn
 
@@ -133,9 +266,13 @@ def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8) -> LossFn:
 # ----------------------------------------------------------------------------- optimizer
 
 
-def medusa1_labels(params: Params) -> dict:
-    """Label per top-level subtree (a prefix of the params tree)."""
-    return {name: ("train" if name == "heads" else "frozen") for name in params}
+def medusa1_labels(params: Params, frozen_proj: bool = False) -> dict:
+    """Label per top-level subtree (a prefix of the params tree); `frozen_proj`: the heads'
+    projection is frozen too (a shared projection: the base model's output layer), only
+    their residual blocks train."""
+    heads = {n: ("frozen" if n == "proj" else "train") for n in params["heads"]} \
+        if frozen_proj else "train"
+    return {name: (heads if name == "heads" else "frozen") for name in params}
 
 
 def make_optimizer(opt: OptimConfig, total_steps: int, labels: dict
@@ -201,13 +338,78 @@ def create_state(params: Params, tx: optax.GradientTransformation, mesh, axes: d
     return state, shardings
 
 
+def medusa_totals(batch: Batch, num_heads: int) -> dict:
+    """What the heads' per-head means divide by, over a whole batch: {"heads": [K]}."""
+    _, valid = medusa_targets(batch, num_heads)
+    return {"heads": jnp.sum(valid.astype(jnp.float32), axis=(1, 2))}
+
+
+def accumulate(loss_fn: LossFn, totals_fn: Callable[[Batch], dict], params: Params,
+               batch: Batch, trained: tuple[str, ...], micro_batches: int,
+               mean_metrics: tuple[str, ...] = (), mesh=None):
+    """(loss, metrics), gradients of the `trained` subtrees: one `micro_batches`-times
+    smaller batch at a time (a `lax.scan`), equal to one pass over the whole batch.
+
+    Equal, not an average of micro-batch means: every micro-batch's loss divides by the
+    whole batch's valid-position counts (`totals_fn`, passed as batch["totals"]), so the
+    micro-batches' losses, gradients and metrics add up to the whole batch's. Metrics named
+    in `mean_metrics` (the same in every micro-batch, e.g. a loss weight) are averaged.
+    Micro-batch j holds rows j, j + N, j + 2N, ...: each device keeps its own rows."""
+    totals = totals_fn(batch)
+    n = micro_batches
+
+    def split(x):  # [B, ...] -> [N, B/N, ...], row r -> (r % N, r // N)
+        x = x.reshape(x.shape[0] // n, n, *x.shape[1:]).swapaxes(0, 1)
+        if mesh is None:
+            return x
+        spec = jax.sharding.PartitionSpec(None, sharding.BATCH_AXES, *([None] * (x.ndim - 2)))
+        return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(mesh, spec))
+
+    micro = jax.tree.map(split, batch)
+    fixed = {k: v for k, v in params.items() if k not in trained}
+
+    def grad_of(tr, mb):
+        loss, metrics = loss_fn({**tr, **fixed}, dict(mb, totals=totals))
+        return loss, metrics
+
+    grad_fn = jax.value_and_grad(grad_of, has_aux=True)
+    tr0 = {k: params[k] for k in trained}
+
+    def body(acc, mb):
+        (_, metrics), grads = grad_fn(tr0, mb)
+        return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+    abstract = jax.eval_shape(grad_fn, tr0, jax.tree.map(lambda x: x[0], micro))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (abstract[1], abstract[0][1]))
+    (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+    metrics = {k: (v / n if k in mean_metrics else v) for k, v in metrics.items()}
+    return (metrics["loss"], metrics), grads
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, labels: dict,
-                    shardings: TrainState, mesh, schedule: optax.Schedule | None = None):
-    """jit(step)(state, batch) -> (state, metrics); state is donated."""
+                    shardings: TrainState, mesh, schedule: optax.Schedule | None = None,
+                    grad_accum: int = 1, totals_fn: Callable[[Batch], dict] | None = None,
+                    mean_metrics: tuple[str, ...] = ()):
+    """jit(step)(state, batch) -> (state, metrics); state is donated.
+
+    `grad_accum` > 1: the batch is `grad_accum` micro-batches, one forward/backward pass
+    each, one optimizer step (`accumulate`; `totals_fn` gives the whole batch's
+    denominators, the loss function reads them from batch["totals"])."""
     frozen = frozen_keys(labels)
+    if grad_accum > 1 and totals_fn is None:
+        raise ValueError("gradient accumulation needs the loss's totals_fn")
 
     def step(state: TrainState, batch: Batch):
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+        if grad_accum > 1:
+            trained = tuple(k for k in state.params if k not in frozen)
+            (loss, metrics), grads = accumulate(loss_fn, totals_fn, state.params, batch,
+                                                trained, grad_accum, mean_metrics, mesh)
+            # frozen subtrees: zero gradients for the optimizer's set_to_zero (never used)
+            grads = {k: grads[k] if k in grads else jax.tree.map(jnp.zeros_like, v)
+                     for k, v in state.params.items()}
+        else:
+            (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         # frozen subtrees keep their exact arrays (set_to_zero makes the update 0 already;

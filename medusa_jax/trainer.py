@@ -48,6 +48,9 @@ from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSign
 from medusa_jax.tree import Tree
 
 
+DTYPES = ("float32", "bfloat16")  # --dtype: the backbone's
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """What every training run needs; saved as <run>/config.json and reused by --resume.
@@ -77,6 +80,23 @@ class TrainConfig:
     weight_decay: float = option(0.0, "AdamW weight decay (default {default})")
     grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
     loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
+    shared_proj: bool = option(False, "heads share one projection: the base model's output "
+                                      "layer, frozen; only their residual blocks train (K x "
+                                      "H x H trained weights instead of K x H x (H + V); "
+                                      "vLLM's original_lm_head form; Medusa-2: for its first "
+                                      "stage, and kept frozen jointly; default: off)")
+    dtype: str = option("float32", "the backbone's dtype: its weights and activations "
+                                   "(Medusa-2: its activations; its trained weights stay "
+                                   "float32). The heads' master weights, their gradients and "
+                                   "Adam moments are float32 either way (default {default})",
+                        choices=DTYPES)
+    grad_accum: int = option(1, "micro-batches per optimizer step: --batch-size rows in "
+                                "--grad-accum passes, equal to one pass over them "
+                                "(default {default})")
+    loss_chunk: int = option(0, "tokens of every row scored at once by the heads' loss "
+                                "(0 = auto: a power of two that keeps one chunk's logits "
+                                "under 512 MiB per device; the whole row, today's unchunked "
+                                "loss, when it fits; default {default})")
     seed: int = option(0, "data order, held-out split and sampling (default {default})")
     mesh: str = option("1,1", "device mesh, e.g. 'data=1,fsdp=8' or '2,4' (default {default})")
     keep: int = option(3, "checkpoints kept (default {default})")
@@ -118,7 +138,7 @@ class TrainConfig:
     RESUMABLE: ClassVar[frozenset] = frozenset({
         "steps", "epochs", "keep", "save_every", "log_every", "eval_every", "mesh",
         "eval_prompts", "eval_max_new_tokens", "tree", "coordinator", "num_processes",
-        "process_id", "init_timeout"})
+        "process_id", "init_timeout", "grad_accum", "loss_chunk"})
 
     def resolve(self):
         """Fill the defaults that depend on the kind of run (saved resolved)."""
@@ -134,6 +154,13 @@ class TrainConfig:
                      "log_every", "eval_every", "distill_samples", "distill_max_new_tokens",
                      "distill_batch_size", "eval_max_new_tokens"):
             need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
+        need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
+                                   f"got {self.dtype!r}")
+        need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
+        need(self.batch_size % self.grad_accum == 0,
+             f"--batch-size {self.batch_size} is not divisible by --grad-accum "
+             f"{self.grad_accum}")
+        need(self.loss_chunk >= 0, f"--loss-chunk must be >= 0, got {self.loss_chunk}")
         need(self.seq_len >= 2 + self.num_heads,
              f"--seq-len must be > num_heads + 1 (got {self.seq_len})")
         need(self.steps is None or self.steps >= 1, "--steps must be >= 1")
@@ -154,6 +181,12 @@ class TrainConfig:
         # matters when the benchmark runs; the vocabulary is checked there)
         Tree.load(self.tree, num_heads=self.tree_heads() if self.eval_prompts else None)
         return self
+
+    @property
+    def batch_ways(self) -> int:
+        """The devices a batch's rows are split over (--mesh's data x fsdp)."""
+        sizes = sharding.parse_mesh_spec(self.mesh)
+        return math.prod(sizes[a] for a in sharding.BATCH_AXES)
 
     def tree_heads(self) -> int | None:
         """The head count --tree is checked against (None: not known before the run)."""
@@ -205,6 +238,10 @@ class Method:
     tx: object
     schedule: Callable
     loss_fn: Callable
+    # gradient accumulation: the whole batch's denominators of the loss's means (read by the
+    # loss from batch["totals"]), and the metrics that are not sums over micro-batches
+    totals_fn: Callable | None = None
+    mean_metrics: tuple[str, ...] = ()
 
     @property
     def trained(self) -> tuple[str, ...]:
@@ -215,6 +252,10 @@ class Recipe:
     """A training method. Override what differs; the defaults do nothing extra."""
 
     name = "medusa"  # progress-bar label
+
+    def backbone_dtypes(self, cfg: TrainConfig) -> dict:
+        """`weights.load_pretrained`'s dtypes for --dtype: a frozen backbone is stored in it."""
+        return {"param_dtype": cfg.dtype, "compute_dtype": cfg.dtype}
 
     def setup(self, ctx: Context) -> None:
         """Before the data is read (Medusa-2: its first stage)."""
@@ -272,6 +313,7 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
         rundir.check_output_dir(run_dir, "--resume" if resume is not None else "--output-dir")
     if resume is not None:
         check_resume(cfg, run_dir)
+    check_batch(cfg, mesh)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     # process 0 owns the run directory (lock, files); the others only compute
@@ -324,6 +366,17 @@ def check_resume(cfg: TrainConfig, run_dir: Path):
                          f"{step} (give more steps to continue it)")
 
 
+def check_batch(cfg: TrainConfig, mesh):
+    """Every micro-batch (--batch-size / --grad-accum rows) splits over the mesh's batch
+    shards."""
+    micro = cfg.batch_size // cfg.grad_accum
+    if micro % sharding.batch_ways(mesh):
+        raise ValueError(f"--batch-size {cfg.batch_size} / --grad-accum {cfg.grad_accum} = "
+                         f"{micro} rows per micro-batch is not divisible by the "
+                         f"{sharding.batch_ways(mesh)} batch shards of mesh "
+                         f"data={mesh.shape['data']},fsdp={mesh.shape['fsdp']}")
+
+
 def remove_if_empty(run_dir: Path):
     """Remove a run directory holding nothing but its config and lock (empty folders)."""
     kept = [f for f in run_dir.rglob("*") if f.is_file() and
@@ -343,7 +396,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         (run_dir / "config.json").write_text(json.dumps(
             {"method": cfg.RUN_PREFIX, **dataclasses.asdict(cfg)}, indent=2))
 
-    model_cfg, backbone = weights.load_pretrained(cfg.model)
+    model_cfg, backbone = weights.load_pretrained(cfg.model, **recipe.backbone_dtypes(cfg))
     tokenizer = weights.load_tokenizer(cfg.model)
     ctx = Context(cfg, run_dir, mesh, model_cfg, backbone, tokenizer,
                   resolve_template(cfg, tokenizer), stop_tokens(model_cfg, tokenizer))
@@ -382,7 +435,8 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         metrics.truncate(-1)
 
     train_step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
-                                    method.schedule)
+                                    method.schedule, cfg.grad_accum, method.totals_fn,
+                                    method.mean_metrics)
     eval_step = ts.make_eval_step(method.loss_fn, shardings, mesh)
     held_batches = data.eval_batches(held_rows, cfg.batch_size) if held_rows else []
     batches = data.BatchIterator(train_rows, cfg.batch_size, seed=cfg.seed, position=position)
@@ -648,6 +702,40 @@ def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
 # ----------------------------------------------------------------------------- commands
 
 
+def add_memory_flags(ap: argparse.ArgumentParser):
+    g = ap.add_argument_group("memory report (no training: compile the step from shapes)")
+    g.add_argument("--memory-report", action="store_true", default=None,
+                   help="print the training step's per-device memory (parameters, optimizer "
+                        "state, temporaries, total) for --shape with these flags (--mesh, "
+                        "--batch-size, --seq-len, --dtype, ...), from compiles at 1 and 2 "
+                        "layers extrapolated to all; no weights, no data, no run directory")
+    g.add_argument("--shape", metavar="NAME|DIR",
+                   help="with --memory-report: a named shape (llama-2-7b, llama-2-13b, "
+                        "llama-2-70b, llama-3-8b, ...) or a model folder's config.json")
+    g.add_argument("--json", action="store_true", default=None,
+                   help="with --memory-report: the report as JSON (per_device_bytes, "
+                        "parts_bytes, ...)")
+    g.add_argument("--memory-layers", metavar="A,B", type=cli.int_list(1),
+                   help="with --memory-report: the two depths compiled (default 2,3; at one "
+                        "layer XLA drops the loop over layers, so 1,2 overstates the growth "
+                        "per layer)")
+    g.add_argument("--device-memory", metavar="SIZE",
+                   help="with --memory-report: say whether the step fits this much memory "
+                        "per device (e.g. 80GB, 16GiB)")
+
+
+def _memory_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_memory_flags(ap)
+    return ap
+
+
+def _without_memory(argv):
+    """argv less the memory-report flags (the config's parser must not see them)."""
+    _, rest = _memory_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    return rest
+
+
 class Command:
     """A training command (train/medusa1.py, train/medusa2.py): its flags come from the
     config class, its run is `train` with the recipe."""
@@ -660,11 +748,52 @@ class Command:
         ap = argparse.ArgumentParser(prog=self.prog, description=self.doc.split("\n")[0])
         cli.add_config_flags(ap, self.config_cls)
         cli.add_run_flags(ap)
+        add_memory_flags(ap)
         return ap
 
     def parse_args(self, argv=None):
         """(config, --resume, --stop-after); bad flags exit with one line (status 2)."""
-        return cli.parse_config(self.build_parser(), self.config_cls, argv)
+        return cli.parse_config(self.build_parser(), self.config_cls, _without_memory(argv))
+
+    def memory_report(self, argv=None) -> dict | None:
+        """--memory-report: print the training step's per-device memory for --shape (or
+        None when the flag is not given). Bad flags exit with one line (status 2)."""
+        ap = self.build_parser()
+        mem, _ = _memory_parser().parse_known_args(argv)
+        given = [f for f in ("shape", "json", "device_memory", "memory_layers")
+                 if getattr(mem, f) is not None]
+        if not mem.memory_report:
+            if given:
+                ap.error(f"--{given[0].replace('_', '-')} needs --memory-report")
+            return None
+        if mem.memory_layers is not None and len(mem.memory_layers) != 2:
+            ap.error("--memory-layers takes two depths, e.g. 2,3")
+        if mem.shape is None:
+            ap.error("--memory-report needs --shape (e.g. llama-2-7b, or a model folder)")
+        cfg, resume, _ = self.parse_args(argv)
+        if resume is not None or cfg.model is not None:
+            ap.error("--memory-report takes --shape, not --model or --resume")
+        from medusa_jax import memory
+
+        try:
+            device_memory = None if mem.device_memory is None else \
+                memory.parse_bytes(mem.device_memory)
+            memory.model_config(mem.shape)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(str(e))
+        need = math.prod(sharding.parse_mesh_spec(cfg.mesh).values())
+        if need > 1:  # simulated CPU devices for the mesh (before JAX starts its backends)
+            with contextlib.suppress(RuntimeError):
+                jax.config.update("jax_num_cpu_devices", need)
+        with cli.errors_to_exit():
+            r = memory.training_memory(self.recipe_cls(), cfg.resolve(), mem.shape,
+                                       device_memory, tuple(mem.memory_layers or
+                                                            memory.DEFAULT_LAYERS))
+        if mem.json:
+            print(json.dumps(r, indent=2))
+        else:
+            memory.print_report(r)
+        return r
 
     def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
         return train(cfg, self.recipe_cls(), resume, stop_after)
@@ -672,6 +801,8 @@ class Command:
     def main(self, argv=None):
         """Parse, run; errors and interrupts end the process with one line and the exit
         status a shell expects (1 error, 2 bad flags, 128 + signal number)."""
+        if self.memory_report(argv) is not None:
+            return
         cfg, resume, stop_after = self.parse_args(argv)
         try:
             with cli.errors_to_exit():

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
 from medusa_jax import assets
@@ -83,45 +83,43 @@ def weight_files(path: Path) -> list[Path]:
 
 class _Tensors:
     """The tensors of a checkpoint's files, indexed by name; each is read only when asked for
-    (`read`), so loading holds one tensor at a time in host memory beside the result."""
+    (`read`), so loading holds one tensor at a time in host memory beside the result. Read
+    as numpy arrays; bfloat16 ones (which numpy's reader cannot read) through the flax
+    reader, which imports Flax only then."""
 
     def __init__(self, files: list[Path]):
         self.where: dict[str, Path] = {}
+        self._open: dict[tuple[Path, str], object] = {}
         for file in files:
-            try:
-                # framework="flax" reads bfloat16, which numpy's reader does not.
-                with safe_open(str(file), framework="flax") as f:
-                    for name in f.keys():
-                        if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
-                            continue
-                        if name in self.where:
-                            raise WeightsError(
-                                f"{file}: tensor {name} also in {self.where[name]}")
-                        self.where[name] = file
-            except (SafetensorError, OSError) as e:
-                raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") \
-                    from None
-        self._open: dict[Path, object] = {}
+            for name in self._handle(file, "numpy").keys():
+                if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
+                    continue
+                if name in self.where:
+                    raise WeightsError(f"{file}: tensor {name} also in {self.where[name]}")
+                self.where[name] = file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._handle(self.where[name], "numpy").get_slice(name).get_shape())
 
     def read(self, name: str) -> np.ndarray:
-        try:
-            return np.asarray(self._handle(name).get_tensor(name))
-        except (SafetensorError, OSError) as e:
-            raise WeightsError(f"{self.where[name]}: corrupt or truncated safetensors file "
-                               f"({e})") from None
-
-    def _handle(self, name: str):
         file = self.where[name]
-        if file not in self._open:
+        try:
+            if self._handle(file, "numpy").get_slice(name).get_dtype() == "BF16":
+                return np.asarray(self._handle(file, "flax").get_tensor(name))
+            return self._handle(file, "numpy").get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") from None
+
+    def _handle(self, file: Path, framework: str):
+        if (file, framework) not in self._open:
+            from safetensors import safe_open
+
             try:
-                self._open[file] = safe_open(str(file), framework="flax")
+                self._open[file, framework] = safe_open(str(file), framework=framework)
             except (SafetensorError, OSError) as e:
                 raise WeightsError(f"{file}: corrupt or truncated safetensors file ({e})") \
                     from None
-        return self._open[file]
+        return self._open[file, framework]
 
 
 def check_finite(array: np.ndarray, name: str, file) -> None:
@@ -224,10 +222,10 @@ def load_tokenizer(model_dir: str | Path | None = None):
     if not found:
         raise WeightsError(f"{path}: no tokenizer in this folder (looked for "
                            f"{', '.join(TOKENIZER_FILES)})")
-    from transformers import AutoTokenizer
+    from medusa_jax.startup import tokenizer_class  # AutoTokenizer, or what it would pick
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = tokenizer_class(path).from_pretrained(str(path))
     except Exception as e:  # noqa: BLE001 - transformers raises many types, over many lines
         first = (str(e).strip().splitlines() or [""])[0].rstrip(": ")
         raise WeightsError(f"{path}: cannot load the tokenizer from {', '.join(found)} "

@@ -33,14 +33,17 @@ def test_generate_json(heads_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Lily"}\n{"turns": ["Once upon a time", "ignored"]}\n')
     proc = _run("infer.generate", "--heads", str(heads_dir), "--prompts-file", str(prompts),
-                "--prompt", "Tom", "--max-new-tokens", "12", "--json", "--tree", "mc_sim_7b_63:8")
+                "--prompt", "Tom", "--prompt", "Tom", "--max-new-tokens", "12", "--json",
+                "--tree", "mc_sim_7b_63:8")
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["prompt"] for r in rows] == ["Tom", "Lily", "Once upon a time"]
+    assert [r["prompt"] for r in rows] == ["Tom", "Tom", "Lily", "Once upon a time"]
+    assert rows[0] == rows[1]  # the same prompt twice: two equal rows, paired by position
     for r in rows:
         assert r["new_tokens"] == len(r["token_ids"]) <= 12 and r["steps"] >= 1
         assert r["tokens_per_step"] == pytest.approx(r["new_tokens"] / r["steps"])
         assert isinstance(r["text"], str) and r["text"]
-    assert "tokens/step" in proc.stderr
+    assert "tokens/step" in proc.stderr and "compiled in" in proc.stderr
+    assert f"{sum(r['new_tokens'] for r in rows)} tokens in" in proc.stderr  # compile apart
 
 
 @pytest.mark.parametrize("args, message", [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medusa_jax import cli, data
+from medusa_jax import cli, compile_cache, data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=cli.positive_int, default=256)
     ap.add_argument("--batch-size", type=cli.positive_int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    compile_cache.add_flag(ap)
     return ap
 
 
@@ -40,7 +41,8 @@ def main(argv=None):
         ap.error(f"--output {out}: is a directory; give a file path such as {out / 'answers.jsonl'}")
     if out.parent.exists() and not out.parent.is_dir():
         ap.error(f"--output {out}: {out.parent} is not a directory")
-    from medusa_jax import distill, weights
+    compile_cache.enable_from_args(args)
+    from medusa_jax import distill, timing, weights
 
     with cli.errors_to_exit():  # DataError, WeightsError: ValueErrors
         prompts = distill.read_prompts(args.prompts)
@@ -51,8 +53,8 @@ def main(argv=None):
             num_samples=args.num_samples, temperature=args.temperature,
             max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed)
         distill.write_jsonl(records, args.output)
-    print(f"wrote {stats['samples']} answers ({stats['new_tokens']} tokens, "
-          f"{stats['seconds']}s) to {args.output}")
+    speed = timing.speed_line(stats["compile_seconds"], stats["new_tokens"], stats["seconds"])
+    print(f"wrote {stats['samples']} answers to {args.output}: {speed}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""The training commands' --memory-report (the real step compiled from shapes) and the
+one-line errors of the scale flags."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from medusa_jax import memory
+from medusa_jax.backbone import param_shapes
+
+SHAPE = "llama-15m"  # hidden 288, 6 layers, 32,000 words: compiles in seconds
+SMALL = ["--shape", SHAPE, "--batch-size", "4", "--seq-len", "128", "--num-heads", "3",
+         "--num-layers", "1", "--memory-layers", "1,1", "--json"]  # one compile each
+
+
+def report(command, args, capsys) -> dict:
+    command.main(["--memory-report", *SMALL, *args])
+    return json.loads(capsys.readouterr().out)
+
+
+def test_medusa1_report_counts_params_and_adam_moments_exactly(capsys):
+    from train.medusa1 import command
+
+    r = report(command, ["--dtype", "bfloat16"], capsys)
+    cfg = memory.model_config(SHAPE)
+    n_backbone = sum(int(np.prod(s)) for s in
+                     jax.tree.leaves(param_shapes(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+    h, v = cfg.hidden_size, cfg.vocab_size
+    n_heads = 3 * (h * h + h + h * v)
+    assert r["params_bytes"] == {"backbone": 2 * n_backbone, "heads": 4 * n_heads}
+    # Adam's two float32 moments for the heads only; a few scalar counters
+    assert 0 <= r["parts_bytes"]["optimizer_state"] - 2 * 4 * n_heads < 64
+    assert r["per_device_bytes"] == sum(r["parts_bytes"].values())
+    # memory_analysis counts one device's arguments: the state and the batch
+    assert r["compiled_argument_bytes"] == r["state_and_batch_bytes"]
+    assert r["layers"] == 6 and r["layers_compiled"] == [1]
+
+
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
+def test_fsdp_splits_the_state_and_the_chunked_loss_cuts_temporaries(capsys):
+    from train.medusa1 import command
+
+    one = report(command, ["--loss-chunk", "128"], capsys)  # one block: today's loss
+    two = report(command, ["--loss-chunk", "128", "--mesh", "fsdp=2"], capsys)
+    assert two["devices"] == 2 and two["batch_per_device"] == 2
+    for part in ("params", "optimizer_state"):  # norms stay whole: just over half
+        assert 0.5 <= two["parts_bytes"][part] / one["parts_bytes"][part] < 0.51, part
+    chunked = report(command, ["--loss-chunk", "8"], capsys)
+    # the unchunked step holds [K, B, T, V] float32 logits of 3 x 4 x 128 x 32,000 (197 MB)
+    # and their gradient; the chunked one a 16th of them at a time
+    logits = 3 * 4 * 128 * 32000 * 4
+    assert one["parts_bytes"]["temporaries"] - chunked["parts_bytes"]["temporaries"] > logits
+    assert chunked["loss_chunk_tokens"] == 8 and one["loss_chunk_tokens"] == 128
+
+
+def test_medusa2_report_keeps_float32_master_weights_and_a_bfloat16_teacher(capsys):
+    from train.medusa2 import command
+
+    r = report(command, ["--dtype", "bfloat16", "--remat", "--device-memory", "80GB"], capsys)
+    bb = r["params_bytes"]["backbone"]
+    assert r["params_bytes"]["teacher"] * 2 == bb and r["backbone_param_dtype"] == "float32"
+    # Adam moments for the backbone and the heads, none for the teacher
+    trained = bb + r["params_bytes"]["heads"]
+    assert 0 <= r["parts_bytes"]["optimizer_state"] - 2 * trained < 64
+    assert r["remat"] and r["fits"] and r["device_memory_bytes"] == 80 * 10 ** 9
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shape", SHAPE], "--shape needs --memory-report"),
+    (["--memory-report"], "--memory-report needs --shape"),
+    (["--memory-report", "--shape", "llama-9b"], "neither a known shape"),
+    (["--memory-report", "--shape", SHAPE, "--device-memory", "lots"], "bad memory size"),
+    (["--memory-report", "--shape", SHAPE, "--memory-layers", "1"], "two depths"),
+    (["--dtype", "float64"], "invalid choice: 'float64'"),
+    (["--grad-accum", "0"], "--grad-accum must be >= 1"),
+    (["--batch-size", "6", "--grad-accum", "4"], "--batch-size 6 is not divisible by "
+                                                  "--grad-accum 4"),
+    (["--loss-chunk", "-1"], "--loss-chunk must be >= 0"),
+])
+def test_bad_scale_flags_exit_2_with_one_line(argv, message, capsys):
+    from train.medusa1 import command
+
+    with pytest.raises(SystemExit) as e:
+        command.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1] and not any("Traceback" in ln for ln in err), err
+
+
+def test_micro_batch_not_divisible_by_the_mesh_fails_before_any_work(tmp_path, capsys):
+    from train.medusa1 import command
+
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        command.main(["--batch-size", "8", "--grad-accum", "4", "--mesh", "data=4",
+                      "--output-dir", str(run)])
+    assert "2 rows per micro-batch is not divisible by the 4 batch shards" in str(e.value)
+    assert not run.exists()
