@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 
 
 def tokenizer_class(path: Path):
