@@ -59,10 +59,28 @@ def is_embedded(model: str | Path | None) -> bool:
     return model is None or Path(model).resolve() == model_dir().resolve()
 
 
+# A model folder may name its own default tree here ({"default_tree": NAME}): train.enlarge
+# writes the source's, since an enlarged model accepts exactly as its source does.
+MODEL_SETTINGS = "medusa_jax.json"
+
+
 def default_tree(model: str | Path | None) -> str:
     """The tree a model decodes with when none is named: the CPU-searched tree for the
-    embedded model, the published `mc_sim_7b_63` for any other."""
-    return EMBEDDED_DEFAULT_TREE if is_embedded(model) else PUBLISHED_DEFAULT_TREE
+    embedded model, the one its folder's `MODEL_SETTINGS` names, else the published
+    `mc_sim_7b_63`."""
+    if is_embedded(model):
+        return EMBEDDED_DEFAULT_TREE
+    settings = Path(model) / MODEL_SETTINGS
+    if settings.is_file():
+        import json
+
+        try:
+            tree = json.loads(settings.read_text()).get("default_tree")
+        except (OSError, ValueError, AttributeError):
+            raise ValueError(f"{settings}: not a JSON object with a default_tree") from None
+        if isinstance(tree, str) and tree:
+            return tree
+    return PUBLISHED_DEFAULT_TREE
 
 
 def default_heads(model: str | Path | None) -> Path | None:

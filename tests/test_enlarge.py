@@ -131,6 +131,7 @@ def test_enlarged_model_and_heads_decode_the_same_tokens_per_step(written):
     small = Medusa.load(heads="default")
     big = Medusa.load(written, written / "heads")
     assert big.cfg.hidden_size == 96 and big.cfg.num_layers == 7
+    assert big.default_tree == small.default_tree == "stories260K_cpu"  # the source's
     for medusa in (False, True):
         kw = dict(max_new_tokens=40, tree="stories260K_cpu", medusa=medusa)
         a, b = small.generate(prompts, **kw), big.generate(prompts, **kw)

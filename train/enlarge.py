@@ -126,6 +126,9 @@ def main(argv=None) -> int:
             head_dim=dst.head_dim,
             rotated="" if args.rotate is None else
             f", residual stream rotated (seed {args.rotate})"))
+        # it accepts exactly as its source: the source's default tree
+        (tmp / assets.MODEL_SETTINGS).write_text(json.dumps(
+            {"default_tree": assets.default_tree(args.model)}) + "\n")
         if big_heads is not None:
             heads_mod.save_heads(tmp / "heads", big_heads, dst,
                                  extra={"enlarged_from": str(heads_path)})
