@@ -770,7 +770,9 @@ class Command:
             ap.error("--memory-layers takes two depths, e.g. 2,3")
         if mem.shape is None:
             ap.error("--memory-report needs --shape (e.g. llama-2-7b, or a model folder)")
-        cfg, resume, _ = self.parse_args(argv)
+        # no decoding benchmark runs here: its tree need not fit these heads
+        argv = list(sys.argv[1:] if argv is None else argv)
+        cfg, resume, _ = self.parse_args([*argv, "--eval-prompts", "0"])
         if resume is not None or cfg.model is not None:
             ap.error("--memory-report takes --shape, not --model or --resume")
         from medusa_jax import memory
