@@ -21,6 +21,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 
@@ -130,17 +131,20 @@ def medusa_targets(batch: Batch, num_heads: int) -> tuple[jax.Array, jax.Array]:
 
 
 def medusa_loss(head_logits: jax.Array, targets: jax.Array, valid: jax.Array,
-                decay: float, count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                decay: float, count: jax.Array | None = None,
+                scored: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """head_logits [K, B, T, V], targets/valid [K, B, T] -> (loss, metrics with [K] arrays).
-    `count` ([K]): the per-head means' denominators (default: the valid positions here)."""
+    `count` ([K]): the per-head means' denominators (default: the valid positions here).
+    `scored` ([K, B, T], reduced-vocabulary heads): the valid positions whose target the
+    heads can predict; the others add nothing to the loss and count as misses."""
     k = head_logits.shape[0]
     logits = head_logits.astype(jnp.float32)
     tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [K, B, T]
     ce = jax.nn.logsumexp(logits, axis=-1) - tgt_logit
     # rank of the target = how many logits beat it (ties count in its favour)
     rank = jnp.sum(logits > tgt_logit[..., None], axis=-1)
-    validf = valid.astype(jnp.float32)
-    own = jnp.sum(validf, axis=(1, 2))  # [K]
+    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))  # [K]
+    validf = (valid if scored is None else valid & scored).astype(jnp.float32)
     # no valid position: loss 0, not NaN
     denom = jnp.maximum(own if count is None else count, 1.0)
     head_loss = jnp.sum(ce * validf, axis=(1, 2)) / denom
@@ -178,7 +182,7 @@ def loss_chunk_size(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: 
 def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array):
     """One chunk: hidden [B, C, H], targets/valid [K, B, C] -> per-head sums [K] of the
     cross-entropy, top-1 and top-5 hits over the valid positions (the ranks as in
-    `medusa_loss`)."""
+    `medusa_loss`; `valid` here: the scored ones)."""
     logits = apply_heads(heads, hidden)  # [K, B, C, V] float32
     tgt_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     ce = jax.nn.logsumexp(logits, axis=-1) - tgt_logit
@@ -190,7 +194,8 @@ def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax
 
 def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
                         valid: jax.Array, decay: float, chunk: int,
-                        count: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                        count: jax.Array | None = None,
+                        scored: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """`medusa_loss(apply_heads(heads, hidden), ...)` without the [K, B, T, V] logits: the
     T positions of every row are scored `chunk` at a time in a `lax.scan` whose body is
     under `jax.checkpoint`, so the backward pass recomputes each chunk's logits instead of
@@ -198,7 +203,11 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
     cut the sequence, not the batch, so a batch split over devices stays split. hidden
     [B, T, H], targets/valid [K, B, T]; the same loss, gradients (to float rounding) and
     metrics. `count` ([K]): the denominators of the per-head means (default: the valid
-    positions here; gradient accumulation passes the whole batch's)."""
+    positions here; gradient accumulation passes the whole batch's); `scored` as in
+    `medusa_loss`."""
+    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))
+    if scored is not None:
+        valid = valid & scored
     k, b, t = targets.shape
     pad = -t % chunk  # padded positions are invalid: they add nothing
     if pad:
@@ -216,7 +225,6 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
 
     zeros = jnp.zeros((k,), jnp.float32)
     (ce, top1, top5), _ = jax.lax.scan(step, (zeros, zeros, zeros), xs)
-    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))
     denom = jnp.maximum(own if count is None else count, 1.0)
     head_loss = ce / denom
     weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
@@ -227,15 +235,26 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
 
 def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,
                decay: float, chunk: int = 0, count: jax.Array | None = None,
-               batch_ways: int = 1) -> tuple[jax.Array, dict]:
+               batch_ways: int = 1, token_index: jax.Array | None = None
+               ) -> tuple[jax.Array, dict]:
     """The heads' loss and metrics from the last hidden state [B, T, H]: in one block when
     the chunk (`loss_chunk_size`; `batch_ways`: the devices the rows are split over) covers
-    the whole sequence (today's computation exactly), else `chunked_medusa_loss`."""
+    the whole sequence (today's computation exactly), else `chunked_medusa_loss`.
+
+    `token_index` ([1, V] int32, reduced-vocabulary heads being trained: token id -> column
+    of the heads' projection, -1 outside): the loss is a softmax over the heads' T columns
+    only, and a target outside them is a miss that adds nothing to the loss (the means and
+    the accuracies still divide by every valid position, so they compare with full heads')."""
     k, b, t = targets.shape
+    scored = None
+    if token_index is not None:
+        columns = token_index[0][targets]  # [K, B, T]
+        scored = columns >= 0
+        targets = jnp.where(scored, columns, 0)
     size = loss_chunk_size(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
     if size >= t:
-        return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count)
-    return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count)
+        return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count, scored)
+    return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count, scored)
 
 
 def heads_vocab(heads: Params) -> int:
@@ -246,10 +265,15 @@ def heads_vocab(heads: Params) -> int:
 
 
 def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
-                    batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
+                    batch_ways: int = 1, frozen_proj: bool = False,
+                    token_map=None) -> LossFn:
     """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
     loss in chunks of `chunk` tokens per row (0: `loss_chunk_size`'s automatic size for rows
-    split `batch_ways` ways). `frozen_proj`: no gradient for the heads' projection."""
+    split `batch_ways` ways). `frozen_proj`: no gradient for the heads' projection.
+    `token_map` ([T] token ids): the heads' projection has T columns, those tokens (a
+    reduced vocabulary; the map is a constant of the loss, not a trained parameter)."""
+    token_index = None if token_map is None else \
+        jnp.asarray(reduced_token_index(token_map, cfg.vocab_size))
 
     def loss_fn(params: Params, batch: Batch):
         hidden = frozen_hidden(params["backbone"], cfg, batch, batch_ways)
@@ -258,9 +282,35 @@ def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
             heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
         targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
         return heads_loss(heads, hidden, targets, valid, decay, chunk,
-                          batch.get("totals", {}).get("heads"), batch_ways)
+                          batch.get("totals", {}).get("heads"), batch_ways, token_index)
 
     return loss_fn
+
+
+# ----------------------------------------------------------------------------- reduced vocab
+
+
+def frequent_tokens(tokens: np.ndarray, labels: np.ndarray, vocab: int, size: int
+                    ) -> tuple[np.ndarray, float]:
+    """The `size` most frequent label tokens (ties: the lower id), as sorted ids [size], and
+    the fraction of label tokens they cover. tokens/labels: [N, T] ids and label mask."""
+    counts = np.bincount(tokens[labels].ravel(), minlength=vocab)[:vocab]
+    top = np.sort(np.argsort(-counts, kind="stable")[:size]).astype(np.int32)
+    return top, float(counts[top].sum() / max(counts.sum(), 1))
+
+
+def reduced_token_index(token_map, vocab: int) -> np.ndarray:
+    """[1, V] int32: token id -> its column in `token_map`, -1 for the others (the heads'
+    `token_index`, the form `heads.apply_heads` and `heads_formats` read)."""
+    index = np.full((1, vocab), -1, np.int32)
+    index[0, np.asarray(token_map)] = np.arange(len(token_map), dtype=np.int32)
+    return index
+
+
+def reduce_heads(heads: Params, token_map) -> Params:
+    """Heads restricted to the columns `token_map` of their projection (no `token_index`:
+    the trainable form; `reduced_token_index` gives the index to decode with)."""
+    return dict(heads, proj=heads["proj"][..., jnp.asarray(token_map)])
 
 
 # ----------------------------------------------------------------------------- optimizer

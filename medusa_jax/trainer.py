@@ -280,6 +280,11 @@ class Recipe:
     def artifact_extra(self, ctx: Context) -> dict:
         return {}
 
+    def heads_artifact(self, ctx: Context, heads: Params) -> Params:
+        """The trained heads as written and decoded with (a reduced vocabulary adds its
+        token_index, a constant the training state does not hold)."""
+        return heads
+
     def finish(self, ctx: Context, state: ts.TrainState, summary: dict) -> Params:
         """After the heads artifact is written; returns the backbone to decode with."""
         return ctx.backbone
@@ -496,7 +501,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         return summary
 
     final = held_eval(step)
-    heads = sharding.to_host(state.params["heads"])
+    heads = recipe.heads_artifact(ctx, sharding.to_host(state.params["heads"]))
     extra = {"step": step, "template": ctx.template, "config": dataclasses.asdict(cfg),
              **recipe.artifact_extra(ctx)}
     if final is not None:

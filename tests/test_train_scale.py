@@ -223,6 +223,94 @@ def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
     assert "--shared-proj: the heads in" in err[-1] and "have their own projections" in err[-1]
 
 
+def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not():
+    """The reduced heads' loss = the full-vocabulary loss of the same heads restricted to
+    those columns (-inf elsewhere), over the positions whose target is kept; a target
+    outside is a miss, and the means still divide by every valid position."""
+    bb, heads = trained_heads()
+    batch = random_batch(b=4, t=16)
+    hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
+    targets, valid = ts.medusa_targets(batch, K)
+    token_map, covered = ts.frequent_tokens(batch["tokens"], batch["loss_mask"],
+                                            CFG.vocab_size, 24)
+    assert len(token_map) == 24 and 0 < covered < 1
+    index = ts.reduced_token_index(token_map, CFG.vocab_size)
+    reduced = ts.reduce_heads(heads, token_map)
+    kept = index[0][np.asarray(targets)] >= 0
+    assert kept[np.asarray(valid)].any() and not kept[np.asarray(valid)].all()
+
+    def both(h):
+        got = ts.heads_loss(ts.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
+                            chunk=16, token_index=jnp.asarray(index))
+        chunked = ts.heads_loss(ts.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
+                                chunk=5, token_index=jnp.asarray(index))
+        # the decoding form: full-vocabulary logits, -inf outside the map
+        full = heads_lib.apply_heads(dict(ts.reduce_heads(h, token_map),
+                                          token_index=jnp.asarray(index)), hidden)
+        safe_targets = jnp.where(jnp.asarray(kept), targets, token_map[0])
+        ref = ts.medusa_loss(full, safe_targets, valid & jnp.asarray(kept), 0.8,
+                             count=jnp.sum(valid, axis=(1, 2)).astype(jnp.float32))
+        return got, chunked, ref
+
+    fns = [lambda h, i=i: both(h)[i][0] for i in range(3)]
+    (got, chunked, ref) = jax.jit(both)(heads)
+    for out in (got, chunked):
+        np.testing.assert_allclose(float(out[0]), float(ref[0]), rtol=1e-6)
+        for key in ("head_loss", "top1", "top5"):
+            np.testing.assert_allclose(np.asarray(out[1][key]), np.asarray(ref[1][key]),
+                                       rtol=1e-6, atol=1e-7, err_msg=key)
+        np.testing.assert_array_equal(np.asarray(out[1]["count"]),
+                                      np.asarray(valid).sum((1, 2)))
+    # a miss is a miss: top-5 never reaches the kept fraction's ceiling from outside it
+    ceiling = (kept & np.asarray(valid)).sum((1, 2)) / np.asarray(valid).sum((1, 2))
+    assert np.all(np.asarray(got[1]["top5"]) <= ceiling + 1e-6)
+    g = [jax.grad(f)(heads)["proj"] for f in fns]
+    np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[2]), rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g[1]), np.asarray(g[2]), rtol=2e-5, atol=1e-6)
+    del bb, reduced
+
+
+def test_reduced_vocabulary_run_writes_token_map_heads_that_decode_exactly(tmp_path):
+    """train.medusa1 --reduced-vocab on the embedded model: the artifact holds token_index,
+    exports to vLLM's token_map form, and greedy Medusa with it equals plain greedy."""
+    from medusa_jax import heads_formats
+    from medusa_jax.api import Medusa
+    from train.medusa1 import command
+
+    run = tmp_path / "run"
+    cfg, _, _ = command.parse_args(["--reduced-vocab", "128", "--steps", "3", "--batch-size", "4",
+                              "--seq-len", "64", "--distill-samples", "16",
+                              "--distill-max-new-tokens", "48", "--eval-prompts", "0",
+                              "--num-layers", "1", "--output-dir", str(run)])
+    command.run(cfg)
+    heads, _ = heads_lib.load_heads(run / "heads", Medusa.load().cfg)
+    assert heads["proj"].shape[-1] == 128 and heads["token_index"].shape == (1, 512)
+    index = np.asarray(heads["token_index"][0])
+    assert (index >= 0).sum() == 128 and sorted(index[index >= 0]) == list(range(128))
+    heads_formats.write_vllm(jax.tree.map(np.asarray, heads), tmp_path / "vllm")
+    conf = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert conf["truncated_vocab_size"] == 128
+    m = Medusa.load(heads=str(tmp_path / "vllm"))
+    prompts = ["Once upon a time", "The little dog"]
+    medusa = m.generate(prompts, max_new_tokens=24)
+    plain = m.generate(prompts, max_new_tokens=24, medusa=False)
+    assert [g.token_ids for g in medusa] == [g.token_ids for g in plain]
+    assert max(g.tokens_per_step for g in medusa) > 1  # the reduced heads are used
+
+
+def test_reduced_vocabulary_errors_before_any_work(capsys):
+    from train.medusa1 import command
+
+    with pytest.raises(SystemExit) as e:
+        command.parse_args(["--reduced-vocab", "-1"])
+    assert e.value.code == 2 and "--reduced-vocab must be >= 0" in capsys.readouterr().err
+    from medusa_jax.medusa1 import Medusa1Config, check_reduced_vocab
+
+    with pytest.raises(ValueError, match="--reduced-vocab 512 is not below the model's "
+                                         "vocabulary of 512 tokens"):
+        check_reduced_vocab(Medusa1Config(reduced_vocab=512), 512)
+
+
 def test_remat_gives_the_same_backbone_gradients():
     bb, _ = trained_heads()
     batch = random_batch(b=2)
