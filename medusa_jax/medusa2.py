@@ -196,7 +196,7 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk
         h_targets, h_valid = heads_targets(batch, heads["w"].shape[0])
         heads_loss, head_metrics = ts.heads_loss(heads, hidden, h_targets, h_valid,
                                                  loss_cfg.decay, chunk, totals.get("heads"),
-                                                 batch_ways)
+                                                 batch_ways, train_proj=not frozen_proj)
         # eval batches carry no step: they are scored with the peak weight
         lam = lam_fn(jnp.max(batch["step"])) if "step" in batch else \
             jnp.float32(loss_cfg.peak_head_weight)

@@ -177,9 +177,10 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
         "batch_size": cfg.batch_size, "batch_per_device": cfg.batch_size // sharding.batch_ways(mesh),
         "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "dtype": cfg.dtype,
         "backbone_param_dtype": dtypes["param_dtype"], "num_heads": cfg.num_heads,
-        "head_layers": cfg.num_layers, "loss_chunk_tokens": ts.loss_chunk_size(
+        "head_layers": cfg.num_layers, "loss_chunking": ts.loss_chunking(
             cfg.seq_len, cfg.batch_size // cfg.grad_accum // sharding.batch_ways(mesh),
-            cfg.num_heads, full.vocab_size, cfg.loss_chunk),
+            cfg.num_heads, getattr(cfg, "reduced_vocab", 0) or full.vocab_size,
+            cfg.loss_chunk),
         "remat": bool(getattr(cfg, "remat", False)),
         "per_device_bytes": total, "parts_bytes": parts, "params_bytes": params,
         "temporaries_bytes_by_layers": {str(n): int(r.memory.temp_size_in_bytes)
@@ -201,6 +202,12 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
     return out
 
 
+def _chunking(how) -> str:
+    kind, size = how
+    return {"one": "in one block", "tokens": f"{size} tokens per row at a time",
+            "vocab": f"over the vocabulary in {size} chunks"}[kind]
+
+
 def print_report(r: dict):
     gb = lambda b: f"{b / GB:8.2f} GB"  # noqa: E731
     print(f"{r['method']} training step, {r['shape']} ({r['layers']} layers; compiled at "
@@ -208,8 +215,7 @@ def print_report(r: dict):
           f"({r['devices']} {r['platform']} devices), batch {r['batch_size']} "
           f"({r['batch_per_device']} per device) x {r['seq_len']} tokens, grad-accum "
           f"{r['grad_accum']}, backbone {r['dtype']} (weights {r['backbone_param_dtype']}), "
-          f"{r['num_heads']} heads, heads' loss {r['loss_chunk_tokens']} tokens per row "
-          f"at a time"
+          f"{r['num_heads']} heads, heads' loss {_chunking(r['loss_chunking'])}"
           + (", remat" if r["remat"] else ""))
     print("per-device memory:")
     names = {"params": "parameters", "optimizer_state": "optimizer state",

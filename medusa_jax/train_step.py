@@ -17,6 +17,7 @@ its valid positions (0 when there are none, never NaN); heads are summed with we
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -233,13 +234,184 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
                   "top5": top5 / denom, "count": own}
 
 
+# ----------------------------------------------------------------- the loss over vocab chunks
+#
+# Chunking the tokens keeps one chunk's logits small, but every chunk's gradient of the
+# projection is a whole [K, H, V] array added to the running sum: at Llama 3's 128,256
+# words and 5 heads that is two 10.5 GB float32 buffers during the backward pass, besides
+# the gradient itself. Chunking the vocabulary instead gives each chunk its own columns of
+# the gradient, written in place: the loss is a softmax over all columns through an online
+# logsumexp (first pass), and the backward pass (second pass, a custom VJP) recomputes each
+# chunk's logits and writes its columns. Chunk j holds the columns j, j + n, j + 2n, ... so
+# that a vocabulary split over devices (the `vocab` axis) is split evenly in every chunk.
+
+
+def vocab_chunks(vocab: int, num_heads: int, tokens: int, limit: int = 0) -> int | None:
+    """How many chunks the vocabulary is cut into so that one chunk's logits
+    [K, tokens, V / n] float32 fit `limit` bytes (0: `AUTO_CHUNK_BYTES`): the smallest
+    divisor n of `vocab` that does, or None when its chunks would hold under a quarter of
+    the limit (a vocabulary size without convenient divisors: then the tokens are
+    chunked)."""
+    limit = limit or AUTO_CHUNK_BYTES
+    most = max(1, limit // (num_heads * max(tokens, 1) * 4))  # columns per chunk
+    for n in range(-(-vocab // most), vocab + 1):
+        if vocab % n == 0:
+            return n if 4 * (vocab // n) >= most else None
+    return None
+
+
+def loss_chunking(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0
+                  ) -> tuple[str, int]:
+    """How the heads' loss is computed for a device's `rows` x `seq_len` tokens:
+    ("one", seq_len) in one block when it fits `AUTO_CHUNK_BYTES` (or `chunk` >= seq_len);
+    with `chunk` >= 1, ("tokens", chunk); else ("vocab", n chunks) when the vocabulary has
+    a convenient divisor, ("tokens", the automatic size) when it has not."""
+    size = loss_chunk_size(seq_len, rows, num_heads, vocab, chunk)
+    if size >= seq_len:
+        return "one", seq_len
+    if chunk < 1:
+        n = vocab_chunks(vocab, num_heads, max(rows, 1) * seq_len)
+        if n is not None:
+            return "vocab", n
+    return "tokens", size
+
+
+def _chunk_logits(x, w, j):
+    """Chunk j's logits [K, N, V/n] float32: x [K, N, H], w [P, H, V/n, n] (P = K or 1)."""
+    wj = jax.lax.dynamic_index_in_dim(w, j, axis=3, keepdims=False).astype(x.dtype)
+    eq = "knh,hv->knv" if w.shape[0] == 1 and x.shape[0] > 1 else "knh,khv->knv"
+    return jnp.einsum(eq, x, wj[0] if eq == "knh,hv->knv" else wj,
+                      preferred_element_type=jnp.float32)
+
+
+def _vocab_ce_forward(x, proj, targets, weight, n):
+    p, h, v = proj.shape
+    w = proj.reshape(p, h, v // n, n)
+    # the target's logit, from its own column (ranks below count the other columns only)
+    if p == 1 and x.shape[0] > 1:  # shared: [H, K, N]
+        cols = jnp.take(proj[0], targets, axis=1)
+        tgt = jnp.einsum("knh,hkn->kn", x, cols.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+    else:
+        cols = jnp.take_along_axis(proj, targets[:, None, :], axis=2)  # [K, H, N]
+        tgt = jnp.einsum("knh,khn->kn", x, cols.astype(x.dtype),
+                         preferred_element_type=jnp.float32)
+    local, home = targets // n, targets % n
+    iota = jnp.arange(v // n)
+
+    def step(carry, j):
+        m, s, rank = carry
+        logits = _chunk_logits(x, w, j)
+        new_m = jnp.maximum(m, jnp.max(logits, axis=-1))
+        s = s * jnp.exp(m - new_m) + jnp.sum(jnp.exp(logits - new_m[..., None]), axis=-1)
+        own = (home == j)[..., None] & (iota == local[..., None])
+        rank = rank + jnp.sum((logits > tgt[..., None]) & ~own, axis=-1)
+        return (new_m, s, rank), None
+
+    k, tokens = targets.shape
+    init = (jnp.full((k, tokens), -jnp.inf), jnp.zeros((k, tokens)),
+            jnp.zeros((k, tokens), jnp.int32))
+    (m, s, rank), _ = jax.lax.scan(step, init, jnp.arange(n))
+    lse = m + jnp.log(s)
+    sums = (jnp.sum((lse - tgt) * weight, axis=1), jnp.sum((rank < 1) * weight, axis=1),
+            jnp.sum((rank < 5) * weight, axis=1))
+    return sums, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def vocab_chunked_ce(x, proj, targets, weight, n: int, train_proj: bool = True):
+    """Per-head sums [K] of the cross-entropy, top-1 and top-5 hits of logits x @ proj over
+    the weighted positions, the vocabulary `n` chunks at a time (see above). x [K, N, H];
+    proj [K, H, V] or [1, H, V] (shared); targets [K, N] column ids; weight [K, N]. The
+    gradient flows to x and (`train_proj`) to proj; the hit counts have none."""
+    return _vocab_ce_forward(x, proj, targets, weight, n)[0]
+
+
+def _vocab_ce_fwd(x, proj, targets, weight, n, train_proj):
+    sums, lse = _vocab_ce_forward(x, proj, targets, weight, n)
+    return sums, (x, proj, targets, weight, lse)
+
+
+def _vocab_ce_bwd(n, train_proj, res, cotangents):
+    x, proj, targets, weight, lse = res
+    p, h, v = proj.shape
+    w = proj.reshape(p, h, v // n, n)
+    coef = weight * cotangents[0][:, None]  # d loss / d ce at each position [K, N]
+    local, home = targets // n, targets % n
+    iota = jnp.arange(v // n)
+    shared = p == 1 and x.shape[0] > 1
+
+    def step(carry, j):
+        dx, dw = carry
+        logits = _chunk_logits(x, w, j)
+        own = (home == j)[..., None] & (iota == local[..., None])
+        dl = (jnp.exp(logits - lse[..., None]) - own) * coef[..., None]  # [K, N, V/n]
+        wj = jax.lax.dynamic_index_in_dim(w, j, axis=3, keepdims=False).astype(x.dtype)
+        dl_c = dl.astype(x.dtype)
+        if shared:
+            dx = dx + jnp.einsum("knv,hv->knh", dl_c, wj[0], preferred_element_type=jnp.float32)
+        else:
+            dx = dx + jnp.einsum("knv,khv->knh", dl_c, wj, preferred_element_type=jnp.float32)
+        if train_proj:
+            eq = "knh,knv->hv" if shared else "knh,knv->khv"
+            g = jnp.einsum(eq, x, dl_c, preferred_element_type=jnp.float32)
+            g = g.reshape(p, h, v // n).astype(dw.dtype)
+            dw = jax.lax.dynamic_update_index_in_dim(dw, g, j, axis=3)
+        return (dx, dw), None
+
+    dw0 = jnp.zeros(w.shape if train_proj else (0,), proj.dtype)
+    (dx, dw), _ = jax.lax.scan(step, (jnp.zeros(x.shape, jnp.float32), dw0), jnp.arange(n))
+    dproj = dw.reshape(p, h, v) if train_proj else jnp.zeros_like(proj)
+    return dx.astype(x.dtype), dproj, None, None
+
+
+vocab_chunked_ce.defvjp(_vocab_ce_fwd, _vocab_ce_bwd)
+
+
+def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
+    """The heads' residual blocks: hidden [..., H] -> [K, ..., H] (what `apply_heads`
+    projects; here the projection is the vocabulary-chunked loss's)."""
+    dt = hidden.dtype
+    k = heads["w"].shape[0]
+    x = jnp.broadcast_to(hidden, (k, *hidden.shape))
+    for layer in range(heads["w"].shape[1]):
+        w, b = heads["w"][:, layer].astype(dt), heads["b"][:, layer].astype(dt)
+        y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
+        x = x + jax.nn.silu(y)
+    return x
+
+
+def vocab_chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
+                              valid: jax.Array, decay: float, chunks: int,
+                              count: jax.Array | None = None,
+                              scored: jax.Array | None = None,
+                              train_proj: bool = True) -> tuple[jax.Array, dict]:
+    """`medusa_loss(apply_heads(heads, hidden), ...)` with the vocabulary in `chunks`
+    chunks (`vocab_chunked_ce`): no [K, B, T, V] logits, and no whole-size gradient of the
+    projection besides the gradient itself. Arguments as in `chunked_medusa_loss`;
+    `train_proj=False`: the projection is frozen (no gradient computed for it)."""
+    k, b, t = targets.shape
+    own = jnp.sum(valid.astype(jnp.float32), axis=(1, 2))
+    weight = (valid if scored is None else valid & scored).astype(jnp.float32)
+    x = head_states(heads, hidden).reshape(k, b * t, -1)
+    ce, top1, top5 = vocab_chunked_ce(x, heads["proj"], targets.reshape(k, b * t),
+                                      weight.reshape(k, b * t), chunks, train_proj)
+    denom = jnp.maximum(own if count is None else count, 1.0)
+    head_loss = ce / denom
+    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
+    loss = jnp.sum(weights * head_loss)
+    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
+                  "top5": top5 / denom, "count": own}
+
+
 def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,
                decay: float, chunk: int = 0, count: jax.Array | None = None,
-               batch_ways: int = 1, token_index: jax.Array | None = None
-               ) -> tuple[jax.Array, dict]:
-    """The heads' loss and metrics from the last hidden state [B, T, H]: in one block when
-    the chunk (`loss_chunk_size`; `batch_ways`: the devices the rows are split over) covers
-    the whole sequence (today's computation exactly), else `chunked_medusa_loss`.
+               batch_ways: int = 1, token_index: jax.Array | None = None,
+               train_proj: bool = True) -> tuple[jax.Array, dict]:
+    """The heads' loss and metrics from the last hidden state [B, T, H], computed as
+    `loss_chunking` says (`batch_ways`: the devices the rows are split over): in one block
+    (today's computation exactly), over vocabulary chunks (`vocab_chunked_medusa_loss`) or
+    over token chunks (`chunked_medusa_loss`). `train_proj=False`: the projection is frozen.
 
     `token_index` ([1, V] int32, reduced-vocabulary heads being trained: token id -> column
     of the heads' projection, -1 outside): the loss is a softmax over the heads' T columns
@@ -251,9 +423,12 @@ def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.
         columns = token_index[0][targets]  # [K, B, T]
         scored = columns >= 0
         targets = jnp.where(scored, columns, 0)
-    size = loss_chunk_size(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
-    if size >= t:
+    how, size = loss_chunking(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
+    if how == "one":
         return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count, scored)
+    if how == "vocab":
+        return vocab_chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count,
+                                         scored, train_proj)
     return chunked_medusa_loss(heads, hidden, targets, valid, decay, size, count, scored)
 
 
@@ -282,7 +457,8 @@ def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
             heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
         targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
         return heads_loss(heads, hidden, targets, valid, decay, chunk,
-                          batch.get("totals", {}).get("heads"), batch_ways, token_index)
+                          batch.get("totals", {}).get("heads"), batch_ways, token_index,
+                          train_proj=not frozen_proj)
 
     return loss_fn
 

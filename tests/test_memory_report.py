@@ -52,7 +52,8 @@ def test_fsdp_splits_the_state_and_the_chunked_loss_cuts_temporaries(capsys):
     # and their gradient; the chunked one a 16th of them at a time
     logits = 3 * 4 * 128 * 32000 * 4
     assert one["parts_bytes"]["temporaries"] - chunked["parts_bytes"]["temporaries"] > logits
-    assert chunked["loss_chunk_tokens"] == 8 and one["loss_chunk_tokens"] == 128
+    assert list(chunked["loss_chunking"]) == ["tokens", 8]
+    assert list(one["loss_chunking"]) == ["one", 128]
 
 
 def test_medusa2_report_keeps_float32_master_weights_and_a_bfloat16_teacher(capsys):

@@ -112,6 +112,53 @@ def test_chunked_loss_and_its_gradient_never_hold_all_logits():
     assert heads["proj"].size <= chunked <= K * b * chunk * CFG.vocab_size < everything
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_vocab_chunked_loss_equals_unchunked_loss_metrics_and_gradients(shared):
+    """Over 8 vocabulary chunks (columns j, j + 8, ...): the same loss, metrics and
+    gradients (heads and hidden state) as the one-block loss; a frozen shared projection
+    gets no gradient and its blocks the same ones."""
+    _, heads = trained_heads()
+    if shared:
+        heads = dict(heads, proj=heads["proj"][:1])
+    batch = random_batch(b=4, t=16)
+    hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
+    targets, valid = ts.medusa_targets(batch, K)
+
+    def both(h, x):
+        ref = jax.value_and_grad(lambda h, x: _unchunked(h, x, targets, valid), argnums=(0, 1),
+                                 has_aux=True)(h, x)
+        got = jax.value_and_grad(lambda h, x: ts.vocab_chunked_medusa_loss(
+            h, x, targets, valid, 0.8, 8, train_proj=not shared), argnums=(0, 1),
+            has_aux=True)(h, x)
+        return ref, got
+
+    ((ref, ref_m), g_ref), ((got, got_m), g_got) = jax.jit(both)(heads, hidden)
+    np.testing.assert_allclose(float(got), float(ref), rtol=1e-6)
+    for key in ("head_loss", "top1", "top5", "count"):
+        np.testing.assert_allclose(np.asarray(got_m[key]), np.asarray(ref_m[key]),
+                                   rtol=1e-6, atol=1e-7, err_msg=key)
+    assert 0 < float(ref_m["top5"][0]) < 1
+    if shared:
+        assert not np.any(np.asarray(g_got[0]["proj"]))
+        g_ref[0]["proj"] = g_got[0]["proj"]
+    for a, b in zip(jax.tree.leaves(g_ref), jax.tree.leaves(g_got)):
+        assert shared or np.any(np.asarray(a))
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
+
+
+def test_loss_chunking_prefers_the_vocabulary_when_it_divides():
+    # the embedded model's default job: one block
+    assert ts.loss_chunking(256, 16, 5, 512) == ("one", 256)
+    # Llama 3's 128,256 words, 4 rows of 2,048 tokens: 48 chunks of 2,672 columns, each
+    # chunk's logits [5, 8,192, 2,672] float32 under 512 MiB and the next divisor's over
+    how, n = ts.loss_chunking(2048, 4, 5, 128256)
+    assert how == "vocab" and n == 48
+    assert 5 * 8192 * (128256 // 48) * 4 <= ts.AUTO_CHUNK_BYTES < 5 * 8192 * (128256 // 39) * 4
+    assert ts.loss_chunking(2048, 8, 5, 32000) == ("vocab", 20)
+    assert ts.loss_chunking(2048, 8, 5, 32003) == ("tokens", 64)  # a prime: tokens instead
+    assert ts.loss_chunking(2048, 8, 5, 32000, chunk=300) == ("tokens", 300)
+
+
 def test_chunk_size_is_automatic_and_one_block_when_everything_fits():
     # the embedded model's default job (16 rows x 256 tokens, 512 words): one block, today's
     assert ts.loss_chunk_size(256, 16, 5, 512) == 256
