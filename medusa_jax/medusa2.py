@@ -466,6 +466,10 @@ class Medusa2(trainer.Recipe):
             self.init = self._stage1(cfg, ctx.run_dir)
         check_init_model(cfg, self.init)
         self.heads, _ = heads_lib.load_heads(self.init.heads, ctx.model_cfg)
+        if "token_index" in self.heads:
+            raise ValueError(f"--init {cfg.init}: these heads cover a reduced vocabulary "
+                             f"(token_map); train.medusa2 trains full or shared-projection "
+                             f"heads only")
         if cfg.shared_proj:
             check_shared(self.init.heads, self.heads["proj"].shape)
         reuse_distilled(self.init, ctx.run_dir)

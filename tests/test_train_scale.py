@@ -358,6 +358,25 @@ def test_reduced_vocabulary_errors_before_any_work(capsys):
         check_reduced_vocab(Medusa1Config(reduced_vocab=512), 512)
 
 
+def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
+    from medusa_jax.api import Medusa
+    from train.medusa2 import command
+
+    m = Medusa.load()
+    heads = heads_lib.init_heads(m.cfg, m.params, heads_lib.HeadsConfig(K, 1))
+    token_map = np.arange(0, 512, 2, dtype=np.int32)
+    heads = dict(ts.reduce_heads(heads, token_map),
+                 token_index=ts.reduced_token_index(token_map, 512))
+    heads_lib.save_heads(tmp_path / "reduced", heads, m.cfg)
+    with pytest.raises(SystemExit) as e:
+        command.main(["--init", str(tmp_path / "reduced"), "--output-dir", str(tmp_path / "run"),
+                      "--eval-prompts", "0"])
+    err = str(e.value.code)  # SystemExit("error: ..."): one line, exit status 1
+    assert err.startswith("error: --init ") and "\n" not in err
+    assert "cover a reduced vocabulary (token_map)" in err and str(tmp_path / "reduced") in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_remat_gives_the_same_backbone_gradients():
     bb, _ = trained_heads()
     batch = random_batch(b=2)
