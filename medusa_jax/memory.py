@@ -3,14 +3,16 @@
 `training_memory` builds the training state and a batch as shapes only
 (`jax.ShapeDtypeStruct`s with their shardings: no weights are created or read), compiles
 the real training step (`train_step.make_train_step` with the recipe's parameters, loss and
-optimizer: `Medusa1.method` / `Medusa2.method`) at two depths (`DEFAULT_LAYERS`), and reads
+optimizer: `Medusa1.method` / `Medusa2.method`) at the model's full depth (the layers are
+one `lax.scan`, so that compile costs no more than a shallow one), and reads
 `compiled.memory_analysis()`:
 
     params, optimizer state  exact, at the full depth: each leaf's per-device shard bytes
                              from its sharding (`train_step.state_shardings`)
     temporaries              what the compiled step allocates besides its arguments
-                             (activations, gradients, the loss's logits), extrapolated
-                             linearly from the two depths to all the layers
+                             (activations, gradients, the loss's logits); with two
+                             depths given (`--memory-layers A,B`), extrapolated linearly
+                             from them to all the layers
     batch                    the step's batch arrays
 
 The state is donated to the step (its output reuses the input's buffers), so the step's
@@ -118,19 +120,24 @@ def compile_step(recipe, cfg, model_cfg: ModelConfig, mesh) -> Compiled:
                     time.perf_counter() - t0)
 
 
-# Compiled depths. Not 1 and 2: with one layer XLA drops the loop over the layers, and the
-# loop's own buffers then show up as growth from 1 to 2 layers (Llama-2-7B, Medusa-1,
-# bfloat16, batch 8 x 2,048, XLA:CPU: +2.10 GB from 1 to 2 layers, +0.81 GB from 2 to 3 and
-# from 3 to 4), which the extrapolation would multiply by the depth.
-DEFAULT_LAYERS = (2, 3)
+# Compiled depths by default: none, the full depth itself. Extrapolating from two shallow
+# compiles is wrong whenever the step's peak moves from one phase to another with depth:
+# Llama-3-8B, Medusa-1, full heads, bfloat16, batch 4 x 2,048 (XLA:CPU) peaks in the
+# heads' optimizer update at 2 and 3 layers (22.36 GB of temporaries at both: "0 per
+# layer"), but in the backbone's pass at 32 layers (45.70 GB), where XLA:CPU's float32
+# copies of the bfloat16 layer weights (0.87 GB a layer) add up. (And not 1 and 2 layers
+# when extrapolating: with one layer XLA drops the loop over the layers.)
+DEFAULT_LAYERS = None
 
 
 def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
-                    layers: tuple[int, int] = DEFAULT_LAYERS) -> dict:
+                    layers: tuple[int, int] | None = DEFAULT_LAYERS) -> dict:
     """Per-device bytes of `recipe`'s training step for `shape` under `cfg` (its batch,
     sequence length, mesh, dtype, accumulation, loss chunk, remat), from compiles at two
-    depths `layers` extrapolated linearly to the shape's (see the module docstring)."""
+    depths `layers` extrapolated linearly to the shape's (default: compiled at the shape's
+    own depth; see the module docstring)."""
     full = model_config(shape)
+    layers = layers or (full.num_layers, full.num_layers)
     depths = sorted({max(1, min(n, full.num_layers)) for n in layers})
     lo, hi = depths[0], depths[-1]
     mesh_sizes = sharding.parse_mesh_spec(cfg.mesh)
@@ -180,7 +187,7 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
         "head_layers": cfg.num_layers, "loss_chunking": ts.loss_chunking(
             cfg.seq_len, cfg.batch_size // cfg.grad_accum // sharding.batch_ways(mesh),
             cfg.num_heads, getattr(cfg, "reduced_vocab", 0) or full.vocab_size,
-            cfg.loss_chunk),
+            cfg.loss_chunk, 1 if cfg.shared_proj else cfg.num_heads, not cfg.shared_proj),
         "remat": bool(getattr(cfg, "remat", False)),
         "per_device_bytes": total, "parts_bytes": parts, "params_bytes": params,
         "temporaries_bytes_by_layers": {str(n): int(r.memory.temp_size_in_bytes)
@@ -211,7 +218,8 @@ def _chunking(how) -> str:
 def print_report(r: dict):
     gb = lambda b: f"{b / GB:8.2f} GB"  # noqa: E731
     print(f"{r['method']} training step, {r['shape']} ({r['layers']} layers; compiled at "
-          f"{' and '.join(map(str, r['layers_compiled']))}, extrapolated), mesh {r['mesh']} "
+          f"{' and '.join(map(str, r['layers_compiled']))}"
+          f"{'' if r['layers_compiled'] == [r['layers']] else ', extrapolated'}), mesh {r['mesh']} "
           f"({r['devices']} {r['platform']} devices), batch {r['batch_size']} "
           f"({r['batch_per_device']} per device) x {r['seq_len']} tokens, grad-accum "
           f"{r['grad_accum']}, backbone {r['dtype']} (weights {r['backbone_param_dtype']}), "

@@ -260,17 +260,27 @@ def vocab_chunks(vocab: int, num_heads: int, tokens: int, limit: int = 0) -> int
     return None
 
 
-def loss_chunking(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0
-                  ) -> tuple[str, int]:
+def loss_chunking(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0,
+                  proj_heads: int | None = None, train_proj: bool = True) -> tuple[str, int]:
     """How the heads' loss is computed for a device's `rows` x `seq_len` tokens:
     ("one", seq_len) in one block when it fits `AUTO_CHUNK_BYTES` (or `chunk` >= seq_len);
-    with `chunk` >= 1, ("tokens", chunk); else ("vocab", n chunks) when the vocabulary has
-    a convenient divisor, ("tokens", the automatic size) when it has not."""
+    with `chunk` >= 1, ("tokens", chunk); else whichever of ("vocab", n chunks) and
+    ("tokens", the automatic size) holds less besides the gradient.
+
+    Token chunks add about one and a half projection-sized gradients (each chunk's
+    contribution, then its sum: `proj_heads` (K, or 1 shared) x H x V) when the projection
+    trains; vocabulary chunks about six heads' states for every token (K x tokens x H: the
+    blocks' activations, the targets' columns, their gradient), all tokens at once. H
+    cancels: vocabulary chunks when 4 x K x tokens < proj_heads x V. (XLA:CPU, one layer of
+    Llama-2-7B, batch 8 x 2,048, float32: 7.85 GB of temporaries over token chunks against
+    15.96 over vocabulary chunks; Llama-3-8B batch 4: 38.98 against 22.36 GB.)"""
     size = loss_chunk_size(seq_len, rows, num_heads, vocab, chunk)
     if size >= seq_len:
         return "one", seq_len
-    if chunk < 1:
-        n = vocab_chunks(vocab, num_heads, max(rows, 1) * seq_len)
+    tokens = max(rows, 1) * seq_len
+    proj_heads = num_heads if proj_heads is None else proj_heads
+    if chunk < 1 and train_proj and 4 * num_heads * tokens < proj_heads * vocab:
+        n = vocab_chunks(vocab, num_heads, tokens)
         if n is not None:
             return "vocab", n
     return "tokens", size
@@ -423,7 +433,8 @@ def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.
         columns = token_index[0][targets]  # [K, B, T]
         scored = columns >= 0
         targets = jnp.where(scored, columns, 0)
-    how, size = loss_chunking(t, -(-b // batch_ways), k, heads_vocab(heads), chunk)
+    how, size = loss_chunking(t, -(-b // batch_ways), k, heads_vocab(heads), chunk,
+                              heads["proj"].shape[0], train_proj)
     if how == "one":
         return medusa_loss(apply_heads(heads, hidden), targets, valid, decay, count, scored)
     if how == "vocab":

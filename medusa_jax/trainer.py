@@ -721,9 +721,9 @@ def add_memory_flags(ap: argparse.ArgumentParser):
                    help="with --memory-report: the report as JSON (per_device_bytes, "
                         "parts_bytes, ...)")
     g.add_argument("--memory-layers", metavar="A,B", type=cli.int_list(1),
-                   help="with --memory-report: the two depths compiled (default 2,3; at one "
-                        "layer XLA drops the loop over layers, so 1,2 overstates the growth "
-                        "per layer)")
+                   help="with --memory-report: compile at depths A and B and extrapolate "
+                        "the temporaries linearly to all layers (default: compile the full "
+                        "depth, exact and no slower; A,A reports depth A as it is)")
     g.add_argument("--device-memory", metavar="SIZE",
                    help="with --memory-report: say whether the step fits this much memory "
                         "per device (e.g. 80GB, 16GiB)")
@@ -794,8 +794,8 @@ class Command:
                 jax.config.update("jax_num_cpu_devices", need)
         with cli.errors_to_exit():
             r = memory.training_memory(self.recipe_cls(), cfg.resolve(), mem.shape,
-                                       device_memory, tuple(mem.memory_layers or
-                                                            memory.DEFAULT_LAYERS))
+                                       device_memory,
+                                       tuple(mem.memory_layers or ()) or memory.DEFAULT_LAYERS)
         if mem.json:
             print(json.dumps(r, indent=2))
         else:

@@ -146,7 +146,7 @@ def test_vocab_chunked_loss_equals_unchunked_loss_metrics_and_gradients(shared):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=1e-6)
 
 
-def test_loss_chunking_prefers_the_vocabulary_when_it_divides():
+def test_loss_chunking_picks_the_vocabulary_for_large_trained_projections():
     # the embedded model's default job: one block
     assert ts.loss_chunking(256, 16, 5, 512) == ("one", 256)
     # Llama 3's 128,256 words, 4 rows of 2,048 tokens: 48 chunks of 2,672 columns, each
@@ -154,9 +154,12 @@ def test_loss_chunking_prefers_the_vocabulary_when_it_divides():
     how, n = ts.loss_chunking(2048, 4, 5, 128256)
     assert how == "vocab" and n == 48
     assert 5 * 8192 * (128256 // 48) * 4 <= ts.AUTO_CHUNK_BYTES < 5 * 8192 * (128256 // 39) * 4
-    assert ts.loss_chunking(2048, 8, 5, 32000) == ("vocab", 20)
-    assert ts.loss_chunking(2048, 8, 5, 32003) == ("tokens", 64)  # a prime: tokens instead
-    assert ts.loss_chunking(2048, 8, 5, 32000, chunk=300) == ("tokens", 300)
+    assert ts.loss_chunking(2048, 4, 5, 128254)[0] == "tokens"  # 2 x 64,127: no divisor
+    # a frozen shared projection has no gradient to cut: token chunks
+    assert ts.loss_chunking(2048, 4, 5, 128256, proj_heads=1, train_proj=False)[0] == "tokens"
+    # Llama 2's 32,000 words at 8 rows: the heads' states of 16,384 tokens outweigh it
+    assert ts.loss_chunking(2048, 8, 5, 32000) == ("tokens", 64)
+    assert ts.loss_chunking(2048, 4, 5, 128256, chunk=300) == ("tokens", 300)
 
 
 def test_chunk_size_is_automatic_and_one_block_when_everything_fits():
