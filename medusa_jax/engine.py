@@ -152,7 +152,9 @@ def init_state(cfg: ModelConfig, params, slots: int, capacity: int,
 
 def prefill(params, heads, cfg: ModelConfig, tree, tokens: jax.Array, length: jax.Array,
             key: jax.Array, rows: RowParams) -> Prefix:
-    """tokens [1, P] right-padded, length [1], key [1], rows: one row. Heads None: plain."""
+    """tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32), rows: one row.
+    Heads None: plain."""
+    key = jax.random.wrap_key_data(key)
     _, p = tokens.shape
     cache = KVCache.init(cfg, 1, p, per_layer=is_decoding_layout(params))
     positions = jnp.arange(p, dtype=jnp.int32)[None]
@@ -188,8 +190,10 @@ def insert(state: DecodeState, pre: Prefix, slot: jax.Array, rows: RowParams) ->
     head_logits = state.head_logits
     if head_logits is not None:
         head_logits = head_logits.at[:, slot].set(pre.head_logits[:, 0])
+    # a first token that ends the request leaves the slot idle
+    ended = jnp.any(pre.root[0] == rows.stop[0]) | (rows.max_tokens[0] <= 1)
     return DecodeState(cache=cache, root=set_row(state.root, pre.root), head_logits=head_logits,
-                       count=state.count.at[slot].set(1), done=state.done.at[slot].set(False),
+                       count=state.count.at[slot].set(1), done=state.done.at[slot].set(ended),
                        keys=set_row(state.keys, pre.keys),
                        rows=jax.tree.map(set_row, state.rows, rows))
 
@@ -342,11 +346,14 @@ class Engine:
     medusa: use the heads and `tree` (default: with heads). steps_per_call: K steps per
     `step` call. max_context: the KV cache's length per slot (default: the model's
     context). window_block: attention windows are compiled in multiples of this.
-    max_queue: waiting requests past which `submit` raises QueueFull."""
+    max_queue: waiting requests past which `submit` raises QueueFull. buckets: the prompt
+    lengths prefill is compiled for (default: powers of two from 16, and the context); a
+    prompt is padded to the smallest that holds it."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
-                 window_block: int = 128, max_queue: int = 64):
+                 window_block: int = 128, max_queue: int = 64,
+                 buckets: tuple[int, ...] | None = None):
         if slots < 1 or steps_per_call < 1 or window_block < 1 or max_queue < 0:
             raise ValueError(f"need slots, steps_per_call, window_block >= 1 and max_queue >= 0,"
                              f" got {slots}, {steps_per_call}, {window_block}, {max_queue}")
@@ -369,12 +376,15 @@ class Engine:
         self.windows = sorted({min(w, self.capacity)
                                for w in range(window_block, self.capacity + window_block,
                                               window_block)})
-        self.buckets = []
-        b = MIN_BUCKET
-        while b < self.capacity:
-            self.buckets.append(b)
-            b *= 2
-        self.buckets.append(self.capacity)
+        if buckets is None:
+            buckets, b = [self.capacity], MIN_BUCKET
+            while b < self.capacity:
+                buckets.append(b)
+                b *= 2
+        if not buckets or any(not 1 <= b <= self.capacity for b in buckets):
+            raise ValueError(f"prefill buckets must be in 1..{self.capacity} (the context), "
+                             f"got {list(buckets)}")
+        self.buckets = sorted(set(int(b) for b in buckets))
         self.metrics = Metrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -384,6 +394,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._compiled = False
         self.compile_seconds = 0.0
+        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
 
     # --- limits and compile
 
@@ -393,6 +404,9 @@ class Engine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if prompt_len < 1:
             raise ValueError("the prompt is empty")
+        if prompt_len > self.buckets[-1]:
+            raise ValueError(f"the prompt ({prompt_len} tokens) is longer than the longest "
+                             f"prompt this server prefills ({self.buckets[-1]} tokens)")
         tree = self.fed if self.medusa else 0
         need = prompt_len + max_tokens + tree
         if need > self.capacity:
@@ -422,7 +436,7 @@ class Engine:
         with m.under_mesh():
             self._state = jax.jit(init_state, static_argnums=(0, 2, 3, 4))(
                 cfg, m.params, self.slots, self.capacity, hl_shape)
-        key1 = jax.random.split(jax.random.key(0), 1)
+        key1 = self._key_data(0)
         row1 = self._rows(1)
         pf = jax.jit(functools.partial(prefill, cfg=cfg, tree=self.tree))
         ins = jax.jit(insert, donate_argnums=(0,))
@@ -537,13 +551,24 @@ class Engine:
             req.cancelled = True
         return False
 
-    def _admit(self):
-        """Prefill waiting requests into free slots."""
+    def _key_data(self, seed: int | None) -> np.ndarray:
+        """[1, ...] uint32 key data of a request's PRNG stream (all 64 bits of the seed)."""
+        if seed is None:
+            seed = int(np.random.randint(2**63))
+        if self._key_shape == (2,):  # threefry: the seed's high and low words
+            seed &= 2**64 - 1
+            return np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
+
+    def _admit(self) -> list[tuple[Request, int, jax.Array]]:
+        """Prefill and insert waiting requests into free slots. Returns (request, slot, its
+        first token on the device) for each: `_first_tokens` hands them out."""
+        admitted = []
         while True:
             with self._cv:
                 free = [i for i, s in enumerate(self._slots) if s.req is None]
                 if not free or not self._waiting:
-                    return
+                    return admitted
                 req = self._waiting.popleft()
             if req.cancelled:
                 self._finish(req, "cancelled")
@@ -553,20 +578,28 @@ class Engine:
             bucket = next(b for b in self.buckets if b >= n)
             tokens = np.zeros((1, bucket), np.int32)
             tokens[0, :n] = req.prompt
-            seed = req.seed if req.seed is not None else int(np.random.randint(2**62))
-            key = jax.random.split(jax.random.key(seed), 1)
             stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
             rows = self._rows(1, req.temperature if req.temperature > 0 else 0.0, req.top_k,
                               req.top_p, req.max_tokens, stop)
             heads = self.model.heads if self.medusa else None
             pre = self._prefill[bucket](self.model.params, heads, tokens=tokens,
-                                        length=np.array([n], np.int32), key=key, rows=rows)
-            first = int(np.asarray(pre.root)[0])
-            self.metrics.prompt_tokens += n
-            if self._deliver(req, [first]) or req.cancelled:
-                continue  # finished by its first token: never takes the slot
+                                        length=np.array([n], np.int32),
+                                        key=self._key_data(req.seed), rows=rows)
+            pre.root.copy_to_host_async()
             self._state = self._insert[bucket](self._state, pre, np.int32(i), rows)
             self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens)
+            self.metrics.prompt_tokens += n
+            admitted.append((req, i, pre.root))
+
+    def _first_tokens(self, admitted):
+        for req, i, root in admitted:
+            if self._slots[i].req is not req:
+                continue
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                self._slots[i] = _Slot()
+            elif self._deliver(req, [int(np.asarray(root)[0])]):
+                self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
 
     def _window(self) -> int:
         need = 0
@@ -611,7 +644,7 @@ class Engine:
                     if s.req is not None and s.req.cancelled:
                         self._finish(s.req, "cancelled")
                         self._slots[i] = _Slot()
-                self._admit()
+                admitted = self._admit()
                 nxt = None
                 if any(s.req is not None for s in self._slots):
                     owners = [s.req for s in self._slots]
@@ -623,6 +656,7 @@ class Engine:
                             s.unread += 1
                     self.metrics.calls += 1
                     nxt = (out, owners)
+                self._first_tokens(admitted)  # while the step runs
                 if pending is not None:
                     self._process(*pending)
                 pending = nxt
