@@ -17,6 +17,16 @@ import sys
 from medusa_jax import cli, compile_cache
 
 
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 64,256, got {text!r}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding steps per engine call (tokens reach clients per call)")
     p.add_argument("--max-context", type=cli.positive_int, default=None,
                    help="KV cache length per slot (default: the model's context)")
+    p.add_argument("--prefill-buckets", type=_buckets, default=None,
+                   help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
+                        "of two from 16, and the context)")
     p.add_argument("--window-block", type=cli.positive_int, default=128,
                    help="attention windows are compiled in multiples of this")
     p.add_argument("--max-queue", type=int, default=64,
@@ -61,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
                             compute_dtype=args.dtype)
         engine = Engine(model, slots=args.slots, tree=args.tree,
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
-                        window_block=args.window_block, max_queue=args.max_queue)
+                        window_block=args.window_block, max_queue=args.max_queue,
+                        buckets=args.prefill_buckets)
         engine.start()
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -76,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         def handle_exit(self, sig, frame):  # running requests hear first, then uvicorn stops
             engine.stop(f"the server is shutting down (signal {sig})", timeout=2.0)
             super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a clean shutdown exits 0, not by the signal
 
     config = uvicorn.Config(create_app(engine, name), host=args.host, port=args.port,
                             log_level="warning", timeout_graceful_shutdown=5)

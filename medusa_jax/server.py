@@ -276,9 +276,10 @@ class Server:
         try:
             self.engine.check(len(prompt), max_tokens)
         except ValueError as e:
-            raise APIError(400, str(e), "max_tokens" if len(prompt) < self.engine.capacity
-                           else ("messages" if chat else "prompt"),
-                           code="context_length_exceeded") from None
+            too_long = (len(prompt) > self.engine.buckets[-1]
+                        or len(prompt) + self.engine.fed >= self.engine.capacity)
+            raise APIError(400, str(e), ("messages" if chat else "prompt") if too_long
+                           else "max_tokens", code="context_length_exceeded") from None
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in f["stop_ids"]):
             raise APIError(400, f"stop_token_ids must be token ids (0..{vocab - 1})",
@@ -332,23 +333,17 @@ class Server:
                     yield text, used, finish, None
             finally:
                 if not done:  # the client went away
-                    self.disconnects += 1
                     self.engine.cancel(req)
 
         created = int(time.time())
         if f["stream"]:
-            return StreamingResponse(self._stream(rid, created, chat, pieces(), len(prompt), f),
+            return StreamingResponse(self._stream(rid, created, chat, pieces(), len(prompt), f,
+                                                  http, req),
                                      media_type="text/event-stream")
         text, ids, finish = "", [], None
         gen = pieces()
 
-        async def watch():  # a non-streamed request whose client left frees its slot too
-            while not await http.is_disconnected():
-                await asyncio.sleep(0.25)
-            self.disconnects += 1
-            self.engine.cancel(req)
-
-        watcher = asyncio.create_task(watch())
+        watcher = asyncio.create_task(self._watch(http, req))
         try:
             async for t, used, fin, error in gen:
                 if error is not None:
@@ -370,7 +365,16 @@ class Server:
                 "created": created, "model": self.name, "choices": [choice],
                 "usage": self.usage(len(prompt), len(ids))}
 
-    async def _stream(self, rid, created, chat, pieces, prompt_tokens, f):
+    async def _watch(self, http: HTTPRequest, req: Request):
+        """Cancel `req` when its client goes away (uvicorn drops what is sent to a closed
+        connection without an error, so the response alone would not notice)."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.1)
+        if not req.finished:
+            self.disconnects += 1
+            self.engine.cancel(req)
+
+    async def _stream(self, rid, created, chat, pieces, prompt_tokens, f, http, req):
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_field = {"usage": None} if f["include_usage"] else {}
 
@@ -390,6 +394,7 @@ class Server:
                                           **usage_field}) + "\n\n"
 
         completion = 0
+        watcher = asyncio.create_task(self._watch(http, req))
         try:
             if chat:
                 yield chunk("", [], None, first=True)
@@ -407,6 +412,7 @@ class Server:
                     "choices": [], "usage": self.usage(prompt_tokens, completion)}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
+            watcher.cancel()
             await pieces.aclose()
 
     def metrics_text(self) -> str:
@@ -414,7 +420,7 @@ class Server:
         from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                             SummaryMetricFamily)
 
-        e, m = self.engine, self.engine.metrics
+        e, m, srv = self.engine, self.engine.metrics, self
 
         class Collector:
             def collect(self_inner):
@@ -422,6 +428,8 @@ class Server:
                 for reason in ("stop", "length", "cancelled", "error"):
                     c.add_metric([reason], m.requests[reason])
                 yield c
+                yield CounterMetricFamily("medusa_disconnects", "Clients that left before "
+                                          "their request finished", value=srv.disconnects)
                 yield CounterMetricFamily("medusa_prompt_tokens", "Prompt tokens",
                                           value=m.prompt_tokens)
                 yield CounterMetricFamily("medusa_generation_tokens", "Generated tokens",

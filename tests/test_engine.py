@@ -17,7 +17,7 @@ from medusa_jax.backbone import KVCache, causal_mask, forward, standard_layout
 from medusa_jax.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
-SLOTS, CONTEXT, BUCKETS, NEW = 4, 64, (64,), 24
+SLOTS, CONTEXT, BUCKETS, NEW = 4, 128, (64,), 24
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +192,8 @@ def test_row_log_probs_match_the_static_rule():
 
 def test_limits_are_checked_before_queueing(model):
     e = Engine(model, slots=2, max_context=CONTEXT, max_queue=1)  # not started: nothing runs
-    with pytest.raises(ValueError, match="exceeds the context of 64"):
-        e.check(60, 10)
+    with pytest.raises(ValueError, match="exceeds the context of 128"):
+        e.check(60, 70)
     with pytest.raises(ValueError, match="max_tokens must be >= 1"):
         e.check(5, 0)
     reqs = [Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None) for _ in range(4)]
