@@ -287,6 +287,18 @@ def multi_step(one_step, k: int, width: int, s: DecodeState) -> tuple[DecodeStat
                       done=s.done)
 
 
+def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, tree, k: int,
+                window: int) -> tuple[DecodeState, StepOut]:
+    """`k` Medusa steps (heads given; tree) or plain steps (heads None) for every slot,
+    attending over the first `window` cache slots."""
+    if heads is not None:
+        one = functools.partial(medusa_step, params, heads, cfg, tree, window=window)
+        width = _static(tree).depth + 1
+    else:
+        one, width = functools.partial(plain_step, params, cfg, window=window), 1
+    return multi_step(one, k, width, s)
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -447,19 +459,18 @@ class Engine:
                                rows=row1)
             self._prefill[b], pre = lowered.compile(), lowered.out_info
             self._insert[b] = ins.lower(self._state, pre, np.int32(0), row1).compile()
+        step = jax.jit(engine_step, static_argnames=("cfg", "tree", "k", "window"),
+                       donate_argnums=(2,))
         for w in self.windows:
-            if self.medusa:
-                one = lambda s, w=w: medusa_step(m.params, self._heads_d, cfg, self.tree, s, w)  # noqa: E731
-            else:
-                one = lambda s, w=w: plain_step(m.params, cfg, s, w)  # noqa: E731
-            fn = jax.jit(functools.partial(multi_step, one, self.k, self.width),
-                         donate_argnums=(0,))
-            self._step[w] = fn.lower(self._state).compile()
+            self._step[w] = step.lower(m.params, self._heads_d if self.medusa else None,
+                                       self._state, cfg=cfg, tree=self.tree, k=self.k,
+                                       window=w).compile()
         self._compiled = True
         self.compile_seconds = time.perf_counter() - t0
 
     @functools.cached_property
     def _heads_d(self):
+        """The heads the tree uses (deeper ones never propose a candidate)."""
         depth = _static(self.tree).depth
         return jax.tree.map(lambda x: x[:depth], self.model.heads)
 
@@ -648,7 +659,8 @@ class Engine:
                 nxt = None
                 if any(s.req is not None for s in self._slots):
                     owners = [s.req for s in self._slots]
-                    self._state, out = self._step[self._window()](self._state)
+                    self._state, out = self._step[self._window()](
+                        self.model.params, self._heads_d if self.medusa else None, self._state)
                     for x in (out.tokens, out.counts, out.steps, out.lengths):
                         x.copy_to_host_async()
                     for s in self._slots:

@@ -436,6 +436,8 @@ class Server:
                                           value=m.generation_tokens)
                 yield CounterMetricFamily("medusa_slot_steps", "Decoding steps of live slots",
                                           value=m.slot_steps)
+                yield CounterMetricFamily("medusa_step_tokens", "Tokens those steps emitted",
+                                          value=m.step_tokens)
                 yield CounterMetricFamily("medusa_step_calls", "Engine step calls",
                                           value=m.calls)
                 yield GaugeMetricFamily("medusa_tokens_per_step", "Tokens per live slot step "

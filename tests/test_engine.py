@@ -17,7 +17,7 @@ from medusa_jax.backbone import KVCache, causal_mask, forward, standard_layout
 from medusa_jax.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
-SLOTS, CONTEXT, BUCKETS, NEW = 4, 128, (64,), 24
+SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +40,16 @@ def reference(model, prompts):
 
 @pytest.fixture(scope="module")
 def medusa_engine(model):
-    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, max_queue=4096).start()
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               max_queue=4096).start()
     yield e
     e.stop()
 
 
 @pytest.fixture(scope="module")
 def plain_engine(model):
-    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, medusa=False).start()
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               medusa=False).start()
     yield e
     e.stop()
 
@@ -79,6 +81,14 @@ def test_staggered_greedy_requests_match_offline_decoding(which, request, prompt
         assert done.wait(60)
         assert out == ref
         assert reason == ["stop" if ref[-1] in engine.eos else "length"]
+
+
+def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts):
+    """90 new tokens: both engines move from the 64-slot window to the 128-slot one."""
+    assert medusa_engine.windows == plain_engine.windows == [64, 128]
+    long = generate_offline(medusa_engine, prompts[:2], 90)
+    assert long == generate_offline(plain_engine, prompts[:2], 90)
+    assert all(len(t) == 90 for t in long)
 
 
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, prompts,

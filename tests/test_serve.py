@@ -62,7 +62,7 @@ def _started():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [sys.executable, "-m", "infer.serve", "--heads", "default", "--slots", str(SLOTS),
-         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--max-queue", str(QUEUE),
+         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--window-block", "64", "--max-queue", str(QUEUE),
          "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     yield proc, f"http://127.0.0.1:{port}"
