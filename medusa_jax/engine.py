@@ -28,7 +28,6 @@ import collections
 import dataclasses
 import functools
 import itertools
-import queue
 import threading
 import time
 from typing import Callable
