@@ -334,6 +334,17 @@ def test_disconnects_free_their_slots(server, client, model, offline):
     assert r.choices[0].text == ref.text
 
 
+def test_bench_serve_reports_each_level(server, capsys):
+    from infer.bench_serve import main
+
+    assert main(["--url", server[1], "--concurrency", "1,2", "--num-requests", "4",
+                 "--max-tokens", "16", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in rows] == [(1, 4, 0),
+                                                                             (2, 4, 0)]
+    assert all(r["accepted"] > 1.3 and r["ttft_med"] > 0 and r["tpot_med"] > 0 for r in rows)
+
+
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = httpx.get(server[1] + "/health", timeout=10).json()
