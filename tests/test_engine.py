@@ -1,0 +1,213 @@
+"""The serving engine: greedy slots are token-identical to offline decoding (Medusa and
+plain), whatever else shares the batch; max_tokens / stop tokens cut inside an accepted span;
+sampled slots are reproducible by seed and keep plain sampling's distribution; a reused slot
+never sees its previous request's tokens."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax import assets
+from medusa_jax.acceptance import Sampling, log_probs
+from medusa_jax.backbone import KVCache, causal_mask, forward, standard_layout
+from medusa_jax.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
+
+# the server tests use the same engine shapes: their compiled programs come from the cache
+SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
+
+
+@pytest.fixture(scope="module")
+def model():
+    from medusa_jax.api import Medusa
+
+    return Medusa.load(heads="default")
+
+
+@pytest.fixture(scope="module")
+def prompts(model):
+    return [model.encode(p) for p in assets.heldout_prompts()[:10]]
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts):
+    """Greedy tokens of `Medusa.generate` (test_decode checks they are plain greedy's)."""
+    return [g.token_ids for g in model.generate(prompts, max_new_tokens=NEW)]
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(model):
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               max_queue=4096).start()
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def plain_engine(model):
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               medusa=False).start()
+    yield e
+    e.stop()
+
+
+def _submit(engine, prompt, max_tokens, **kw):
+    """Submit; returns (request, tokens list, finished event, [finish reason])."""
+    out, done, reason = [], threading.Event(), []
+
+    def on_event(tokens, finish, error):
+        out.extend(tokens)
+        if finish is not None:
+            reason.append(error or finish)
+            done.set()
+
+    req = engine.submit(Request(prompt=list(prompt), max_tokens=max_tokens, on_event=on_event,
+                                **kw))
+    return req, out, done, reason
+
+
+@pytest.mark.parametrize("which", ["medusa", "plain"])
+def test_staggered_greedy_requests_match_offline_decoding(which, request, prompts, reference):
+    engine = request.getfixturevalue(f"{which}_engine")
+    runs = []
+    for i, p in enumerate(prompts):  # more requests than slots, arriving while others run
+        runs.append(_submit(engine, p, NEW))
+        if i % 3 == 2:
+            time.sleep(0.01)
+    for (_, out, done, reason), ref in zip(runs, reference):
+        assert done.wait(60)
+        assert out == ref
+        assert reason == ["stop" if ref[-1] in engine.eos else "length"]
+
+
+def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts):
+    """90 new tokens: both engines move from the 64-slot window to the 128-slot one."""
+    assert medusa_engine.windows == plain_engine.windows == [64, 128]
+    long = generate_offline(medusa_engine, prompts[:2], 90)
+    assert long == generate_offline(plain_engine, prompts[:2], 90)
+    assert all(len(t) == 90 for t in long)
+
+
+def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, prompts,
+                                                              reference):
+    ref = reference[1]
+    for n in range(1, 8):
+        assert generate_offline(medusa_engine, [prompts[1]], n)[0] == ref[:n]
+    for j in range(1, 8):  # a stop token wherever it first appears, included
+        first = ref.index(ref[j])
+        out = generate_offline(medusa_engine, [prompts[1]], NEW, stop_ids=(ref[j],))[0]
+        assert out == ref[:first + 1]
+    assert medusa_engine.metrics.step_tokens > 1.3 * medusa_engine.metrics.slot_steps
+
+
+def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, prompts, reference):
+    long = [_submit(medusa_engine, p, NEW) for p in prompts[:SLOTS]]
+    time.sleep(0.02)
+    for req, *_ in long:
+        medusa_engine.cancel(req)
+    out = generate_offline(medusa_engine, prompts[4:4 + 2 * SLOTS], NEW)
+    assert out == reference[4:4 + 2 * SLOTS]
+    for _, _, done, reason in long:
+        assert done.wait(10) and reason[0] in ("cancelled", "length", "stop")
+
+
+def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
+    kw = dict(temperature=0.9, top_k=20, seed=1234)
+    a = generate_offline(medusa_engine, [prompts[0]], NEW, **kw)[0]
+    # the same request again, now sharing the batch with others
+    b = generate_offline(medusa_engine, [prompts[2], prompts[0], prompts[3]], NEW, **kw)[1]
+    c = generate_offline(medusa_engine, [prompts[0]], NEW, **dict(kw, seed=99))[0]
+    assert a == b and a != c
+
+
+def _exact_pairs(model, prompt, sampling):
+    """P(x1, x2) of plain sampling after `prompt`, [V, V] (acceptance.log_probs)."""
+    cfg, v = model.cfg, model.cfg.vocab_size
+
+    @jax.jit
+    def last_logprobs(params, seqs):
+        b, t = seqs.shape
+        cache = KVCache.init(cfg, b, t)
+        logits, _, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(t), (b, t)),
+                               causal_mask(cache.lengths, t, t), cache, empty_cache=True)
+        return log_probs(logits[:, -1], sampling)
+
+    def next_probs(seqs):
+        params = standard_layout(cfg, model.params)
+        return np.exp(np.asarray(last_logprobs(params, np.asarray(seqs, np.int32)), np.float64))
+
+    p1 = next_probs([prompt])[0]
+    return p1[:, None] * next_probs([prompt + [x] for x in range(v)])
+
+
+def _chi_square_ok(counts, probs, z=4.0):
+    """Pearson chi-square with small cells pooled; accept unless p < ~3e-5 (z = 4)."""
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    if np.any(obs[~keep] > 0):
+        return False, np.inf
+    stat = np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep])
+    df = keep.sum() - 1
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
+    return stat < crit, stat / crit
+
+
+def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, prompts,
+                                                       reference):
+    """Two per-row samplings interleaved with greedy rows in the same batches: each sampled
+    configuration's (x1, x2) follows plain sampling (x2 comes out of the tree's rejection
+    sampling), and the greedy rows stay identical."""
+    configs = [dict(temperature=1.0, top_k=4), dict(temperature=0.8, top_p=0.7)]
+    n = 400
+    prompt = prompts[0]
+    runs = []
+    for i in range(n):
+        for c in configs:
+            runs.append((c, _submit(medusa_engine, prompt, 3, seed=10_000 + i, **c)))
+        if i % 50 == 0:
+            runs.append((None, _submit(medusa_engine, prompts[1], NEW)))
+    v = model.cfg.vocab_size
+    counts = {i: np.zeros((v, v)) for i in range(len(configs))}
+    for c, (_, out, done, _) in runs:
+        assert done.wait(120)
+        if c is None:
+            assert out == reference[1]
+        else:
+            counts[configs.index(c)][out[0], out[1]] += 1
+    for i, c in enumerate(configs):
+        exact = _exact_pairs(model, prompt, Sampling(mode="rejection", **c))
+        ok, ratio = _chi_square_ok(counts[i].ravel(), exact.ravel())
+        assert ok, f"{c}: not plain sampling's distribution (chi2/critical = {ratio:.2f})"
+
+
+def test_row_log_probs_match_the_static_rule():
+    logits = np.random.default_rng(0).normal(size=(5, 3, 50)).astype(np.float32) * 3
+    cases = [Sampling("rejection", 1.0), Sampling("rejection", 0.7, top_k=5),
+             Sampling("rejection", 1.3, top_p=0.6), Sampling("rejection", 0.5, 7, 0.8),
+             Sampling("rejection", 2.0, 1, 1.0)]
+    t = np.array([c.temperature for c in cases], np.float32)
+    k = np.array([c.top_k for c in cases], np.int32)
+    p = np.array([c.top_p for c in cases], np.float32)
+    got = np.asarray(jax.jit(row_log_probs)(jnp.asarray(logits), t, k, p))
+    for i, c in enumerate(cases):
+        want = np.asarray(log_probs(jnp.asarray(logits[i]), c))
+        np.testing.assert_allclose(np.exp(got[i]), np.exp(want), atol=1e-6)
+
+
+def test_limits_are_checked_before_queueing(model):
+    e = Engine(model, slots=2, max_context=CONTEXT, max_queue=1)  # not started: nothing runs
+    with pytest.raises(ValueError, match="exceeds the context of 128"):
+        e.check(60, 70)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        e.check(5, 0)
+    reqs = [Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None) for _ in range(4)]
+    for r in reqs[:3]:  # two free slots + a queue of one
+        e.submit(r)
+    with pytest.raises(QueueFull, match="queue is full"):
+        e.submit(reqs[3])

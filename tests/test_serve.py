@@ -1,0 +1,375 @@
+"""`python -m infer.serve` as a process on 127.0.0.1, talked to with the `openai` client and
+plain HTTP: greedy completions and chat (streamed or not) give `Medusa.generate`'s tokens,
+concurrent requests beyond the slots too; max_tokens / stop strings / stop tokens inside an
+accepted span; usage; sampled requests reproducible and distributed as plain sampling;
+OpenAI-shaped errors; a disconnect frees its slot; SIGTERM ends in-flight streams with an
+error chunk and the process exits. One server for the whole module (the engine shapes of
+test_engine, so its compiled programs come from the shared cache)."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from medusa_jax import assets
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOTS, CONTEXT, NEW, QUEUE = 4, 128, 24, 4
+MODEL = "stories260K"
+SYSTEM = [{"role": "system", "content": "Short stories."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(_started, offline):
+    """(process, url) of the running server; the offline references are computed while it
+    compiles."""
+    proc, url = _started
+    deadline = time.time() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the server did not start:\n{proc.stdout.read()}")
+        time.sleep(0.2)
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def _started():
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.serve", "--heads", "default", "--slots", str(SLOTS),
+         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--window-block", "64", "--max-queue", str(QUEUE),
+         "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    yield proc, f"http://127.0.0.1:{port}"
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from medusa_jax.api import Medusa
+
+    return Medusa.load(heads="default")
+
+
+PROMPTS = assets.heldout_prompts()[:8]
+LONG = "Once upon a time"  # its greedy story runs past 100 tokens (no EOS)
+CHAT = SYSTEM + [{"role": "user", "content": "Tell me about a cat."}]
+
+
+@pytest.fixture(scope="module")
+def offline(model):
+    """prompt ids -> `Medusa.generate`'s greedy result (NEW tokens) for PROMPTS and the
+    chat prompt, decoded in one batch (one compile)."""
+    from medusa_jax.server import vicuna_prompt
+
+    chat = vicuna_prompt([(m["role"], m["content"]) for m in CHAT], model.tokenizer)
+    ids = [model.encode(p) for p in PROMPTS] + [chat]
+    table = {tuple(i): g for i, g in zip(ids, model.generate(ids, max_new_tokens=NEW,
+                                                                batch_size=len(ids)))}
+    return lambda ids_list: [table[tuple(i)] for i in ids_list]
+
+
+def _sse(response) -> list:
+    """The `data:` payloads of an event stream (JSON, or the string "[DONE]")."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            body = line[len("data: "):]
+            out.append(body if body == "[DONE]" else json.loads(body))
+    return out
+
+
+def test_greedy_completions_match_offline_streamed_or_not(client, server, model, offline):
+    refs = offline([model.encode(p) for p in PROMPTS[:3]])
+    for prompt, ref in zip(PROMPTS[:3], refs):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                      temperature=0, extra_body={"return_token_ids": True})
+        choice = r.choices[0]
+        assert choice.token_ids == ref.token_ids and choice.text == ref.text
+        assert choice.finish_reason == "length"
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(model.encode(prompt)),
+                                                                      NEW)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW,
+                                                temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == ref.text
+        assert chunks[-1].choices[0].finish_reason == "length"
+    # token ids as the prompt, plain HTTP, the usage chunk just before [DONE]
+    ids = model.encode(PROMPTS[0])
+    with httpx.stream("POST", server[1] + "/v1/completions", timeout=60, json=dict(
+            model=MODEL, prompt=ids, max_tokens=NEW, temperature=0, stream=True,
+            stream_options={"include_usage": True}, return_token_ids=True)) as resp:
+        events = _sse(resp)
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": NEW,
+                                   "total_tokens": len(ids) + NEW}
+    assert sum((e["choices"][0]["token_ids"] for e in events[:-2]), []) == refs[0].token_ids
+    assert all(e["usage"] is None for e in events[:-2])
+
+
+def test_chat_matches_offline_on_the_vicuna_template(client, model, offline):
+    from medusa_jax.server import vicuna_prompt
+
+    msgs = CHAT
+    ids = vicuna_prompt([(m["role"], m["content"]) for m in msgs], model.tokenizer)
+    assert ids[0] == model.tokenizer.bos_token_id and len(ids) < 40
+    ref = offline([ids])[0]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=NEW,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref.text and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == NEW
+    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs,
+                                                 max_completion_tokens=NEW, temperature=0,
+                                                 stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert chunks[-1].usage.completion_tokens == NEW and not chunks[-1].choices
+
+
+def test_staggered_concurrent_requests_beyond_the_slots(client, model, offline):
+    prompts = PROMPTS[:SLOTS + QUEUE]
+    refs = offline([model.encode(p) for p in prompts])
+    got = [None] * len(prompts)
+
+    def one(i):
+        stream = i % 2 == 0
+        r = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=NEW,
+                                      temperature=0, stream=stream)
+        got[i] = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for i, t in enumerate(threads):
+        t.start()
+        time.sleep(0.005 * (i % 3))
+    for t in threads:
+        t.join(60)
+    assert got == [r.text for r in refs]
+
+
+def test_max_tokens_stop_strings_and_stop_tokens_inside_accepted_spans(client, model, offline):
+    prompt = PROMPTS[1]
+    ref = offline([model.encode(prompt)])[0]
+    for n in (1, 2, 3, 5):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0,
+                                      extra_body={"return_token_ids": True})
+        assert r.choices[0].token_ids == ref.token_ids[:n]
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", n)
+    # a stop string that starts inside a token and ends inside a later one
+    text = ref.text
+    stop = text[len(text) // 3 + 1: len(text) // 3 + 6]
+    for stream in (False, True):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                                      stop=[stop, "never in this text"], stream=stream)
+        chunks = list(r) if stream else [r]
+        assert "".join(c.choices[0].text for c in chunks) == text[:text.index(stop)]
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    j = 4  # a stop token (as EOS would be) inside a span: kept, and the end
+    tok = ref.token_ids[j]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW, temperature=0,
+                                  extra_body={"stop_token_ids": [tok], "return_token_ids": True})
+    first = ref.token_ids.index(tok)
+    assert r.choices[0].token_ids == ref.token_ids[:first + 1]
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_utf8_text_is_never_split(model):
+    """Multi-byte characters the tokenizer spells as byte tokens come out whole."""
+    from medusa_jax.server import Detokenizer
+
+    tok = model.tokenizer
+    prompt = tok.encode("Once")
+    text = " café ☃ naïve"
+    ids = tok.encode("Once" + text)[len(prompt):]
+    assert len(ids) > len(text.split())  # really byte-level pieces
+    d = Detokenizer(tok, prompt, [])
+    parts = [d.add(t)[0] for t in ids]
+    parts.append(d.flush())
+    assert all("\ufffd" not in p for p in parts) and "".join(parts) == model._continuation(
+        prompt, ids)
+    d = Detokenizer(tok, prompt, ["ï"])  # a stop string that is one character of two bytes
+    out = ""
+    for t in ids:
+        delta, stopped = d.add(t)
+        out += delta
+        if stopped:
+            break
+    assert stopped and out == model._continuation(prompt, ids).split("ï")[0]
+
+
+def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(server, model):
+    from test_engine import _chi_square_ok, _exact_pairs
+
+    from medusa_jax.acceptance import Sampling
+
+    url = server[1] + "/v1/completions"
+    prompt = model.encode(PROMPTS[0])
+    body = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=1.0, top_k=3,
+                return_token_ids=True)
+    n = 240
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            sem = asyncio.Semaphore(SLOTS + QUEUE)
+
+            async def one(seed):
+                async with sem:
+                    r = await c.post(url, json=dict(body, seed=seed))
+                    return r.json()["choices"][0]["token_ids"]
+            return await asyncio.gather(*(one(s) for s in range(n)))
+
+    outs = asyncio.run(run())
+    again = httpx.post(url, json=dict(body, seed=7, max_tokens=NEW), timeout=60).json()
+    assert httpx.post(url, json=dict(body, seed=7, max_tokens=NEW), timeout=60).json()[
+        "choices"][0]["token_ids"] == again["choices"][0]["token_ids"]
+    v = model.cfg.vocab_size
+    counts = np.zeros((v, v))
+    for a, b in outs:
+        counts[a, b] += 1
+    exact = _exact_pairs(model, prompt, Sampling(mode="rejection", temperature=1.0, top_k=3))
+    ok, ratio = _chi_square_ok(counts.ravel(), exact.ravel())
+    assert ok, f"not plain sampling's distribution: chi2/critical = {ratio:.2f}"
+
+
+@pytest.mark.parametrize("body, status, param", [
+    (dict(prompt="Hi", temperature="hot"), 400, "temperature"),
+    (dict(prompt="Hi", max_tokens=-1), 400, "max_tokens"),
+    (dict(prompt="Hi", max_tokens=2.5), 400, "max_tokens"),
+    (dict(prompt=123), 400, "prompt"),
+    (dict(prompt="Hi", n=2), 400, "n"),
+    (dict(prompt="Hi", model="gpt-9"), 404, "model"),
+    (dict(prompt="Hi", stream="yes"), 400, "stream"),
+    (dict(prompt=[5] * 70, max_tokens=8), 400, "prompt"),  # longer than prefill's 64
+    (dict(prompt="Once upon a time", max_tokens=120), 400, "max_tokens"),  # past the context
+    (dict(prompt=[600]), 400, "prompt"),  # not a token id
+])
+def test_bad_requests_get_openai_shaped_errors(server, body, status, param):
+    r = httpx.post(server[1] + "/v1/completions", json=dict(dict(model=MODEL), **body),
+                   timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert err["message"] and "\n" not in err["message"]
+
+
+def test_openai_client_sees_the_errors(client, server):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="nope", prompt="Hi")
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model=MODEL, messages=SYSTEM, n=2)
+    r = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+def test_a_full_queue_answers_429(server):
+    url = server[1] + "/v1/completions"
+
+    async def run():
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(url, json=dict(
+                model=MODEL, prompt=PROMPTS[i % 8], max_tokens=90, temperature=0))
+                for i in range(6 * (SLOTS + QUEUE))))
+        return rs
+
+    rs = asyncio.run(run())
+    codes = [r.status_code for r in rs]
+    assert set(codes) == {200, 429} and codes.count(200) >= SLOTS + QUEUE
+    err = next(r for r in rs if r.status_code == 429).json()["error"]
+    assert err["type"] == "rate_limit_error" and "queue is full" in err["message"]
+
+
+def _metric(url, name) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def test_disconnects_free_their_slots(server, client, model, offline):
+    url = server[1]
+    before = _metric(url, 'medusa_requests_total{finish="cancelled"}')
+    for _ in range(SLOTS):  # read the first chunk of a long stream, then hang up
+        with httpx.stream("POST", url + "/v1/completions", timeout=30, json=dict(
+                model=MODEL, prompt=LONG, max_tokens=100, temperature=0,
+                stream=True)) as resp:
+            next(resp.iter_lines())
+    deadline = time.time() + 20
+    while httpx.get(url + "/health", timeout=5).json()["slots_in_use"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(url + "/health", timeout=5).json()["slots_in_use"] == 0
+    assert _metric(url, 'medusa_requests_total{finish="cancelled"}') > before
+    ref = offline([model.encode(PROMPTS[2])])[0]  # the freed slots serve the next request
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=0)
+    assert r.choices[0].text == ref.text
+
+
+def test_bench_serve_reports_each_level(server, capsys):
+    from infer.bench_serve import main
+
+    assert main(["--url", server[1], "--concurrency", "1,2", "--num-requests", "4",
+                 "--max-tokens", "16", "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in rows] == [(1, 4, 0),
+                                                                             (2, 4, 0)]
+    assert all(r["accepted"] > 1.3 and r["ttft_med"] > 0 and r["tpot_med"] > 0 for r in rows)
+
+
+def test_models_health_and_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = httpx.get(server[1] + "/health", timeout=10).json()
+    assert h["status"] == "ok" and h["slots"] == SLOTS and h["decoding"].startswith("medusa")
+    text = httpx.get(server[1] + "/metrics", timeout=10).text
+    for name in ("medusa_requests_total", "medusa_generation_tokens_total",
+                 "medusa_tokens_per_step", "medusa_queue_depth", "medusa_slots_in_use",
+                 "medusa_time_to_first_token_seconds_count"):
+        assert name in text
+    assert _metric(server[1], "medusa_tokens_per_step") > 1.3  # the heads do speculate
+    assert _metric(server[1], 'medusa_requests_total{finish="length"}') > 10
+
+
+def test_sigterm_ends_streams_with_an_error_and_exits(server):
+    proc, url = server
+    with httpx.stream("POST", url + "/v1/completions", timeout=30, json=dict(
+            model=MODEL, prompt=LONG, max_tokens=100, temperature=0,
+            stream=True)) as resp:
+        lines = resp.iter_lines()
+        next(lines)
+        proc.send_signal(signal.SIGTERM)
+        rest = [json.loads(x[6:]) if x != "data: [DONE]" else x[6:]
+                for x in lines if x.startswith("data: ")]
+    assert rest[-1] == "[DONE]"
+    assert "shutting down" in rest[-2]["error"]["message"], rest[-3:]
+    t0 = time.time()
+    assert proc.wait(20) == 0
+    assert time.time() - t0 < 10
