@@ -172,7 +172,51 @@ def test_cached_decoding_matches_transformers_past_the_window(models, arch):
 
 TREE = Tree.load("mc_sim_7b_63:8")  # 9 nodes, depth 3
 NEW = 12
+MEDUSA_WINDOW = 2  # < the tree's depth: a deep node sees only some of its own ancestors
+
+
+def _medusa_cfg(models, arch):
+    """The parity-tested model with a window narrower than the tree is deep, so the tree
+    keys' positions (their depth, not their slot) decide what a local layer sees."""
+    _, _, cfg, params = models[arch]
+    kinds = tuple(None if w is None else MEDUSA_WINDOW for w in layer_kinds(cfg))
+    return cfg.replace(layer_windows=kinds), params
 PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 30, 71, 12, 4, 90, 33, 21, 6, 15], [40, 7, 19, 55, 26]]
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per-layer"])
+def test_tree_verification_sees_each_layers_window(models, layout):
+    """One tree pass after a prefix (Gemma 3, window 2 < the tree's depth): every node's
+    logits are those of a plain causal pass over prefix + its root-to-node path. So the
+    tree mask combines with each local layer's window by position (depth), not by slot."""
+    from medusa_jax.backbone import forward_scratch, tree_mask_after_prefix
+
+    cfg, params = _medusa_cfg(models, "gemma3_text")
+    p = params if layout == "stacked" else decoding_layout(cfg, params)
+    per_layer = layout == "per-layer"
+    rng = np.random.RandomState(5)
+    # node 6 ([2, 0, 0], depth 3) has ancestor node 3 ([2], depth 1): 2 apart by position,
+    # outside the window; counted by slot (6 - 3 against position 3) it would be inside
+    tree = Tree.from_paths([[0], [1], [2], [0, 0], [2, 0], [2, 0, 0], [2, 0, 1]])
+    prefix, n = 7, tree.num_nodes
+    ids = rng.randint(0, V, (1, prefix))
+    node_tok = rng.randint(0, V, n)
+    depth, mask = np.asarray(tree.node_depth), np.asarray(tree.mask)
+    # the tree pass, as decode.verify runs it
+    _, cache = _prefill(cfg, p, ids, 16, per_layer=per_layer)
+    cache = cache.replace(lengths=jnp.asarray([prefix]))
+    tree_logits = forward_scratch(
+        p, cfg, jnp.asarray(node_tok)[None], jnp.asarray(prefix + depth)[None],
+        tree_mask_after_prefix(cache.lengths, jnp.asarray(mask), 16), cache)[0]
+    # the reference: one causal row per node, prefix + its path (right-padded)
+    rows = np.zeros((n, prefix + tree.depth + 1), np.int64)
+    for i in range(n):
+        path = sorted(np.flatnonzero(mask[i]), key=lambda j: depth[j])
+        rows[i, :prefix] = ids[0]
+        rows[i, prefix: prefix + len(path)] = node_tok[path]
+    ref, _ = _prefill(cfg, p, rows, 16, per_layer=per_layer)
+    want = ref[np.arange(n), prefix + depth]
+    np.testing.assert_allclose(np.asarray(tree_logits[0]), want, atol=1e-4, rtol=0)
 
 
 def _rows(out):
@@ -207,7 +251,7 @@ def greedy(models):
     out = {}
     tokens, lengths = pad_prompts(PROMPTS)
     for arch in ("gemma2", "gemma3_text"):
-        _, _, cfg, params = models[arch]
+        cfg, params = _medusa_cfg(models, arch)
         out[arch] = _rows(generate(decoding_layout(cfg, params), cfg, tokens, lengths,
                                    jax.random.key(0), max_new_tokens=NEW))
     return out
@@ -217,7 +261,7 @@ def test_greedy_medusa_equals_plain_greedy_past_the_window(models, greedy):
     """Gemma 2 in the decoding layout (per-layer cache, what the API runs); Gemma 3's Medusa
     runs in the tensor-parallel test below (stacked layout)."""
     arch = "gemma2"
-    _, _, cfg, params = models[arch]
+    cfg, params = _medusa_cfg(models, arch)
     fast = decoding_layout(cfg, params)
     heads = _noisy_oracle(PROMPTS, greedy[arch], seed=3)
     tokens, lengths = pad_prompts(PROMPTS)
@@ -232,7 +276,7 @@ def test_tensor_parallel_medusa_equals_one_device_plain_greedy(models, greedy):
     """Gemma 3 (local and global layers in one scan; heads, KV heads and MLP split) on
     model=2: greedy Medusa gives the tokens of plain greedy on one device (decoding layout),
     prompts past the window."""
-    _, _, cfg, params = models["gemma3_text"]
+    cfg, params = _medusa_cfg(models, "gemma3_text")
     heads = _noisy_oracle(PROMPTS, greedy["gemma3_text"], seed=4)
     tokens, lengths = pad_prompts(PROMPTS)
     mesh = sharding.make_mesh("model=2")
