@@ -57,7 +57,8 @@ def as_dtype(name: str | Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-family decoder. Hashable, so it can be a static argument of `jax.jit`."""
+    """A Llama-family or Gemma decoder. Hashable, so it can be a static argument of
+    `jax.jit`; the Gemma fields below default to the Llama family's behaviour."""
 
     model_type: str
     vocab_size: int
