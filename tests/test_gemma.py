@@ -191,6 +191,7 @@ def test_tree_verification_sees_each_layers_window(models, layout):
     tree mask combines with each local layer's window by position (depth), not by slot."""
     from medusa_jax.backbone import forward_scratch, tree_mask_after_prefix
 
+    _scratch = jax.jit(forward_scratch, static_argnums=(1,))
     cfg, params = _medusa_cfg(models, "gemma3_text")
     p = params if layout == "stacked" else decoding_layout(cfg, params)
     per_layer = layout == "per-layer"
@@ -199,24 +200,25 @@ def test_tree_verification_sees_each_layers_window(models, layout):
     # outside the window; counted by slot (6 - 3 against position 3) it would be inside
     tree = Tree.from_paths([[0], [1], [2], [0, 0], [2, 0], [2, 0, 0], [2, 0, 1]])
     prefix, n = 7, tree.num_nodes
-    ids = rng.randint(0, V, (1, prefix))
+    ids = rng.randint(0, V, prefix)
     node_tok = rng.randint(0, V, n)
     depth, mask = np.asarray(tree.node_depth), np.asarray(tree.mask)
-    # the tree pass, as decode.verify runs it
-    _, cache = _prefill(cfg, p, ids, 16, per_layer=per_layer)
-    cache = cache.replace(lengths=jnp.asarray([prefix]))
-    tree_logits = forward_scratch(
-        p, cfg, jnp.asarray(node_tok)[None], jnp.asarray(prefix + depth)[None],
-        tree_mask_after_prefix(cache.lengths, jnp.asarray(mask), 16), cache)[0]
-    # the reference: one causal row per node, prefix + its path (right-padded)
+    # the reference: one causal row per node, prefix + its root-to-node path (right-padded)
     rows = np.zeros((n, prefix + tree.depth + 1), np.int64)
     for i in range(n):
         path = sorted(np.flatnonzero(mask[i]), key=lambda j: depth[j])
-        rows[i, :prefix] = ids[0]
+        rows[i, :prefix] = ids
         rows[i, prefix: prefix + len(path)] = node_tok[path]
-    ref, _ = _prefill(cfg, p, rows, 16, per_layer=per_layer)
+    ref, cache = _prefill(cfg, p, rows, 16, per_layer=per_layer)
     want = ref[np.arange(n), prefix + depth]
-    np.testing.assert_allclose(np.asarray(tree_logits[0]), want, atol=1e-4, rtol=0)
+    # the tree pass, as decode.verify runs it, on that cache cut back to the prefix (each
+    # row verifies the whole tree; the slots past the prefix are rewritten by it)
+    cache = cache.replace(lengths=jnp.full((n,), prefix, jnp.int32))
+    fed = jnp.broadcast_to(jnp.asarray(node_tok), (n, n))
+    logits = _scratch(p, cfg, fed, jnp.broadcast_to(jnp.asarray(prefix + depth), (n, n)),
+                      tree_mask_after_prefix(cache.lengths, jnp.asarray(mask), 16), cache)[0]
+    np.testing.assert_allclose(np.asarray(logits)[np.arange(n), np.arange(n)], want,
+                               atol=1e-4, rtol=0)
 
 
 def _rows(out):
