@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Vicuna, Mistral, Qwen2, Qwen3) as pure functions.
+"""The Llama-family decoder (Llama 2/3, Vicuna, Mistral, Qwen2, Qwen3, Gemma 1/2/3) as pure
+functions.
 
 Parameters are a plain dict pytree with the layers stacked on a leading axis, so the forward
 pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
@@ -9,6 +10,7 @@ pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
       bq         [L, NH*D]       bk, bv [L, KVH*D]        (only with attention_bias)
       q_norm, k_norm [L, D]                               (only with qk_norm)
       mlp_norm   [L, H]          w_gate, w_up [L, H, F]   w_down [L, F, H]
+      post_attn_norm, post_mlp_norm [L, H]                (only with sandwich_norms)
     final_norm   [H]
     lm_head      [H, V]                                   (absent with tied embeddings)
 
@@ -18,6 +20,13 @@ line, fused q/k/v and gate/up); `forward` takes either layout.
 The caller passes explicit positions and an explicit boolean attention mask over the cache
 slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
 attention code: a tree mask is just another mask.
+
+Gemma's differences are static choices read from the config (no runtime branch on the hot
+path): GeGLU, RMSNorm by (1 + weight), scaled embeddings, soft-capping, sandwich norms. Its
+sliding-window layers keep the one KV-cache layout of every layer (all slots, as global
+layers): a local layer ANDs the caller's mask with p_query - p_key < window, from the
+positions the forward pass already has (`window_masks`), so in a Medusa step the tree mask
+combines with each layer's own window.
 """
 
 from __future__ import annotations
@@ -108,22 +117,34 @@ def tree_mask_after_prefix(lengths: jax.Array, tree_mask: jax.Array, capacity: i
 # ----------------------------------------------------------------------------- layers
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32, scaled by (offset + weight): Gemma stores weight - 1 (offset 1)."""
     dtype = x.dtype
     x = x.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-    return (x * weight.astype(jnp.float32)).astype(dtype)
+    w = weight.astype(jnp.float32)
+    if offset:  # static: the Llama family never adds
+        w = w + offset
+    return (x * w).astype(dtype)
 
 
-def rope_frequencies(cfg: ModelConfig) -> jax.Array:
-    """[D/2] inverse frequencies, with 'linear' or 'llama3' scaling applied."""
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """[D/2] inverse frequencies, with 'linear' or 'llama3' scaling applied. `local`: those
+    of the sliding-window layers (Gemma 3's `rope_local_base_freq`, when the config has one)."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    kind = cfg.rope_scaling[0]
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if local and cfg.local_rope_theta is not None:
+        theta, scaling = cfg.local_rope_theta, cfg.local_rope_scaling
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    kind = scaling[0]
     if kind == "linear":
-        inv_freq = inv_freq / cfg.rope_scaling[1]
+        inv_freq = inv_freq / scaling[1]
     elif kind == "llama3":
-        _, factor, low_ff, high_ff, old_ctx = cfg.rope_scaling
+        _, factor, low_ff, high_ff, old_ctx = scaling
         low_wavelen = old_ctx / low_ff
         high_wavelen = old_ctx / high_ff
         wavelen = 2 * math.pi / inv_freq
@@ -133,6 +154,42 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = jnp.where(medium, smoothed, scaled)
     return inv_freq
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple:
+    """Each layer's sliding window (None: global attention), from `cfg.layer_windows`."""
+    return cfg.layer_windows or (None,) * cfg.num_layers
+
+
+def window_masks(kinds: tuple, q_pos: jax.Array, k_pos: jax.Array, mask: jax.Array) -> dict:
+    """{window: mask}: the caller's mask [B, T, S] for a global layer (window None), and that
+    mask restricted to keys whose position is within `window` of the query's (p_q - p_k <
+    window, transformers' sliding window) for each local window in `kinds`. q_pos [B, T],
+    k_pos [B or 1, S] (the position each key slot holds). A tree mask stays a tree mask."""
+    out = {None: mask}
+    for w in set(kinds) - {None}:
+        out[w] = mask & (q_pos[:, :, None] - k_pos[:, None, :] < w)
+    return out
+
+
+def _scale_q(cfg: ModelConfig, q: jax.Array) -> jax.Array:
+    if cfg.query_scale is None:
+        return q / math.sqrt(q.shape[-1])
+    return q * cfg.query_scale  # Gemma 2/3: query_pre_attn_scalar ** -0.5
+
+
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> [B, T, H] in the compute dtype. Gemma scales by sqrt(H), the factor
+    rounded to the weights' dtype first (as transformers does: 55.4256 is 55.5 in bfloat16)."""
+    x = params["embed"][tokens]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    return x.astype(as_dtype(cfg.compute_dtype))
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -180,11 +237,11 @@ def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
     neg = jnp.finfo(jnp.float32).min
     # [B, KVH, G*T, D]: the query heads sharing a KV head form one batched matmul
     q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-    q = q / math.sqrt(d)
+    q = _scale_q(cfg, q)
 
     def scores(keys, mask):
         s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32)
-        s = s.reshape(b, kvh, g, t, -1)
+        s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
         return jnp.where(mask[:, None, None], s, neg)
 
     if k_cache is None:  # empty cache (prefill, training): the new tokens only
@@ -209,8 +266,9 @@ def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask):
     b, t, _, d = q.shape
     kvh, g = cfg.num_kv_heads, cfg.q_per_kv
     q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
-    s = jnp.einsum("kqd,ksd->kqs", q / math.sqrt(d), k_cache,
-                   preferred_element_type=jnp.float32).reshape(b, kvh, g, t, -1)
+    s = jnp.einsum("kqd,ksd->kqs", _scale_q(cfg, q), k_cache,
+                   preferred_element_type=jnp.float32)
+    s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype).reshape(b * kvh, g * t, -1)
     out = jnp.einsum("kqs,ksd->kqd", probs, v_cache)  # [B*KVH, G*T, D]
@@ -222,7 +280,7 @@ def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
     [B, KVH, T, D] in `kv_dtype`, k after rope)."""
     b, t, _ = x.shape
     dt = x.dtype
-    h = rms_norm(x, layer["attn_norm"], cfg.rms_norm_eps)
+    h = _norm(cfg, x, layer["attn_norm"])
     if "wqkv" in layer:  # `decoding_layout`: one product for q, k and v
         qkv = h @ layer["wqkv"].astype(dt)
         if cfg.attention_bias:
@@ -241,25 +299,37 @@ def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        q = rms_norm(q, layer["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, layer["k_norm"], cfg.rms_norm_eps)
+        q = _norm(cfg, q, layer["q_norm"])
+        k = _norm(cfg, k, layer["k_norm"])
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(kv_dtype)
     v = v.transpose(0, 2, 1, 3).astype(kv_dtype)
     return q, k, v
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # gelu_pytorch_tanh
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
 def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
     """The output projection of attention [B, T, NH*D] into the residual stream, then the
-    MLP block."""
+    MLP block (gated: silu for Llama, GeGLU for Gemma). Gemma 2/3 also normalise each
+    block's output before adding it (`sandwich_norms`)."""
     dt = x.dtype
-    x = x + attn @ layer["wo"].astype(dt)
-    h = rms_norm(x, layer["mlp_norm"], cfg.rms_norm_eps)
+    a = attn @ layer["wo"].astype(dt)
+    if cfg.sandwich_norms:
+        a = _norm(cfg, a, layer["post_attn_norm"])
+    x = x + a
+    h = _norm(cfg, x, layer["mlp_norm"])
     if "w_gate_up" in layer:  # `decoding_layout`
         gate, up = jnp.split(h @ layer["w_gate_up"].astype(dt), 2, axis=-1)
     else:
         gate, up = h @ layer["w_gate"].astype(dt), h @ layer["w_up"].astype(dt)
-    return x + (jax.nn.silu(gate) * up) @ layer["w_down"].astype(dt)
+    m = (_ACTIVATIONS[cfg.hidden_act](gate) * up) @ layer["w_down"].astype(dt)
+    if cfg.sandwich_norms:
+        m = _norm(cfg, m, layer["post_mlp_norm"])
+    return x + m
 
 
 def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
@@ -303,22 +373,37 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
         raise ValueError("a per-layer KV cache goes with the decoding layout "
                          "(backbone.decoding_layout)")
     window = mask.shape[-1]
+    t = positions.shape[1]
+    kinds = layer_kinds(cfg)  # static per layer: a sliding window or None
     if empty_cache:  # [B, T, T]: how the new tokens see each other
-        t = positions.shape[1]
         new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
         new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)
+        masks = window_masks(kinds, positions, positions, new_mask)
+    elif any(w is not None for w in kinds):
+        # the position each slot holds: its index in the committed part, the new tokens'
+        # positions in theirs (a tree node's depth, not its slot)
+        slots = jnp.arange(window)[None, :]
+        rel = slots - cache.lengths[:, None]  # [B, W]
+        k_pos = jnp.where(rel < 0, slots, jnp.take_along_axis(
+            positions, jnp.clip(rel, 0, t - 1), axis=1))
+        masks = window_masks(kinds, positions, k_pos, mask)
+    else:
+        masks = {None: mask}
+    freqs = {w: inv_freq if w is None else rope_frequencies(cfg, local=True)
+             for w in set(kinds)}
     ks, vs, new_k, new_v = [], [], [], []
     for i, layer in enumerate(params["layers"]):
         dt = x.dtype
         kc, vc = cache.k[i], cache.v[i]
-        q, k, v = _qkv(cfg, x, layer, positions, inv_freq, kc.dtype)
+        q, k, v = _qkv(cfg, x, layer, positions, freqs[kinds[i]], kc.dtype)
         kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
         ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
         if empty_cache:  # prefill: the new tokens attend each other only
-            attn = _attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None, new_mask)
+            attn = _attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None,
+                              masks[kinds[i]])
         else:
             kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
-            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), mask)
+            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]])
         x = _residual_and_mlp(cfg, x, attn, layer)
     return x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs))
 
@@ -333,8 +418,9 @@ def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final-norm hidden states [..., H] -> float32 logits [..., V]."""
     w = output_projection(cfg, params)
-    return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
-                      preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return _softcap(logits, cfg.final_softcap)
 
 
 def forward_uncommitted(
@@ -370,9 +456,7 @@ def forward_uncommitted(
             params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
             empty_cache=empty_cache)
         return logits, hidden, new_kv
-    dt = as_dtype(cfg.compute_dtype)
-    x = params["embed"][tokens].astype(dt)
-    inv_freq = rope_frequencies(cfg)
+    x = embed_tokens(cfg, params, tokens)
     t = tokens.shape[1]
     # Split the caller's mask: committed slots come from the cache, the T new tokens (which
     # would occupy slots lengths .. lengths+T-1) attend each other directly. The cache is
@@ -382,27 +466,51 @@ def forward_uncommitted(
     prefix_mask = mask & (slots[None, None, :] < cache.lengths[:, None, None])
     new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
     new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)  # [B, T, T]
+    # Per-layer attention kinds (Gemma 2/3): each window's masks and rotary frequencies once
+    kinds = layer_kinds(cfg)
+    prefix_masks = window_masks(kinds, positions, slots[None, :], prefix_mask)
+    new_masks = window_masks(kinds, positions, positions, new_mask)
+    freqs = {w: rope_frequencies(cfg, local=w is not None) for w in set(kinds)}
 
-    def body(x, xs):
-        layer, kc, vc = xs if not empty_cache else (xs, None, None)
+    def one_layer(x, layer, kc, vc, pm, nm, inv_freq):
         if kc is not None and window < kc.shape[2]:
             kc, vc = kc[:, :, :window], vc[:, :, :window]
-        x, k, v = _layer(cfg, x, layer, kc, vc, positions, prefix_mask, new_mask, inv_freq)
+        x, k, v = _layer(cfg, x, layer, kc, vc, positions, pm, nm, inv_freq)
         return x, (k, v)
 
     if remat:
-        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable,
-                              prevent_cse=False)
+        one_layer = jax.checkpoint(one_layer, policy=jax.checkpoint_policies.nothing_saveable,
+                                   prevent_cse=False)
     if is_decoding_layout(params):  # a straight line, each layer's weights read in place
         outs = []
         for i, layer in enumerate(params["layers"]):
-            x, kv = body(x, layer if empty_cache else (layer, cache.k[i], cache.v[i]))
+            kc, vc = (None, None) if empty_cache else (cache.k[i], cache.v[i])
+            w = kinds[i]  # static
+            x, kv = one_layer(x, layer, kc, vc, prefix_masks[w], new_masks[w], freqs[w])
             outs.append(kv)
         new_kv = (jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs]))
     else:
-        xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+        uniq = sorted(set(kinds), key=lambda w: -1 if w is None else w)
+        if len(uniq) == 1:  # every layer alike (the Llama family): nothing to select
+            def body(x, xs):
+                layer, kc, vc = xs if not empty_cache else (xs, None, None)
+                w = uniq[0]
+                return one_layer(x, layer, kc, vc, prefix_masks[w], new_masks[w], freqs[w])
+
+            xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+        else:  # the scanned layer picks its kind's masks and frequencies by index
+            stack = lambda d: jnp.stack([d[w] for w in uniq])  # noqa: E731
+            pms, nms, fs = stack(prefix_masks), stack(new_masks), stack(freqs)
+            kind = jnp.asarray([uniq.index(w) for w in kinds], jnp.int32)  # [L]
+
+            def body(x, xs):
+                layer, kc, vc, i = xs if not empty_cache else (xs[0], None, None, xs[1])
+                return one_layer(x, layer, kc, vc, pms[i], nms[i], fs[i])
+
+            xs = ((params["layers"], kind) if empty_cache
+                  else (params["layers"], cache.k, cache.v, kind))
         x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
-    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    hidden = _norm(cfg, x, params["final_norm"])
     logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
     return logits, hidden, new_kv
 
@@ -428,11 +536,10 @@ def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positio
     With a per-layer cache each layer writes before it reads (in place); with a stacked
     one the new entries are written after all layers."""
     if isinstance(cache.k, tuple):
-        dt = as_dtype(cfg.compute_dtype)
-        x = params["embed"][tokens].astype(dt)
+        x = embed_tokens(cfg, params, tokens)
         x, k_new, v_new, cache = _forward_per_layer_cache(
             params, cfg, x, positions, mask, cache, empty_cache, rope_frequencies(cfg))
-        hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        hidden = _norm(cfg, x, params["final_norm"])
         logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
         return logits, hidden, (k_new, v_new), cache
     logits, hidden, (k_new, v_new) = forward_uncommitted(
@@ -544,7 +651,7 @@ def param_specs(cfg: ModelConfig) -> dict:
         "wk": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
         "wv": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
         "wo": S((lyr, qd, h), ("layers", "q_heads", "embed")),
-        "mlp_norm": S((lyr, h), ("layers", "norm")),
+        "mlp_norm": S((lyr, h), ("layers", "norm")),  # before the MLP (Gemma 2/3: pre_feedforward)
         "w_gate": S((lyr, h, f), ("layers", "embed", "mlp")),
         "w_up": S((lyr, h, f), ("layers", "embed", "mlp")),
         "w_down": S((lyr, f, h), ("layers", "mlp", "embed")),
@@ -553,6 +660,9 @@ def param_specs(cfg: ModelConfig) -> dict:
         layers.update(bq=S((lyr, qd), ("layers", "q_heads")),
                       bk=S((lyr, kvd), ("layers", "kv_heads")),
                       bv=S((lyr, kvd), ("layers", "kv_heads")))
+    if cfg.sandwich_norms:  # Gemma 2/3: after attention and after the MLP
+        layers.update(post_attn_norm=S((lyr, h), ("layers", "norm")),
+                      post_mlp_norm=S((lyr, h), ("layers", "norm")))
     if cfg.qk_norm:
         layers.update(q_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")),
                       k_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")))
@@ -584,7 +694,8 @@ def param_axes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
-    """Random backbone (norms at one), for tests and random-weight benchmarks."""
+    """Random backbone (norms at one: weights 1, or 0 with Gemma's 1 + weight), for tests
+    and random-weight benchmarks."""
     shapes = param_shapes(cfg)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     paths = [jax.tree_util.keystr(p) for p, _ in
@@ -594,7 +705,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
     out = []
     for path, shape, k in zip(paths, leaves, keys):
         if "norm" in path:
-            out.append(jnp.ones(shape, dtype))
+            out.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype))
         else:
             out.append((std * jax.random.normal(k, shape)).astype(dtype))
     return jax.tree.unflatten(treedef, out)

@@ -68,6 +68,9 @@ class Plan:
 def target_config(src: ModelConfig, shape: dict) -> ModelConfig:
     """The enlarged config: `shape`'s dimensions (`SHAPE_FIELDS`), the source's everything
     else, RMSNorm eps scaled by H / H'. Raises EnlargeError when no exact enlargement exists."""
+    if src.norm_offset or src.sandwich_norms or src.layer_windows:
+        raise EnlargeError(f"enlarging a {src.model_type} model is not supported (its (1 + w) "
+                           f"norms do not scale as the Llama family's)")
     dims = {f: int(shape[f]) for f in SHAPE_FIELDS}
     h, h2, d, d2 = src.hidden_size, dims["hidden_size"], src.head_dim, dims["head_dim"]
     names = {"hidden_size": "hidden size", "intermediate_size": "MLP width",

@@ -51,6 +51,21 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
+# Gemma 2/3 normalise each block's output too: there post_attention_layernorm is the norm
+# after attention, and the norm before the MLP is pre_feedforward_layernorm.
+_SANDWICH_MAP = {
+    **{k: v for k, v in _LAYER_MAP.items() if k != "post_attention_layernorm.weight"},
+    "post_attention_layernorm.weight": ("post_attn_norm", False),
+    "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+    "post_feedforward_layernorm.weight": ("post_mlp_norm", False),
+}
+
+
+def layer_map(cfg: ModelConfig) -> dict:
+    """HF per-layer tensor name -> (our layer key, transpose?) for this architecture."""
+    return _SANDWICH_MAP if cfg.sandwich_norms else _LAYER_MAP
+
+
 _TOP_MAP = {
     "model.embed_tokens.weight": ("embed", False),
     "model.norm.weight": ("final_norm", False),
@@ -60,6 +75,11 @@ _TOP_MAP = {
 # heads (medusa_head.*) are read by heads.load_heads, not here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|^medusa_head\.")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# A multimodal Gemma 3 folder (model_type gemma3): the language model's tensors under one of
+# these prefixes (transformers 5, then older files); the vision tower and projector unused.
+_GEMMA3_TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                ("language_model.lm_head.", "lm_head."))
+_GEMMA3_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -87,11 +107,21 @@ class _Tensors:
     as numpy arrays; bfloat16 ones (which numpy's reader cannot read) through the flax
     reader, which imports Flax only then."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], multimodal: bool = False):
+        """`multimodal`: a Gemma 3 folder, read as its language model (`_GEMMA3_TEXT`)."""
         self.where: dict[str, Path] = {}
+        self.stored: dict[str, str] = {}  # our name -> the name in the file, where renamed
         self._open: dict[tuple[Path, str], object] = {}
         for file in files:
-            for name in self._handle(file, "numpy").keys():
+            for stored in self._handle(file, "numpy").keys():
+                name = stored
+                if multimodal:
+                    if _GEMMA3_VISION.match(stored):
+                        continue
+                    for old, new in _GEMMA3_TEXT:
+                        if stored.startswith(old):
+                            name = new + stored[len(old):]
+                            self.stored[name] = stored
                 if _IGNORED.match(name):  # never read (a Medusa-2 model's heads)
                     continue
                 if name in self.where:
@@ -99,10 +129,12 @@ class _Tensors:
                 self.where[name] = file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.where[name], "numpy").get_slice(name).get_shape())
+        stored = self.stored.get(name, name)
+        return tuple(self._handle(self.where[name], "numpy").get_slice(stored).get_shape())
 
     def read(self, name: str) -> np.ndarray:
         file = self.where[name]
+        name = self.stored.get(name, name)
         try:
             if self._handle(file, "numpy").get_slice(name).get_dtype() == "BF16":
                 return np.asarray(self._handle(file, "flax").get_tensor(name))
@@ -152,8 +184,9 @@ def load_pretrained(
     path = Path(path) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
     cfg = cfg.replace(param_dtype=param_dtype or "float32", compute_dtype=compute_dtype)
-    tensors = _Tensors(weight_files(path))
+    tensors = _Tensors(weight_files(path), multimodal=_is_multimodal_gemma3(path))
     shapes = param_shapes(cfg)
+    lmap = layer_map(cfg)
     dtype = as_dtype(cfg.param_dtype)
 
     # 1. names and shapes, from the files' headers: (our key, layer or None) -> (name, T?)
@@ -161,9 +194,9 @@ def load_pretrained(
     top_names: dict[str, tuple[str, bool]] = {}
     for name, file in tensors.where.items():
         m = _LAYER_RE.match(name)
-        if m and m.group(2) in _LAYER_MAP:
+        if m and m.group(2) in lmap:
             idx = int(m.group(1))
-            key, transpose = _LAYER_MAP[m.group(2)]
+            key, transpose = lmap[m.group(2)]
             if key not in layer_names or idx >= cfg.num_layers:
                 raise WeightsError(f"{file}: unexpected tensor {name} for this config")
             _check_shape(tensors.shape(name), shapes["layers"][key][1:], name, file, transpose)
@@ -183,7 +216,7 @@ def load_pretrained(
     for key, names in layer_names.items():
         for i, found in enumerate(names):
             if found is None:
-                hf = next(n for n, (k, _) in _LAYER_MAP.items() if k == key)
+                hf = next(n for n, (k, _) in lmap.items() if k == key)
                 raise WeightsError(f"{path}: missing tensor model.layers.{i}.{hf}")
 
     # 2. the data, one tensor at a time
@@ -205,6 +238,13 @@ def load_pretrained(
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}
     return cfg, params
+
+
+def _is_multimodal_gemma3(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type") == "gemma3"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -301,7 +341,7 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
             a = to_np(params[key])
             tensors[name] = np.ascontiguousarray(a.T) if transpose else a
     layers = standard_layout(cfg, params)["layers"]  # from `decoding_layout` too
-    for hf, (key, transpose) in _LAYER_MAP.items():
+    for hf, (key, transpose) in layer_map(cfg).items():
         if key not in layers:
             continue
         stacked = to_np(layers[key])
