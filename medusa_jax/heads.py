@@ -13,6 +13,10 @@ Two optional variants cut the projection's cost on large vocabularies (both read
 Medusa layout, see `heads_formats`): `proj` [1, H, V] is one projection shared by all heads,
 and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T < V tokens:
 token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
+
+Hydra heads (`hydra`: each head also reads the path drafted above it) are the other kind of
+drafter; `heads_config_of`, `heads_axes`, `save_heads` and `load_heads` take either kind
+(the artifact's `kind` field says which), `apply_heads` only Medusa heads.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
+from medusa_jax import hydra
 from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
 from medusa_jax.weights import save_safetensors
@@ -54,6 +59,8 @@ def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsCon
 def heads_axes(heads: Params | None = None) -> dict:
     """{name: logical axes} of the heads parameters (they do not depend on the sizes), for
     the leaves `heads` has (default: those of `init_heads`)."""
+    if hydra.is_hydra(heads):
+        return hydra.axes()
     axes = {name: s.axes for name, s in heads_param_specs(1, 1).items()}
     axes["token_index"] = ("medusa_heads", "vocab")  # reduced-vocabulary heads only
     return {k: axes[k] for k in (heads if heads is not None else ("w", "b", "proj"))}
@@ -79,13 +86,19 @@ def has_shared_proj(heads: Params) -> bool:
 
 
 def heads_config_of(heads: Params) -> HeadsConfig:
-    """Read the head count and depth from the parameters themselves."""
+    """Read the head count and depth from the parameters themselves (either kind)."""
+    if hydra.is_hydra(heads):
+        k, lyr = hydra.config_of(heads)
+        return HeadsConfig(num_heads=k, num_layers=lyr)
     k, lyr = heads["w"].shape[:2]
     return HeadsConfig(num_heads=int(k), num_layers=int(lyr))
 
 
 def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
+    if hydra.is_hydra(heads):
+        raise ValueError("apply_heads computes Medusa heads; these are Hydra heads, which "
+                         "also read the drafted path (see medusa_jax.hydra)")
     dt = hidden.dtype
     k = heads["w"].shape[0]
     x = jnp.broadcast_to(hidden, (k, *hidden.shape))
@@ -126,6 +139,7 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
     hc = heads_config_of(heads)
     meta = {
         "format": "medusa_jax.heads/1",
+        "kind": hydra.KIND if hydra.is_hydra(heads) else "medusa",
         "num_heads": str(hc.num_heads),
         "num_layers": str(hc.num_layers),
         "hidden_size": str(cfg.hidden_size),
@@ -164,7 +178,16 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     if meta.get("format") != "medusa_jax.heads/1":
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
     k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
-    heads_formats.check_heads(tensors, cfg, file, k, lyr)
+    kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
+    if kind == hydra.KIND:
+        try:
+            hydra.check(tensors, cfg, file, k, lyr)
+        except ValueError as e:
+            raise heads_formats.HeadsFormatError(str(e)) from None
+    elif kind == "medusa":
+        heads_formats.check_heads(tensors, cfg, file, k, lyr)
+    else:
+        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa or hydra)")
     heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
              for name, a in tensors.items()}
     meta["extra"] = json.loads(meta.get("extra") or "{}")

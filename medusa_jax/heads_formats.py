@@ -597,6 +597,12 @@ def _c(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _medusa_only(heads: Params, layout: str):
+    if "in_w" in heads:  # Hydra heads (medusa_jax.hydra)
+        raise HeadsFormatError(f"these are Hydra heads; the {layout} layout holds only Medusa "
+                               f"heads: write them with --format medusa_jax")
+
+
 def _full_proj(heads: Params, layout: str) -> np.ndarray:
     """proj as [K, H, V] for layouts without shared or reduced projections."""
     if "token_index" in heads:
@@ -610,6 +616,7 @@ def _full_proj(heads: Params, layout: str) -> np.ndarray:
 
 def reference_tensors(heads: Params, prefix: str = "") -> dict[str, np.ndarray]:
     """Our heads under the reference's names ({prefix}{i}.{j}.linear.weight, ...)."""
+    _medusa_only(heads, "reference")
     w, b = _np(heads["w"]), _np(heads["b"])
     proj = _full_proj(heads, "reference")
     k, lyr = w.shape[:2]
@@ -671,6 +678,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
 
 def vllm_tensors(heads: Params) -> tuple[dict[str, np.ndarray], dict]:
     """Our heads under vLLM's names, and the config fields that describe them."""
+    _medusa_only(heads, "vllm")
     w, b, proj = _np(heads["w"]), _np(heads["b"]), _np(heads["proj"])
     k, lyr, h = w.shape[:3]
     bias = bool(np.any(b != 0))
