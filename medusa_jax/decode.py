@@ -428,7 +428,8 @@ class HydraDrafter:
     def propose(self, params, heads, carry, root, tree) -> Proposal:
         static = tree.pool if isinstance(tree, DynamicTree) else tree
         tokens, logp = hydra.draft_tree(heads, params["embed"], carry[0], root,
-                                        static.paths_ranks, static.num_nodes, small_top_k)
+                                        static.paths_ranks, static.num_nodes, small_top_k,
+                                        want_logp=isinstance(tree, DynamicTree))
         return tree_proposal(tokens, logp, tree)
 
 

@@ -193,11 +193,13 @@ def tree_plan(paths_ranks: tuple[tuple[int, ...], ...]):
 
 
 def draft_tree(heads: Params, embed_table: jax.Array, hidden: jax.Array, root: jax.Array,
-               paths_ranks, num_nodes: int, top_k_fn) -> tuple[jax.Array, jax.Array]:
+               paths_ranks, num_nodes: int, top_k_fn,
+               want_logp: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """Fill a static tree with Hydra drafts: hidden [B, H], root [B] -> (tokens [B, N],
     node log-probabilities [B, N]: each node's own, under its parent's head call; 0 at the
     root). One head call per depth over the nodes at the depth before it that have
-    children; a node of rank r takes its parent's r-th most likely token."""
+    children; a node of rank r takes its parent's r-th most likely token. `want_logp`
+    False (a static tree needs none): no log-softmax, None instead."""
     b, h = hidden.shape
     dt = hidden.dtype
     tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
@@ -207,8 +209,8 @@ def draft_tree(heads: Params, embed_table: jax.Array, hidden: jax.Array, root: j
         base = jnp.broadcast_to(hidden[:, None, None, :], (b, anc.shape[0], 1, h))
         logits = apply_head(heads, d, jnp.concatenate([base, path_emb], axis=2))  # [B, E, V]
         top = top_k_fn(logits, k)  # [B, E, k]
-        lp = jax.nn.log_softmax(logits, axis=-1)
-        top_lp = jnp.take_along_axis(lp, top, axis=-1)
         tokens = tokens.at[:, nodes].set(top[:, parent_pos, rank])
-        logp = logp.at[:, nodes].set(top_lp[:, parent_pos, rank])
-    return tokens, logp
+        if want_logp:
+            top_lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), top, axis=-1)
+            logp = logp.at[:, nodes].set(top_lp[:, parent_pos, rank])
+    return tokens, (logp if want_logp else None)
