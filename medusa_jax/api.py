@@ -26,8 +26,8 @@ from medusa_jax.acceptance import MODES, Sampling
 from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.heads import heads_axes, heads_config_of, load_heads
-from medusa_jax.heads_formats import is_medusa2_model
+from medusa_jax.heads import heads_axes, heads_config_of
+from medusa_jax.heads_formats import is_medusa2_model, load_heads
 from medusa_jax.hydra import is_hydra
 from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
 from medusa_jax.weights import default_model_dir, load_pretrained

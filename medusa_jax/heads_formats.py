@@ -1,4 +1,6 @@
-"""Medusa heads in the layouts other tools use: detection, strict readers, writers.
+"""Heads in the layouts other tools use: detection, strict readers, writers, and our own
+artifact (`save_heads`, `load_heads`). This module imports `heads` (computing heads), never
+the reverse.
 
 K heads, L residual blocks each, hidden size H, vocabulary V (T < V: a reduced vocabulary).
 Per head i and block j; torch `Linear` weights are [out, in], ours are [in, out] (y = x @ w):
@@ -52,13 +54,14 @@ import re
 import warnings
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from medusa_jax import weights
+from medusa_jax import hydra, weights
 from medusa_jax.backbone import Params
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HEADS_FILE
+from medusa_jax.heads import HEADS_FILE, heads_config_of
 
 LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm", "hydra")
 REFERENCE_ST = "medusa_lm_head.safetensors"
@@ -210,6 +213,75 @@ def _detect_file(p: Path) -> Found:
     raise HeadsFormatError(f"{p}: no Medusa heads in any known layout (tensors "
                            f"{', '.join(sorted(names)[:4]) or 'none'}...); "
                            f"looked for: {LOOKED_FOR}")
+
+
+# ----------------------------------------------------------------------------- our artifact
+
+
+def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | None = None) -> Path:
+    """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
+
+    `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.
+    The backbone's hidden and vocab sizes are recorded so a mismatch is caught at load time.
+    """
+    path = Path(path)
+    file = path if path.suffix == ".safetensors" else path / HEADS_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    hc = heads_config_of(heads)
+    meta = {
+        "format": "medusa_jax.heads/1",
+        "kind": hydra.KIND if hydra.is_hydra(heads) else "medusa",
+        "num_heads": str(hc.num_heads),
+        "num_layers": str(hc.num_layers),
+        "hidden_size": str(cfg.hidden_size),
+        "vocab_size": str(cfg.vocab_size),
+        "extra": json.dumps(extra or {}),
+    }
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
+                                                  np.float32)) for k, v in heads.items()}
+    return weights.save_safetensors(tensors, file, metadata=meta)
+
+
+def load_heads(path: str | Path, cfg: ModelConfig, *,
+               base_model: str | Path | None = None) -> tuple[Params, dict]:
+    """Load Medusa heads strictly against the backbone config `cfg`.
+
+    `path`: this package's artifact (file, directory or run directory), or any layout
+    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
+    Returns (heads, metadata). Head count and depth come from the files; files that do not
+    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
+    `base_model`: the backbone loaded (name or folder); a heads config naming another base
+    model gives a warning with both names.
+    """
+    found = detect(Path(path))
+    if found.layout != "medusa_jax":
+        heads, meta = read(found, cfg, base_model)
+        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
+    file = found.files[0]
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
+    if meta.get("format") != "medusa_jax.heads/1":
+        raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
+    k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
+    kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
+    if kind == hydra.KIND:
+        try:
+            hydra.check(tensors, cfg, file, k, lyr)
+        except ValueError as e:
+            raise HeadsFormatError(str(e)) from None
+    elif kind == "medusa":
+        check_heads(tensors, cfg, file, k, lyr)
+    else:
+        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa or hydra)")
+    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
+             for name, a in tensors.items()}
+    meta["extra"] = json.loads(meta.get("extra") or "{}")
+    warn_base_model(meta, base_model, file)
+    return heads, meta
 
 
 # ----------------------------------------------------------------------------- reading
@@ -540,8 +612,6 @@ def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params
     """Heads (numpy: float32, token_index int32) and metadata from a detected layout, checked
     against the backbone config `cfg` (None: sizes from the files themselves)."""
     if found.layout == "medusa_jax":
-        from medusa_jax.heads import load_heads
-
         if cfg is None:
             cfg = _native_cfg(found.files[0])
         heads, meta = load_heads(found.files[0], cfg, base_model=base_model)
@@ -907,8 +977,6 @@ def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig |
     if layout == "vllm":
         return write_vllm(heads, out_dir, base_model=base_model)
     if layout == "medusa_jax":
-        from medusa_jax.heads import save_heads
-
         if cfg is None:
             raise HeadsFormatError("medusa_jax artifacts record the backbone's sizes: need cfg")
         extra = dict(extra or {})
