@@ -41,7 +41,7 @@ def _rows(out):
 @pytest.fixture(scope="module")
 def story_heads(stories):
     cfg, params, _ = stories
-    return _noisy(hydra.init_hydra(cfg, params, 5, 2), 0.05, 3)
+    return jax.jit(lambda p: _noisy(hydra.init_hydra(cfg, p, 5, 2), 0.05, 3))(params)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,8 @@ def plain_rows(stories):
                           max_new_tokens=MAX_NEW, eos=(2,)))
 
 
-@pytest.mark.parametrize("tree", [BIG_TREE, DynamicTree(BIG_TREE, 8)], ids=["static", "dynamic"])
+@pytest.mark.parametrize("tree", [BIG_TREE, DynamicTree(Tree.load("mc_sim_7b_63:16"), 6)],
+                         ids=["static", "dynamic"])
 def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree):
     cfg, params, _ = stories
     tokens, lengths = pad_prompts(PROMPTS)
@@ -69,13 +70,16 @@ def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree
 
 @pytest.fixture(scope="module")
 def tiny_hydra():
-    params = init_params(CFG, jax.random.key(0), std=0.6)
-    return params, _noisy(hydra.init_hydra(CFG, params, 2, 2), 0.3, 1)
+    # jitted: one compile instead of one per eager op
+    params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))
+    return params, jax.jit(lambda p: _noisy(hydra.init_hydra(CFG, p, 2, 2), 0.3, 1))(params)
 
 
-@pytest.mark.parametrize("tree", [TREE, DynamicTree(TREE, 2)], ids=["static", "dynamic"])
-def test_hydra_rejection_sampling_is_lossless(tiny_hydra, tree):
+def test_hydra_rejection_sampling_is_lossless(tiny_hydra):
+    """On a dynamic tree: Hydra's drafts, its per-path choice of nodes and rejection over the
+    pool with the unchosen nodes masked (static trees share all but the choice)."""
     params, heads = tiny_hydra
+    tree = DynamicTree(TREE, 3)
     sampling = SAMPLINGS[0]
     exact = _exact_pair_distribution(params, sampling)
     tokens, lengths = pad_prompts([PROMPT] * ROWS)

@@ -31,8 +31,9 @@ def _noisy(heads, seed=1, scale=0.3):
 
 @pytest.fixture(scope="module")
 def tiny():
-    params = init_params(CFG, jax.random.key(0), std=0.6)
-    return params, _noisy(hydra.init_hydra(CFG, params, 3, 2))
+    # jitted: one compile instead of one per eager op
+    params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))
+    return params, jax.jit(lambda p: _noisy(hydra.init_hydra(CFG, p, 3, 2)))(params)
 
 
 def _batch(b=4, t=24, seed=0):
@@ -46,13 +47,19 @@ def test_teacher_forced_logits_are_the_drafting_logits(tiny):
     x_{t+1} .. x_{t+i+1} (a chain tree along the data's own tokens)."""
     params, heads = tiny
     batch = _batch(b=1, t=12)
-    hidden = ts.backbone_hidden(params, CFG, batch)
-    emb = hydra.embed(params["embed"], batch["tokens"], hidden.dtype)
-    forced = hydra.teacher_forced_logits(heads, hidden, emb)  # [K, 1, T, V]
+
+    @jax.jit
+    def run(params, heads, batch):
+        hidden = ts.backbone_hidden(params, CFG, batch)
+        emb = hydra.embed(params["embed"], batch["tokens"], hidden.dtype)
+        return hidden, emb, hydra.teacher_forced_logits(heads, hidden, emb)  # [K, 1, T, V]
+
+    hidden, emb, forced = run(params, heads, batch)
     t = 4
     for i in range(3):
         inputs = jnp.stack([hidden[0, t]] + [emb[0, t + 1 + j] for j in range(i + 1)])
-        np.testing.assert_allclose(np.asarray(hydra.apply_head(heads, i, inputs)),
+        np.testing.assert_allclose(np.asarray(jax.jit(hydra.apply_head, static_argnums=1)(
+                                       heads, i, inputs)),
                                    np.asarray(forced[i, 0, t]), rtol=1e-5, atol=1e-5)
 
 
@@ -123,7 +130,7 @@ def test_medusa_only_flags_are_refused():
 
 TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "24",
         "--distill-batch-size", "8", "--batch-size", "4", "--seq-len", "64",
-        "--eval-prompts", "2", "--eval-max-new-tokens", "16", "--save-every", "2",
+        "--eval-prompts", "1", "--eval-max-new-tokens", "16", "--save-every", "2",
         "--log-every", "1", "--eval-every", "2", "--num-heads", "3", "--keep", "2",
         "--tree", "stories260K_cpu"]
 
@@ -139,7 +146,7 @@ def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories):
     summary = train_hydra.command.run(cfg, resume)
     assert summary["step"] == 4 and len(summary["heldout_top1"]) == 3
     bench = summary["benchmark"]
-    assert bench["identical_outputs"] == 2 and bench["tokens_per_step"] >= 1.0
+    assert bench["identical_outputs"] == 1 and bench["tokens_per_step"] >= 1.0
     heads, meta = heads_lib.load_heads(run / "heads", stories[0])
     assert meta["kind"] == "hydra" and hydra.config_of(heads) == (3, 2)
     assert json.loads((run / "config.json").read_text())["method"] == "hydra"
