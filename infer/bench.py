@@ -9,6 +9,7 @@
     python -m infer.bench --hardware-report --shape llama-2-7b --dtype bfloat16 \
         --json report.json --plot report.png                   # does Medusa pay here?
     python -m infer.bench --mesh data=2,model=4                # tensor-parallel decoding
+    python -m infer.bench --heads default --also-heads hydra   # Medusa and Hydra heads
     python -m infer.bench --random-weights --shape llama-2-70b --layers 1 --mesh model=8 \
         --dtype bfloat16                                       # per-device memory, sizing
 
@@ -45,6 +46,11 @@ def build_parser():
                    help="comma list: the decoders' most attention-window phases, e.g. 1,4 "
                         "(1: attend over the whole KV cache every step; default: the "
                         "decoders' own); each value gets its own plain and Medusa rows")
+    p.add_argument("--also-heads", type=cli.name_list, default=None, metavar="HEADS,...",
+                   help="comma list of more heads (artifacts of either kind, Medusa or "
+                        "Hydra; 'default' / 'hydra': the embedded model's shipped ones), "
+                        "each benchmarked against the same plain run, side by side with "
+                        "--heads")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=cli.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
@@ -341,12 +347,39 @@ def main(argv=None) -> int:
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
         for t in trees:
             check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, t.num_nodes)
+        model.head_sets = [(model.drafter_kind, model.heads)] + _also_heads(args, model, trees)
     common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps)
 
     results = []
     with model.under_mesh():  # --mesh: decoding runs sharded (the transformers baseline not)
         _bench(args, model, ids, prompts, modes, trees, common, results)
     return _report(args, results)
+
+
+def _also_heads(args, model, trees) -> list[tuple[str, object]]:
+    """--also-heads: (label, heads) of each, checked against the model and the trees."""
+    if not args.also_heads:
+        return []
+    if args.mesh:
+        raise ValueError("--also-heads runs on one device: leave out --mesh")
+    from medusa_jax import api, heads as heads_lib
+    from medusa_jax.hydra import is_hydra
+    from medusa_jax.tree import Tree
+
+    out = []
+    for name in args.also_heads.split(","):
+        path = {"default": api.default_heads_dir(), "hydra": api.default_hydra_heads_dir()} \
+            .get(name, name)
+        heads, _ = heads_lib.load_heads(path, model.cfg, base_model=model.model_dir)
+        kind = "hydra" if is_hydra(heads) else "medusa"
+        k = heads_lib.heads_config_of(heads).num_heads
+        for t in trees:
+            static = getattr(t, "pool", t)
+            if static.depth > k:
+                raise ValueError(f"--also-heads {name}: tree {t.name!r} has depth "
+                                 f"{static.depth} but there are only {k} {kind.title()} heads")
+        out.append((f"{kind} ({name})", heads))
+    return out
 
 
 def _bench(args, model, ids, prompts, modes, trees, common, results):
@@ -394,12 +427,15 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
             base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
                                name="plain-sample", **common)
         for tree in trees:
-            print(f"batch size {bs}: timing medusa {mode} {tree.name} ...", file=sys.stderr)
-            c = compare_decoding(model.params, model.heads, model.cfg, ids, tree,
-                                 batch_size=bs, sampling=sampling, plain=base, **common)
-            same = c.identical_rows == len(ids) if mode == "greedy" else None
-            results.append(_row(c.medusa, base, "medusa" + suffix, mode, tree.name, same,
-                                by_category=_by_category(c.medusa, prompts)))
+            for label, heads in getattr(model, "head_sets", [(model.drafter_kind,
+                                                               model.heads)]):
+                print(f"batch size {bs}: timing {label} {mode} {tree.name} ...",
+                      file=sys.stderr)
+                c = compare_decoding(model.params, heads, model.cfg, ids, tree,
+                                     batch_size=bs, sampling=sampling, plain=base, **common)
+                same = c.identical_rows == len(ids) if mode == "greedy" else None
+                results.append(_row(c.medusa, base, label + suffix, mode, tree.name, same,
+                                    by_category=_by_category(c.medusa, prompts)))
 
 
 def _report(args, results) -> int:
@@ -410,11 +446,15 @@ def _report(args, results) -> int:
     if args.plot:
         _plot(results, args.plot)
     bad = [r for r in results if r["identical_to_plain"] is False
-           and r["config"].startswith("medusa")]
+           and r["config"].startswith(SPECULATIVE)]
     if bad:
-        print("error: Medusa greedy output differs from plain greedy output", file=sys.stderr)
+        print(f"error: {bad[0]['config']} greedy output differs from plain greedy output",
+              file=sys.stderr)
         return 1
     return 0
+
+
+SPECULATIVE = ("medusa", "hydra")  # the rows of decoding with heads
 
 
 def _row(run, base, config, mode, tree, identical, by_category=None):
@@ -440,13 +480,13 @@ def _by_category(run, prompts):
 
 
 def _print_table(results):
-    head = (f"{'config':<22}{'mode':<10}{'tree':<18}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
+    head = (f"{'config':<28}{'mode':<10}{'tree':<18}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
             f"{'overhead':>9}{'tok/s':>9}{'speedup':>9}  identical")
     print(head)
     print("-" * len(head))
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
-        print(f"{r['config']:<22}{r['mode']:<10}{r['tree']:<18}{r['batch_size']:>5}"
+        print(f"{r['config']:<28}{r['mode']:<10}{r['tree']:<18}{r['batch_size']:>5}"
               f"{r['tokens_per_step']:>9.2f}{r['step_ms']:>9.3f}{r['step_overhead']:>8.2f}x"
               f"{r['tokens_per_second']:>9.0f}{r['speedup']:>8.2f}x  {same}")
         if r["by_category"]:
@@ -460,8 +500,8 @@ def _plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = [r for r in results if r["config"].startswith("medusa")]
-    labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}{r['config'][len('medusa'):]}"
+    med = [r for r in results if r["config"].startswith(SPECULATIVE)]
+    labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}\n{r['config']}"
               for r in med]  # "medusa (4 ph.)": the --cache-phases value too
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(med)), 4))
     axes[0].bar(labels, [r["tokens_per_step"] for r in med])

@@ -51,6 +51,9 @@ def main(argv=None) -> int:
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]
     model = cli.load_with_heads(args.model, args.heads)
+    if model.drafter_kind == "hydra":  # the search models independent heads' accuracies
+        raise SystemExit("error: --heads holds Hydra heads; the tree search models Medusa "
+                         "heads (independent per depth), not Hydra's path-conditional ones")
     num_heads = model.heads["w"].shape[0]
     ids = [model.encode(p) for p in prompts]
     from medusa_jax.decode import check_fits

@@ -14,7 +14,7 @@ import importlib
 # The public names, imported on first use: `import medusa_jax` (and a stdlib-only tool that
 # reads `medusa_jax.assets`) does not start JAX.
 _EXPORTS = {
-    "Sampling": "acceptance", "Generation": "api", "Medusa": "api", "ModelConfig": "config",
+    "Sampling": "acceptance", "Generation": "api", "Medusa": "api", "Decoder": "api", "ModelConfig": "config",
     "HeadsConfig": "heads", "apply_heads": "heads", "init_heads": "heads",
     "load_heads": "heads", "save_heads": "heads", "Tree": "tree",
     "default_model_dir": "weights", "load_pretrained": "weights", "save_pretrained": "weights",

@@ -26,8 +26,9 @@ from medusa_jax.acceptance import MODES, Sampling
 from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.config import ModelConfig, stop_tokens
 from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.heads import heads_axes, heads_config_of, load_heads
-from medusa_jax.heads_formats import is_medusa2_model
+from medusa_jax.heads import heads_axes, heads_config_of
+from medusa_jax.heads_formats import is_medusa2_model, load_heads
+from medusa_jax.hydra import is_hydra
 from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
 from medusa_jax.weights import default_model_dir, load_pretrained
 
@@ -53,6 +54,15 @@ class Generation:
 def default_heads_dir() -> Path:
     """The heads trained by the default `python -m train.medusa1`, shipped for stories260K."""
     return assets.heads_dir()
+
+
+HYDRA_HEADS = "stories260K_hydra_heads"  # under medusa_jax/assets/
+
+
+def default_hydra_heads_dir() -> Path:
+    """The Hydra heads trained by the default `python -m train.hydra`, shipped for
+    stories260K."""
+    return assets.root() / HYDRA_HEADS
 
 
 def _is_int(x) -> bool:
@@ -104,8 +114,9 @@ def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, m
 
 
 class Medusa:
-    """A backbone, its tokenizer and (optionally) Medusa heads; with a `mesh`, placed for
-    tensor-parallel decoding (see `sharding`), and `generate` runs under it."""
+    """A backbone, its tokenizer and (optionally) draft heads, Medusa or Hydra (`drafter_kind`);
+    with a `mesh`, placed for tensor-parallel decoding (see `sharding`), and `generate` runs
+    under it. Also exported as `Decoder`: the name says what it is for either kind of heads."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer, heads: Params | None = None,
                  model_dir: Path | None = None, default_tree: str | Path = DEFAULT_TREE,
@@ -126,9 +137,10 @@ class Medusa:
              param_dtype: str = "float32", compute_dtype: str = "float32",
              mesh=None) -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
-        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1`, heads in
-        another layout (`heads_formats`: the reference's, vLLM's, a Medusa-2 model folder, whose
-        backbone is then the default `model`), or "default" for the embedded model's heads.
+        `heads`: a heads artifact (directory or .safetensors) from `train.medusa1` or
+        `train.hydra` (the kind is read from it), heads in another layout (`heads_formats`:
+        the reference's, vLLM's, a Medusa-2 model folder, whose backbone is then the default
+        `model`), or "default" / "hydra" for the embedded model's Medusa / Hydra heads.
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
         tensors are read into host memory and each device receives only its shards.
         Turns on the persistent compilation cache (`compile_cache`) unless it is off."""
@@ -143,7 +155,8 @@ class Medusa:
                                 f"{type(value).__name__} {_clip(value)}")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
-        if model is None and heads not in (None, "default") and is_medusa2_model(heads):
+        if model is None and heads not in (None, "default", "hydra") and \
+                is_medusa2_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
         # the tokenizer first, so a folder without one fails before its weights are read
@@ -151,10 +164,10 @@ class Medusa:
         if model_dir.is_dir():
             ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
         tokenizer = startup.load_tokenizer(model_dir) if model_dir.is_dir() else None
-        if heads == "default":
+        if heads in ("default", "hydra"):
             if model is not None:
-                raise ValueError('heads="default" is only defined for the embedded model')
-            heads = default_heads_dir()
+                raise ValueError(f'heads="{heads}" is only defined for the embedded model')
+            heads = default_heads_dir() if heads == "default" else default_hydra_heads_dir()
         # with a mesh, read into host memory first: no accelerator holds a full copy
         host = jax.default_device(jax.devices("cpu")[0]) if mesh is not None else \
             contextlib.nullcontext()
@@ -167,6 +180,13 @@ class Medusa:
                 if heads is not None else None
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
                    mesh=mesh)
+
+    @property
+    def drafter_kind(self) -> str | None:
+        """"medusa" or "hydra": the kind of the loaded heads (None without heads)."""
+        if self.heads is None:
+            return None
+        return "hydra" if is_hydra(self.heads) else "medusa"
 
     def under_mesh(self):
         """The context decoding runs in: `jax.set_mesh(self.mesh)` (the KV cache is then
@@ -216,6 +236,14 @@ class Medusa:
     def tree(self, spec: str | Path | Tree | DynamicTree | None = None) -> Tree | DynamicTree:
         """A tree checked against the loaded heads (depth) and the vocabulary (ranks)."""
         k = heads_config_of(self.heads).num_heads if self.heads is not None else None
+        try:
+            return self._tree(spec, k)
+        except ValueError as e:
+            if self.drafter_kind == "hydra":  # the tree module's message names Medusa heads
+                raise ValueError(str(e).replace("Medusa heads", "Hydra heads")) from None
+            raise
+
+    def _tree(self, spec, k):
         if isinstance(spec, DynamicTree):
             return DynamicTree(self.tree(spec.pool), spec.size, spec.name)
         if isinstance(spec, Tree):
@@ -320,3 +348,6 @@ class Medusa:
                     compile_seconds=compiled.seconds))
         self.last_timing = total
         return results
+
+
+Decoder = Medusa  # the drafter-neutral name: Medusa or Hydra heads

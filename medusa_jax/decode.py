@@ -1,4 +1,4 @@
-"""Jitted decoding: plain `generate` and Medusa `medusa_generate`.
+"""Jitted decoding: plain `generate` and speculative `medusa_generate` (Medusa or Hydra heads).
 
 Each is ONE jitted function: prefill, then a `lax.while_loop` that runs until every row is
 done. Nothing goes back to the host per token. Shapes are static: prompts are right-padded
@@ -6,12 +6,14 @@ to a power-of-two bucket, so a new prompt length only recompiles when it crosses
 
 A Medusa step (all rows at once, each row at its own cache length) is five named stages,
 in the paper's order:
-  1. `propose_candidates`: the root (already chosen) and each head's top-k fill the tree;
+  1. the drafter proposes: the root (already chosen) and the heads' top-k fill the tree
+     (Medusa heads: `propose_candidates`; Hydra heads draft depth by depth, `hydra`);
   2. `verify`: one backbone pass over root + tree nodes, the tree mask after the prefix;
   3. `accept`: the acceptance rule of the sampling mode picks a path and the next root;
   4. `emit` + `commit`: the accepted tokens go to the output (cut at EOS) and the accepted
      path's keys/values to consecutive cache slots;
-  5. the heads (`head_fn`) run on the last accepted node's hidden state only.
+  5. the drafter's carry from the last accepted node's hidden state only (Medusa: the
+     heads run there).
 The loop state of each decoder is a typed `flax.struct` dataclass.
 
 Attention reads every cache slot its mask covers, so both loops run in a few phases
@@ -22,6 +24,7 @@ shapes stay static; the step is compiled once per phase).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
-from medusa_jax import acceptance, sharding
+from medusa_jax import acceptance, hydra, sharding
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_scratch,
                                  is_decoding_layout, tree_mask_after_prefix, write_kv)
@@ -249,7 +252,9 @@ class MedusaState:
 
     cache: KVCache
     root: jax.Array  # [B] int32: the next token, already chosen by the model
-    head_logits: jax.Array  # [K, B, V]: the heads' guesses for the tokens after the root
+    # the drafter's carry: Medusa heads' guesses for the tokens after the root [K, B, V];
+    # for Hydra heads the last accepted hidden state [1, B, H] (they draft in stage 1)
+    head_logits: jax.Array
     out: jax.Array  # [B, max_new_tokens + D + 1] int32 (a chunk may overshoot, then is cut)
     count: jax.Array  # [B] int32: tokens emitted
     steps: jax.Array  # [B] int32: verification steps taken
@@ -278,10 +283,10 @@ class Proposal:
 
 def propose_candidates(root: jax.Array, head_logits: jax.Array,
                        tree: Tree | DynamicTree) -> Proposal:
-    """Stage 1. root [B], head_logits [K, B, V] -> the tokens to verify: node i of the tree
-    takes entry `cand_index[i]` of [root, top-k of head 1, top-k of head 2, ...]. A dynamic
-    tree keeps, per row, the `size` pool nodes whose paths are most probable under the heads
-    (the sum of each node's rank log-probability along its path)."""
+    """Stage 1 (Medusa heads). root [B], head_logits [K, B, V] -> the tokens to verify: node
+    i of the tree takes entry `cand_index[i]` of [root, top-k of head 1, top-k of head 2,
+    ...]. A dynamic tree keeps, per row, the `size` pool nodes whose paths are most probable
+    under the heads (the sum of each node's rank log-probability along its path)."""
     static = tree.pool if isinstance(tree, DynamicTree) else tree
     b, depth, k = root.shape[0], static.depth, static.top_k
     top = small_top_k(head_logits[:depth], k)  # [D, B, k]
@@ -290,13 +295,25 @@ def propose_candidates(root: jax.Array, head_logits: jax.Array,
     cand_index = jnp.asarray(static.cand_index)
     tokens = flat[:, cand_index].astype(jnp.int32)  # [B, N]
     if not isinstance(tree, DynamicTree):
-        return Proposal(fed=tokens, fed_depth=jnp.asarray(tree.node_depth),
-                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None)
+        return tree_proposal(tokens, None, tree)
     logp = jax.nn.log_softmax(head_logits[:depth].astype(jnp.float32), axis=-1)
     top_logp = jnp.take_along_axis(logp, top, axis=-1)  # [D, B, k]
     flat_logp = jnp.concatenate([jnp.zeros((b, 1)), jnp.transpose(top_logp, (1, 0, 2))
                                  .reshape(b, -1)], axis=1)
-    node_logp = flat_logp[:, cand_index]  # [B, N]: each node's own rank, at its depth
+    return tree_proposal(tokens, flat_logp[:, cand_index], tree)
+
+
+def tree_proposal(tokens: jax.Array, node_logp: jax.Array | None,
+                  tree: Tree | DynamicTree) -> Proposal:
+    """Stage 1's common end, for any drafter: every node's token [B, N] (and, for a dynamic
+    tree, each node's own log-probability [B, N] at its depth) -> the Proposal. A static tree
+    verifies every node; a dynamic one, per row, the `size` pool nodes of highest path
+    log-probability (a subtree: a child scores strictly below its parent)."""
+    if not isinstance(tree, DynamicTree):
+        return Proposal(fed=tokens, fed_depth=jnp.asarray(tree.node_depth),
+                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None)
+    static = tree.pool
+    b = tokens.shape[0]
     ancestors = jnp.asarray(static.mask, jnp.float32)  # [N, N]: ancestors and itself
     depth_of = jnp.asarray(static.node_depth)
     # a child scores strictly below its parent (ties included): the choice is a subtree
@@ -361,6 +378,74 @@ def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.
     return apply_heads(heads, hidden)
 
 
+# ----------------------------------------------------------------------------- drafters
+# A drafter proposes the candidates for a tree from the last accepted state. `start` turns
+# the last accepted token's hidden state into the drafter's carry (MedusaState.head_logits);
+# `propose` is stage 1, from that carry and the root. Frozen dataclasses: hashable, so they
+# are static arguments of the jitted decoders.
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+    """Medusa heads: all heads read one hidden state; the carry is their logits [K, B, V]
+    (`head_fn(heads, hidden [B, H], lengths [B])`: tests plug in oracle heads)."""
+
+    head_fn: object = standard_heads
+    kind = "medusa"
+
+    def prepare(self, heads: Params, tree) -> Params:
+        """The heads the tree uses: those deeper than it never propose and are not run."""
+        if self.head_fn is standard_heads:
+            return jax.tree.map(lambda x: x[:tree.depth], heads)
+        return heads
+
+    def start(self, params, heads, hidden, lengths):
+        return self.head_fn(heads, hidden, lengths)  # [K, B, V]
+
+    def num_heads(self, heads, carry) -> int:
+        return carry.shape[0]
+
+    def propose(self, params, heads, carry, root, tree) -> Proposal:
+        return propose_candidates(root, carry, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class HydraDrafter:
+    """Hydra heads (`hydra`): each head also reads the embeddings of the path drafted above
+    it, one head call per tree depth; the carry is the hidden state [1, B, H]."""
+
+    kind = "hydra"
+
+    def prepare(self, heads: Params, tree) -> Params:
+        return heads
+
+    def start(self, params, heads, hidden, lengths):
+        return hidden[None]  # [1, B, H]
+
+    def num_heads(self, heads, carry) -> int:
+        return hydra.config_of(heads)[0]
+
+    def propose(self, params, heads, carry, root, tree) -> Proposal:
+        static = tree.pool if isinstance(tree, DynamicTree) else tree
+        tokens, logp = hydra.draft_tree(heads, params["embed"], carry[0], root,
+                                        static.paths_ranks, static.num_nodes, small_top_k,
+                                        want_logp=isinstance(tree, DynamicTree))
+        return tree_proposal(tokens, logp, tree)
+
+
+def drafter_for(heads: Params, head_fn=None):
+    """The drafter of `heads`: `head_fn` when it is one already, Hydra heads' own for Hydra
+    heads (a Medusa head function with them is an error), else Medusa's with `head_fn`."""
+    if isinstance(head_fn, (MedusaDrafter, HydraDrafter)):
+        return head_fn
+    if hydra.is_hydra(heads):
+        if head_fn not in (None, standard_heads):
+            raise ValueError("head_fn is a Medusa head function, but these are Hydra heads "
+                             "(they draft along the tree's paths); leave head_fn unset")
+        return HydraDrafter()
+    return MedusaDrafter(head_fn or standard_heads)
+
+
 def medusa_capacity(prompt_slots: int, max_new_tokens: int, tree: Tree | DynamicTree) -> int:
     """KV cache slots a Medusa decode needs at most (the last step verifies a whole tree)."""
     return prompt_slots + max_new_tokens + tree.num_nodes + 1
@@ -371,7 +456,7 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
                 max_new_tokens: int, head_fn=None) -> tuple[MedusaState, Params]:
     """Prefill, choose each row's root and run the heads once. Returns (state, the heads the
     tree uses: those deeper than the tree never propose a candidate and are not run)."""
-    head_fn = head_fn or standard_heads
+    drafter = drafter_for(heads, head_fn)
     b, p = tokens.shape
     depth = tree.depth
     base_logits, hidden, cache = _prefill(params, cfg, tokens, lengths,
@@ -380,12 +465,12 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
     # typical acceptance keeps the first token greedy (the paper's rule)
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
     root = _sample_rows(sub, base_logits, root_rule)
-    if head_fn is standard_heads:
-        heads = jax.tree.map(lambda x: x[:depth], heads)
-    head_logits = head_fn(heads, hidden, lengths)  # [K, B, V]
-    if head_logits.shape[0] < depth:
+    heads = drafter.prepare(heads, tree)
+    head_logits = drafter.start(params, heads, hidden, lengths)  # the drafter's carry
+    if drafter.num_heads(heads, head_logits) < depth:
         raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "
-                         f"{head_logits.shape[0]} Medusa heads")
+                         f"{drafter.num_heads(heads, head_logits)} {drafter.kind.title()} "
+                         f"heads")
     zeros = jnp.zeros((b,), jnp.int32)
     state = MedusaState(cache=cache, root=root, head_logits=head_logits,
                         out=jnp.zeros((b, max_new_tokens + depth + 1), jnp.int32), count=zeros,
@@ -402,7 +487,8 @@ def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
     rows = jnp.arange(s.root.shape[0])
     live = ~s.done
     static = tree.pool if isinstance(tree, DynamicTree) else tree
-    prop = propose_candidates(s.root, s.head_logits, tree)  # 1
+    drafter = drafter_for(heads, head_fn)
+    prop = drafter.propose(params, heads, s.head_logits, s.root, tree)  # 1
     logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)  # 2
     keys, sub = _next_keys(s.keys, sampling.mode == "rejection")
     best, acc_len, next_root = acceptance.accept(logits, prop.tokens, static, sampling, sub,
@@ -412,7 +498,8 @@ def medusa_step(params: Params, heads: Params, cfg: ModelConfig, tree: Tree,
     out, count, done, kept = emit(s, chunk, acc_len, eos, max_new_tokens)  # 4
     fed_path = prop.fed_index(path)
     cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
-    new_head_logits = head_fn(heads, hidden[rows, fed_path[rows, acc_len]], cache.lengths)  # 5
+    new_head_logits = drafter.start(params, heads, hidden[rows, fed_path[rows, acc_len]],
+                                    cache.lengths)  # 5
     return MedusaState(
         cache=cache, root=jnp.where(live, next_root, s.root),
         head_logits=jnp.where(live[None, :, None], new_head_logits, s.head_logits),
@@ -432,9 +519,11 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B].
     `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`).
 
-    `head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]` turns the hidden state of the
-    last committed token (at slot lengths - 1) into head logits; the default applies the
-    Medusa heads. Tests plug in oracle heads here.
+    `heads`: Medusa heads (`heads`) or Hydra heads (`hydra`); the drafter is chosen from
+    them (`drafter_for`). `head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]` turns
+    the hidden state of the last committed token (at slot lengths - 1) into Medusa head
+    logits; the default applies the Medusa heads. Tests plug in oracle heads here. A
+    drafter (`MedusaDrafter`, `HydraDrafter`) may be given as `head_fn` too.
     """
     state, heads = medusa_init(params, heads, cfg, tokens, lengths, key, tree, sampling,
                                max_new_tokens, head_fn)

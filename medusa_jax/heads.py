@@ -13,22 +13,22 @@ Two optional variants cut the projection's cost on large vocabularies (both read
 Medusa layout, see `heads_formats`): `proj` [1, H, V] is one projection shared by all heads,
 and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T < V tokens:
 token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
+
+Hydra heads (`hydra`: each head also reads the path drafted above it) are the other kind of
+drafter; `heads_config_of`, `heads_axes`, `save_heads` and `load_heads` take either kind
+(the artifact's `kind` field says which), `apply_heads` only Medusa heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from safetensors import SafetensorError, safe_open
 
+from medusa_jax import hydra
 from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
-from medusa_jax.weights import save_safetensors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,8 @@ def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsCon
 def heads_axes(heads: Params | None = None) -> dict:
     """{name: logical axes} of the heads parameters (they do not depend on the sizes), for
     the leaves `heads` has (default: those of `init_heads`)."""
+    if hydra.is_hydra(heads):
+        return hydra.axes()
     axes = {name: s.axes for name, s in heads_param_specs(1, 1).items()}
     axes["token_index"] = ("medusa_heads", "vocab")  # reduced-vocabulary heads only
     return {k: axes[k] for k in (heads if heads is not None else ("w", "b", "proj"))}
@@ -79,13 +81,19 @@ def has_shared_proj(heads: Params) -> bool:
 
 
 def heads_config_of(heads: Params) -> HeadsConfig:
-    """Read the head count and depth from the parameters themselves."""
+    """Read the head count and depth from the parameters themselves (either kind)."""
+    if hydra.is_hydra(heads):
+        k, lyr = hydra.config_of(heads)
+        return HeadsConfig(num_heads=k, num_layers=lyr)
     k, lyr = heads["w"].shape[:2]
     return HeadsConfig(num_heads=int(k), num_layers=int(lyr))
 
 
 def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
+    if hydra.is_hydra(heads):
+        raise ValueError("apply_heads computes Medusa heads; these are Hydra heads, which "
+                         "also read the drafted path (see medusa_jax.hydra)")
     dt = hidden.dtype
     k = heads["w"].shape[0]
     x = jnp.broadcast_to(hidden, (k, *hidden.shape))
@@ -110,63 +118,15 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- artifact I/O
+# Reading and writing heads is `heads_formats` (it imports this module, never the reverse);
+# `load_heads` / `save_heads` are forwarded from here for the callers that import them here.
 
 HEADS_FILE = "medusa_heads.safetensors"
 
 
-def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | None = None) -> Path:
-    """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
+def __getattr__(name):
+    if name in ("load_heads", "save_heads"):
+        from medusa_jax import heads_formats
 
-    `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.
-    The backbone's hidden and vocab sizes are recorded so a mismatch is caught at load time.
-    """
-    path = Path(path)
-    file = path if path.suffix == ".safetensors" else path / HEADS_FILE
-    file.parent.mkdir(parents=True, exist_ok=True)
-    hc = heads_config_of(heads)
-    meta = {
-        "format": "medusa_jax.heads/1",
-        "num_heads": str(hc.num_heads),
-        "num_layers": str(hc.num_layers),
-        "hidden_size": str(cfg.hidden_size),
-        "vocab_size": str(cfg.vocab_size),
-        "extra": json.dumps(extra or {}),
-    }
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
-                                                  np.float32)) for k, v in heads.items()}
-    return save_safetensors(tensors, file, metadata=meta)
-
-
-def load_heads(path: str | Path, cfg: ModelConfig, *,
-               base_model: str | Path | None = None) -> tuple[Params, dict]:
-    """Load Medusa heads strictly against the backbone config `cfg`.
-
-    `path`: this package's artifact (file, directory or run directory), or any layout
-    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
-    Returns (heads, metadata). Head count and depth come from the files; files that do not
-    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
-    `base_model`: the backbone loaded (name or folder); a heads config naming another base
-    model gives a warning with both names.
-    """
-    from medusa_jax import heads_formats  # it imports this module
-
-    found = heads_formats.detect(Path(path))
-    if found.layout != "medusa_jax":
-        heads, meta = heads_formats.read(found, cfg, base_model)
-        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
-    file = found.files[0]
-    try:
-        with safe_open(str(file), framework="numpy") as f:
-            meta = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
-    if meta.get("format") != "medusa_jax.heads/1":
-        raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
-    k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
-    heads_formats.check_heads(tensors, cfg, file, k, lyr)
-    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
-             for name, a in tensors.items()}
-    meta["extra"] = json.loads(meta.get("extra") or "{}")
-    heads_formats.warn_base_model(meta, base_model, file)
-    return heads, meta
+        return getattr(heads_formats, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

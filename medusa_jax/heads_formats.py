@@ -1,4 +1,6 @@
-"""Medusa heads in the layouts other tools use: detection, strict readers, writers.
+"""Heads in the layouts other tools use: detection, strict readers, writers, and our own
+artifact (`save_heads`, `load_heads`). This module imports `heads` (computing heads), never
+the reverse.
 
 K heads, L residual blocks each, hidden size H, vocabulary V (T < V: a reduced vocabulary).
 Per head i and block j; torch `Linear` weights are [out, in], ours are [in, out] (y = x @ w):
@@ -21,6 +23,15 @@ vllm        config.json (model_type medusa,        blocks.{i}.layers.{j}.weight 
             medusa_fc_bias, original_lm_head,      lm_head.weight (original_lm_head: shared)
             truncated_vocab_size) + *.safetensors  token_map [T] (truncated_vocab_size T < V);
                                                    any name may start with medusa_heads.
+hydra       config.json (hydra_num_heads,          hydra_mlp.{i}.0.linear.weight [H, (i+2)H]
+  (zankner/ hydra_num_layers, hydra_head_arch      hydra_mlp.{i}.0.linear.bias [H]
+  Hydra)    "mlp", grounded_heads true,            hydra_mlp.{i}.0.res_connection.weight/.bias
+            hidden_state_offset 0) +               hydra_mlp.{i}.{j}.linear.weight/.bias, j >= 1
+            hydra_lm_head.pt or .safetensors       hydra_lm_head.{i}.weight [V, H], .bias [V]
+
+Hydra heads (`hydra`) are read and written only in our layout and zankner/Hydra's; the other
+layouts hold Medusa heads. Hydra++'s prefix-attention heads (hydra_head_arch "prefix-mlp")
+and ungrounded heads are refused with a one-line error.
 
 Reading is strict: every tensor must be present with its shape, every tensor in the files must
 be used, counts in the config must match the tensors, and any problem raises one one-line
@@ -43,16 +54,18 @@ import re
 import warnings
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from medusa_jax import weights
+from medusa_jax import hydra, weights
 from medusa_jax.backbone import Params
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import HEADS_FILE
+from medusa_jax.heads import HEADS_FILE, heads_config_of
 
-LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm")
+LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm", "hydra")
 REFERENCE_ST = "medusa_lm_head.safetensors"
+HYDRA_PT, HYDRA_ST = "hydra_lm_head.pt", "hydra_lm_head.safetensors"  # zankner/Hydra
 REFERENCE_PT = "medusa_lm_head.pt"
 VLLM_FILE = "model.safetensors"
 MEDUSA2_PREFIX = "medusa_head."
@@ -64,7 +77,8 @@ LOOKED_FOR = (
     f"reference (config.json + {REFERENCE_ST} or {REFERENCE_PT}); "
     "Medusa-2 model (config.json with medusa_num_heads + model.safetensors[.index.json] "
     "holding medusa_head.* tensors); "
-    "vLLM (config.json with model_type medusa + *.safetensors)")
+    "vLLM (config.json with model_type medusa + *.safetensors); "
+    f"zankner/Hydra (config.json with hydra_num_heads + {HYDRA_PT} or {HYDRA_ST})")
 
 
 class HeadsFormatError(ValueError):
@@ -156,6 +170,12 @@ def detect(path: str | Path) -> Found:
     for name in (REFERENCE_ST, REFERENCE_PT):
         if (p / name).is_file():
             return Found("reference", p, (p / name,), config)
+    for name in (HYDRA_ST, HYDRA_PT):
+        if (p / name).is_file():
+            if config is None:
+                raise HeadsFormatError(f"{p / name}: zankner/Hydra heads need their "
+                                       f"config.json (hydra_num_heads, hydra_num_layers, ...)")
+            return Found("hydra", p, (p / name,), config)
     if conf is not None and "medusa_num_heads" in conf:
         shards = _model_shards(p)
         if shards is not None:
@@ -169,6 +189,8 @@ def _detect_file(p: Path) -> Found:
     sibling = p.parent / "config.json"
     conf = _json(sibling) if sibling.is_file() else {}
     config = sibling if sibling.is_file() else None
+    if p.name in (HYDRA_PT, HYDRA_ST) and "hydra_num_heads" in conf:
+        return Found("hydra", p, (p,), config)
     if p.suffix in _PICKLES:
         layout = "vllm" if conf.get("model_type") == "medusa" else "reference"
         return Found(layout, p, (p,), config)
@@ -191,6 +213,75 @@ def _detect_file(p: Path) -> Found:
     raise HeadsFormatError(f"{p}: no Medusa heads in any known layout (tensors "
                            f"{', '.join(sorted(names)[:4]) or 'none'}...); "
                            f"looked for: {LOOKED_FOR}")
+
+
+# ----------------------------------------------------------------------------- our artifact
+
+
+def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | None = None) -> Path:
+    """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
+
+    `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.
+    The backbone's hidden and vocab sizes are recorded so a mismatch is caught at load time.
+    """
+    path = Path(path)
+    file = path if path.suffix == ".safetensors" else path / HEADS_FILE
+    file.parent.mkdir(parents=True, exist_ok=True)
+    hc = heads_config_of(heads)
+    meta = {
+        "format": "medusa_jax.heads/1",
+        "kind": hydra.KIND if hydra.is_hydra(heads) else "medusa",
+        "num_heads": str(hc.num_heads),
+        "num_layers": str(hc.num_layers),
+        "hidden_size": str(cfg.hidden_size),
+        "vocab_size": str(cfg.vocab_size),
+        "extra": json.dumps(extra or {}),
+    }
+    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
+                                                  np.float32)) for k, v in heads.items()}
+    return weights.save_safetensors(tensors, file, metadata=meta)
+
+
+def load_heads(path: str | Path, cfg: ModelConfig, *,
+               base_model: str | Path | None = None) -> tuple[Params, dict]:
+    """Load Medusa heads strictly against the backbone config `cfg`.
+
+    `path`: this package's artifact (file, directory or run directory), or any layout
+    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
+    Returns (heads, metadata). Head count and depth come from the files; files that do not
+    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
+    `base_model`: the backbone loaded (name or folder); a heads config naming another base
+    model gives a warning with both names.
+    """
+    found = detect(Path(path))
+    if found.layout != "medusa_jax":
+        heads, meta = read(found, cfg, base_model)
+        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
+    file = found.files[0]
+    try:
+        with safe_open(str(file), framework="numpy") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
+    if meta.get("format") != "medusa_jax.heads/1":
+        raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
+    k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
+    kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
+    if kind == hydra.KIND:
+        try:
+            hydra.check(tensors, cfg, file, k, lyr)
+        except ValueError as e:
+            raise HeadsFormatError(str(e)) from None
+    elif kind == "medusa":
+        check_heads(tensors, cfg, file, k, lyr)
+    else:
+        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa or hydra)")
+    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
+             for name, a in tensors.items()}
+    meta["extra"] = json.loads(meta.get("extra") or "{}")
+    warn_base_model(meta, base_model, file)
+    return heads, meta
 
 
 # ----------------------------------------------------------------------------- reading
@@ -455,6 +546,59 @@ def _read_vllm(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
     return params, meta
 
 
+def _read_hydra(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
+    """zankner/Hydra's grounded MLP heads (hydra_head_arch "mlp") -> our Hydra heads."""
+    from medusa_jax import hydra
+
+    conf, cf = _json(found.config), found.config
+    k = _count(conf, ("hydra_num_heads",), cf)
+    lyr = _count(conf, ("hydra_num_layers",), cf)
+    if k is None or lyr is None:
+        raise HeadsFormatError(f"{cf}: needs hydra_num_heads and hydra_num_layers")
+    arch = conf.get("hydra_head_arch", "mlp")
+    if arch != "mlp":
+        raise HeadsFormatError(f"{cf}: hydra_head_arch={arch!r} is not supported (only 'mlp': "
+                               f"Hydra++'s prefix-attention layer is not implemented here)")
+    if conf.get("grounded_heads", True) is not True:
+        raise HeadsFormatError(f"{cf}: grounded_heads={conf.get('grounded_heads')!r}: "
+                               f"ungrounded heads do not read the path; not Hydra heads")
+    if conf.get("hidden_state_offset", 0) != 0:
+        raise HeadsFormatError(f"{cf}: hidden_state_offset={conf['hidden_state_offset']!r} "
+                               f"is not supported (only 0: the last hidden state)")
+    tensors = _read_files(found.files)
+    first = f"hydra_lm_head.0.weight"
+    h, v = _sizes(cfg, tensors, first, found)
+    what = f"{k} Hydra heads x {lyr} layers, hidden {h}, vocab {v}"
+    ex = _Expect(tensors, found, what)
+    specs = hydra.param_specs(h, v, k, lyr)
+    out = {n: np.zeros(sp.shape, np.float32) for n, sp in specs.items()}
+    for i in range(k):
+        n = i + 2
+        pre = f"hydra_mlp.{i}.0."
+        for ours, theirs in (("in", "linear"), ("res", "res_connection")):
+            wt = ex.get(pre + theirs + ".weight", (h, n * h),
+                        f"head {i} input block {theirs} weight [out, in]")
+            out[f"{ours}_w"][i, :n] = wt.T.reshape(n, h, h)
+            out[f"{ours}_b"][i] = ex.get(pre + theirs + ".bias", (h,),
+                                         f"head {i} input block {theirs} bias")
+        for j in range(1, lyr):
+            out["w"][i, j - 1] = ex.get(f"hydra_mlp.{i}.{j}.linear.weight", (h, h),
+                                        f"head {i} block {j} Linear weight [out, in]").T
+            out["b"][i, j - 1] = ex.get(f"hydra_mlp.{i}.{j}.linear.bias", (h,),
+                                        f"head {i} block {j} bias")
+        out["proj"][i] = ex.get(f"hydra_lm_head.{i}.weight", (v, h),
+                                f"head {i} projection [vocab, hidden]").T
+        out["proj_b"][i] = ex.get(f"hydra_lm_head.{i}.bias", (v,), f"head {i} projection bias")
+    ex.done()
+    try:
+        hydra.check(out, cfg, found.root, k, lyr)
+    except ValueError as e:
+        raise HeadsFormatError(str(e)) from None
+    meta = _meta(found, k, lyr, h, v, conf.get("base_model_name_or_path"))
+    meta["kind"] = hydra.KIND
+    return out, meta
+
+
 def _meta(found: Found, k, lyr, h, v, base) -> dict:
     meta = {"format": found.layout, "num_heads": str(k), "num_layers": str(lyr),
             "hidden_size": str(h), "vocab_size": str(v),
@@ -468,12 +612,14 @@ def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params
     """Heads (numpy: float32, token_index int32) and metadata from a detected layout, checked
     against the backbone config `cfg` (None: sizes from the files themselves)."""
     if found.layout == "medusa_jax":
-        from medusa_jax.heads import load_heads
-
         if cfg is None:
             cfg = _native_cfg(found.files[0])
         heads, meta = load_heads(found.files[0], cfg, base_model=base_model)
         return {n: np.asarray(a) for n, a in heads.items()}, meta
+    if found.layout == "hydra":
+        heads, meta = _read_hydra(found, cfg)
+        warn_base_model(meta, base_model, found.root)
+        return heads, meta
     if found.layout == "vllm":
         heads, meta = _read_vllm(found, cfg)
     else:
@@ -597,6 +743,12 @@ def _c(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def _medusa_only(heads: Params, layout: str):
+    if "in_w" in heads:  # Hydra heads (medusa_jax.hydra)
+        raise HeadsFormatError(f"these are Hydra heads; the {layout} layout holds only Medusa "
+                               f"heads: write them with --format medusa_jax")
+
+
 def _full_proj(heads: Params, layout: str) -> np.ndarray:
     """proj as [K, H, V] for layouts without shared or reduced projections."""
     if "token_index" in heads:
@@ -610,6 +762,7 @@ def _full_proj(heads: Params, layout: str) -> np.ndarray:
 
 def reference_tensors(heads: Params, prefix: str = "") -> dict[str, np.ndarray]:
     """Our heads under the reference's names ({prefix}{i}.{j}.linear.weight, ...)."""
+    _medusa_only(heads, "reference")
     w, b = _np(heads["w"]), _np(heads["b"])
     proj = _full_proj(heads, "reference")
     k, lyr = w.shape[:2]
@@ -671,6 +824,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
 
 def vllm_tensors(heads: Params) -> tuple[dict[str, np.ndarray], dict]:
     """Our heads under vLLM's names, and the config fields that describe them."""
+    _medusa_only(heads, "vllm")
     w, b, proj = _np(heads["w"]), _np(heads["b"]), _np(heads["proj"])
     k, lyr, h = w.shape[:3]
     bias = bool(np.any(b != 0))
@@ -731,6 +885,7 @@ def write_medusa2_model(out_dir: str | Path, cfg: ModelConfig, backbone: Params,
     with `Medusa.load(heads=out_dir)` / `--model out_dir --heads out_dir`."""
     from medusa_jax.weights import save_pretrained
 
+    _medusa_only(heads, "medusa2")
     head_tensors = reference_tensors(heads, MEDUSA2_PREFIX)
     k, lyr = np.shape(heads["w"])[:2]
     out = Path(out_dir)
@@ -754,21 +909,79 @@ def write_medusa2_model(out_dir: str | Path, cfg: ModelConfig, backbone: Params,
     return out
 
 
+def hydra_tensors(heads: Params) -> dict[str, np.ndarray]:
+    """Our Hydra heads under zankner/Hydra's names (hydra_mlp.{i}.0.linear.weight, ...)."""
+    if "in_w" not in heads:
+        raise HeadsFormatError("the hydra layout holds Hydra heads; these are Medusa heads "
+                               "(write them with --format medusa_jax, reference or vllm)")
+    k, h = int(np.shape(heads["in_w"])[0]), int(np.shape(heads["in_w"])[-1])
+    lyr = int(np.shape(heads["w"])[1]) + 1
+    out = {}
+    for i in range(k):
+        n = i + 2
+        for ours, theirs in (("in", "linear"), ("res", "res_connection")):
+            w = _np(heads[f"{ours}_w"])[i, :n].reshape(n * h, h)
+            out[f"hydra_mlp.{i}.0.{theirs}.weight"] = _c(w.T)
+            out[f"hydra_mlp.{i}.0.{theirs}.bias"] = _c(_np(heads[f"{ours}_b"])[i])
+        for j in range(1, lyr):
+            out[f"hydra_mlp.{i}.{j}.linear.weight"] = _c(_np(heads["w"])[i, j - 1].T)
+            out[f"hydra_mlp.{i}.{j}.linear.bias"] = _c(_np(heads["b"])[i, j - 1])
+        out[f"hydra_lm_head.{i}.weight"] = _c(_np(heads["proj"])[i].T)
+        out[f"hydra_lm_head.{i}.bias"] = _c(_np(heads["proj_b"])[i])
+    return out
+
+
+def write_hydra(heads: Params, out_dir: str | Path, *, base_model: str | None = None,
+                pickle: bool | None = None) -> list[Path]:
+    """zankner/Hydra's heads folder: config.json + hydra_lm_head.safetensors, and
+    hydra_lm_head.pt (the file its loader opens) when `pickle` is true or, with None, when
+    PyTorch is installed. Its model repeats one residual-block object for blocks 1..L-1
+    (`[ResBlock(H)] * (L - 1)`), as the Medusa reference does: with L > 2 different blocks it
+    loads only the last (a warning says so)."""
+    tensors = hydra_tensors(heads)
+    k = int(np.shape(heads["in_w"])[0])
+    lyr = int(np.shape(heads["w"])[1]) + 1
+    w, b = _np(heads["w"]), _np(heads["b"])
+    if lyr > 2 and not (np.all(w == w[:, :1]) and np.all(b == b[:, :1])):
+        warnings.warn(f"{lyr - 1} different residual blocks per head: zankner/Hydra's model "
+                      f"repeats one block object and will load only the last",
+                      UserWarning, stacklevel=2)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / HYDRA_ST]
+    _write_st(out / HYDRA_ST, tensors, {"format": "pt"})
+    if pickle is None:
+        pickle = importlib.util.find_spec("torch") is not None
+    if pickle:
+        import torch
+
+        tmp = out / (HYDRA_PT + ".tmp")
+        torch.save({n: torch.from_numpy(np.array(a)) for n, a in tensors.items()}, str(tmp))
+        os.replace(tmp, out / HYDRA_PT)
+        written.append(out / HYDRA_PT)
+    conf = {"hydra_num_heads": k, "hydra_num_layers": lyr, "hydra_head_arch": "mlp",
+            "grounded_heads": True, "hidden_state_offset": 0}
+    if base_model:
+        conf["base_model_name_or_path"] = str(base_model)
+    _write_json(out / "config.json", conf)
+    return [out / "config.json", *written]
+
+
 def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig | None = None,
           base_model: str | None = None, extra: dict | None = None) -> list[Path]:
     """Write `heads` in `layout` (medusa_jax, reference or vllm) under `out_dir`."""
+    if layout == "hydra":
+        return write_hydra(heads, out_dir, base_model=base_model)
     if layout == "reference":
         return write_reference(heads, out_dir, base_model=base_model)
     if layout == "vllm":
         return write_vllm(heads, out_dir, base_model=base_model)
     if layout == "medusa_jax":
-        from medusa_jax.heads import save_heads
-
         if cfg is None:
             raise HeadsFormatError("medusa_jax artifacts record the backbone's sizes: need cfg")
         extra = dict(extra or {})
         if base_model:
             extra["base_model_name_or_path"] = str(base_model)
         return [save_heads(out_dir, heads, cfg, extra)]
-    raise HeadsFormatError(f"unknown layout {layout!r}; writable: medusa_jax, reference, vllm "
-                           f"(medusa2: write_medusa2_model)")
+    raise HeadsFormatError(f"unknown layout {layout!r}; writable: medusa_jax, reference, vllm, "
+                           f"hydra (medusa2: write_medusa2_model)")

@@ -105,6 +105,9 @@ def main(argv=None) -> int:
         cfg, params = weights.load_pretrained(source)
         head_params = heads_mod.load_heads(heads_path, cfg, base_model=source)[0] \
             if heads_path is not None else None
+        if head_params is not None and "in_w" in head_params:
+            raise ValueError(f"--heads {heads_path}: Hydra heads; enlarging pads Medusa heads "
+                             f"only (Hydra heads are not supported yet)")
         params = jax.tree.map(np.asarray, params)
         dst, big = enlarge.enlarge_backbone(cfg, params, shape, rotate=args.rotate)
         big_heads = enlarge.enlarge_heads(jax.tree.map(np.asarray, head_params), cfg, dst) \

@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-FORMATS = ("reference", "vllm", "medusa_jax", "medusa2")
+FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra")  # hydra: zankner/Hydra
 
 
 def parse_args(argv=None) -> argparse.Namespace:
