@@ -1,4 +1,4 @@
-"""Enlarge a model (and its Medusa heads) to a bigger shape without changing what it computes.
+"""Enlarge a model (and its Medusa or Hydra heads) to a bigger shape, same function.
 
 There is no big real model on a machine without network access, but a small one can be
 grown into a bigger shape exactly (in real arithmetic), Net2Net-style: the enlarged model
@@ -23,7 +23,10 @@ target of H' >= H, D' = m D, G':
 - extra layers copy a source layer's weights but have zero output projections (wo, w_down):
   each is an identity, yet reads its weights like a real layer;
 - the heads' residual blocks and projections are padded the same way (their input, the
-  final hidden state, is the source's padded with zeros).
+  final hidden state, is the source's padded with zeros); a Hydra head's (i+2)H-wide input
+  (h, then embeddings of the path) is padded block by block: each H-wide block goes to the
+  first H of its H'-wide block, since the enlarged embedding is the source's padded with
+  zeros too.
 
 `rotate` (a seed) then folds every RMSNorm's scale into the adjacent projections and turns
 the residual stream by a random orthogonal matrix Q (RMSNorm with unit weights commutes
@@ -213,12 +216,14 @@ def _rotate(cfg: ModelConfig, p: dict, seed: int) -> tuple[ModelConfig, dict]:
 
 def enlarge_heads(heads: dict, src: ModelConfig, dst: ModelConfig, *, rotated: bool = False
                   ) -> dict:
-    """Medusa heads for the enlarged backbone: blocks and projections padded to H'."""
+    """Medusa or Hydra heads for the enlarged backbone: blocks and projections padded to H'."""
     if rotated:
-        raise EnlargeError("Medusa heads cannot follow --rotate: their SiLU is elementwise, "
-                           "so a rotation of their input cannot be undone; enlarge without "
-                           "--rotate to keep the heads")
+        raise EnlargeError("Medusa and Hydra heads cannot follow --rotate: their SiLU is "
+                           "elementwise, so a rotation of their input cannot be undone; "
+                           "enlarge without --rotate to keep the heads")
     h, h2 = src.hidden_size, dst.hidden_size
+    if "in_w" in heads:  # Hydra (medusa_jax.hydra's layout)
+        return _enlarge_hydra(heads, h, h2)
     w, b, proj = _np(heads["w"]), _np(heads["b"]), _np(heads["proj"])
     out = {"w": np.zeros((*w.shape[:2], h2, h2)), "b": np.zeros((*b.shape[:2], h2)),
            "proj": np.zeros((proj.shape[0], h2, proj.shape[2]))}
@@ -229,6 +234,28 @@ def enlarge_heads(heads: dict, src: ModelConfig, dst: ModelConfig, *, rotated: b
     if "token_index" in heads:
         out["token_index"] = np.asarray(heads["token_index"], np.int32)
     return out
+
+
+def _enlarge_hydra(heads: dict, h: int, h2: int) -> dict:
+    """Hydra heads padded to H': every H x H block of in_w / res_w [K, K+1, H, H] (one per
+    input slot: h, then each path embedding) to the leading corner of its H' x H' block, so
+    slot j of the padded input (the source's slot j, zeros after H) meets the source's
+    weights; biases, residual blocks and projection rows padded as Medusa's. The new output
+    dimensions of the input block are 0 + SiLU(0) = 0, and stay 0 through the blocks."""
+    out = {}
+    for name in ("in_w", "res_w", "w"):  # [K, S, H, H] -> [K, S, H', H']
+        a = _np(heads[name])
+        out[name] = np.zeros((*a.shape[:-2], h2, h2))
+        out[name][..., :h, :h] = a
+    for name in ("in_b", "res_b", "b"):  # [..., H] -> [..., H']
+        a = _np(heads[name])
+        out[name] = np.zeros((*a.shape[:-1], h2))
+        out[name][..., :h] = a
+    proj = _np(heads["proj"])  # [K, H, V]
+    out["proj"] = np.zeros((proj.shape[0], h2, proj.shape[2]))
+    out["proj"][:, :h] = proj
+    out["proj_b"] = _np(heads["proj_b"])  # [K, V]
+    return {k: v.astype(np.float32) for k, v in out.items()}
 
 
 def hf_config(source: dict, cfg: ModelConfig) -> dict:

@@ -1,6 +1,6 @@
 """Enlarging a model (train.enlarge): the same function at a bigger shape, for the backbone
-(every architecture, with and without the rotation), in transformers too, and for the heads
-(same tokens, same tokens per step)."""
+(every architecture, with and without the rotation), in transformers too, and for the heads,
+Medusa and Hydra (same drafts, same tokens, same tokens per step)."""
 
 import jax
 import jax.numpy as jnp
@@ -156,3 +156,42 @@ def test_command_refuses_bad_input_before_any_work(tmp_path, written):
     assert "cannot follow a rotation" in error("--shape", "llama-110m", "--heads", "default",
                                                "--rotate", "0", "--output", str(tmp_path / "c"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_enlarged_hydra_heads_draft_and_decode_as_the_source():
+    """Random backbone + random Hydra heads, both enlarged: the same draft log-probabilities
+    on a tree, and greedy Hydra decoding with the same tokens and the same steps."""
+    from medusa_jax import hydra
+    from medusa_jax.decode import medusa_generate, pad_prompts
+    from medusa_jax.tree import Tree
+    from test_hydra import _noisy
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, rms_norm_eps=1e-5)
+    params = jax.jit(lambda k: init_params(cfg, k, std=0.3))(jax.random.key(0))
+    # from the base model's output layer (so some drafts are accepted), then perturbed
+    heads = jax.jit(lambda p: _noisy(hydra.init_hydra(cfg, p, 3, 2), 0.2, 5))(params)
+    dst, big = _grown(cfg, params, dict(hidden_size=48, intermediate_size=64, num_layers=3,
+                                        num_heads=4, num_kv_heads=2, head_dim=16))
+    big_heads = jax.tree.map(jnp.asarray, enlarge.enlarge_heads(
+        jax.tree.map(np.asarray, heads), cfg, dst))
+    hydra.check(big_heads, dst, "enlarged")  # shapes, unused input slots still zero
+
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    hidden = jax.random.normal(jax.random.key(2), (3, 32))
+    root = jnp.array([5, 17, 60])
+    draft = jax.jit(lambda h, e, x: hydra.draft_tree(  # one compile per size, not per op
+        h, e, x, root, tree.paths_ranks, tree.num_nodes, lambda lg, k: jax.lax.top_k(lg, k)[1]))
+    small_tok, small_lp = draft(heads, params["embed"], hidden)
+    big_tok, big_lp = draft(big_heads, big["embed"], jnp.pad(hidden, ((0, 0), (0, 16))))
+    np.testing.assert_array_equal(big_tok, small_tok)
+    np.testing.assert_allclose(big_lp, small_lp, atol=1e-5, rtol=0)
+
+    tokens, lengths = pad_prompts([[1, 40, 3], [1, 9, 9, 20, 7]])
+    a, b = (medusa_generate(p, h, c, tokens, lengths, jax.random.key(0), tree=tree,
+                            max_new_tokens=24)
+            for p, h, c in ((params, heads, cfg), (big, big_heads, dst)))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.steps, b.steps)
+    assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted

@@ -1,6 +1,7 @@
-"""`python -m train.enlarge`: grow a model and its Medusa heads to a bigger shape, exactly.
+"""`python -m train.enlarge`: grow a model and its Medusa or Hydra heads to a bigger shape.
 
     python -m train.enlarge --shape llama-110m --output big            # embedded model + heads
+    python -m train.enlarge --shape llama-110m --heads hydra --output bigh   # + Hydra heads
     python -m train.enlarge --shape llama-110m --layers 32 --output big32
     python -m train.enlarge --shape llama-110m --rotate 0 --output dense   # no heads (see below)
     python -m train.enlarge --model SRC --heads HEADS --shape llama-2-7b --output OUT
@@ -46,8 +47,10 @@ def build_parser():
                    "or be empty)")
     p.add_argument("--model", help="source Hugging Face model folder (default: the embedded "
                    "stories260K)")
-    p.add_argument("--heads", help="source heads (default: the shipped heads for the "
-                   "embedded model, none for another model); 'none' for no heads")
+    p.add_argument("--heads", help="source heads, Medusa or Hydra (default: the shipped "
+                   "Medusa heads for the embedded model, none for another model); 'default' "
+                   "/ 'hydra': the embedded model's shipped Medusa / Hydra heads; 'none' for "
+                   "no heads")
     p.add_argument("--layers", type=cli.positive_int, default=None,
                    help="layer count instead of the shape's (extra layers are identities)")
     p.add_argument("--rotate", type=int, default=None, metavar="SEED",
@@ -80,12 +83,22 @@ def main(argv=None) -> int:
     out = Path(args.output)
     check_output(out)
     source = Path(args.model) if args.model else assets.model_dir()
-    heads_path = None if args.heads == "none" else \
-        (args.heads or assets.default_heads(args.model))
+    if args.heads in ("default", "hydra") and args.model:
+        raise SystemExit(f"error: --heads {args.heads}: the shipped heads are the embedded "
+                         f"model's; with --model give a heads path")
+    if args.heads == "hydra":
+        from medusa_jax.api import default_hydra_heads_dir
+
+        heads_path = default_hydra_heads_dir()
+    elif args.heads == "default":
+        heads_path = assets.heads_dir()
+    else:
+        heads_path = None if args.heads == "none" else \
+            (args.heads or assets.default_heads(args.model))
     if heads_path is not None and args.rotate is not None:
         if args.heads:
-            raise SystemExit("error: --heads with --rotate: Medusa heads cannot follow a "
-                             "rotation (their SiLU is elementwise); drop one of them")
+            raise SystemExit("error: --heads with --rotate: Medusa and Hydra heads cannot "
+                             "follow a rotation (their SiLU is elementwise); drop one of them")
         heads_path = None  # the embedded model's heads are only a default
 
     import jax
@@ -105,9 +118,6 @@ def main(argv=None) -> int:
         cfg, params = weights.load_pretrained(source)
         head_params = heads_mod.load_heads(heads_path, cfg, base_model=source)[0] \
             if heads_path is not None else None
-        if head_params is not None and "in_w" in head_params:
-            raise ValueError(f"--heads {heads_path}: Hydra heads; enlarging pads Medusa heads "
-                             f"only (Hydra heads are not supported yet)")
         params = jax.tree.map(np.asarray, params)
         dst, big = enlarge.enlarge_backbone(cfg, params, shape, rotate=args.rotate)
         big_heads = enlarge.enlarge_heads(jax.tree.map(np.asarray, head_params), cfg, dst) \
