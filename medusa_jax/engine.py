@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax import acceptance
+from medusa_jax import acceptance, hydra
 from medusa_jax import pytree as struct
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import KVCache, causal_mask, forward, is_decoding_layout
@@ -372,6 +372,10 @@ class Engine:
         use_medusa = model.heads is not None if medusa is None else bool(medusa)
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
+        if use_medusa and hydra.is_hydra(model.heads):
+            raise ValueError("the serving engine drafts with Medusa heads; these are Hydra "
+                             "heads (decode them with Medusa.generate, or serve Medusa heads "
+                             "or plain decoding)")
         self.tree = model.tree(tree) if use_medusa else None
         self.medusa = use_medusa
         self.slots, self.k, self.max_queue = slots, steps_per_call, max_queue

@@ -211,3 +211,11 @@ def test_limits_are_checked_before_queueing(model):
         e.submit(r)
     with pytest.raises(QueueFull, match="queue is full"):
         e.submit(reqs[3])
+
+
+def test_hydra_heads_are_refused_in_one_line():
+    from medusa_jax.api import Medusa
+
+    with pytest.raises(ValueError, match="the serving engine drafts with Medusa heads; these "
+                                         "are Hydra heads"):
+        Engine(Medusa.load(heads="hydra"), slots=2, max_context=CONTEXT)
