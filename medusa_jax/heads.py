@@ -89,11 +89,9 @@ def heads_config_of(heads: Params) -> HeadsConfig:
     return HeadsConfig(num_heads=int(k), num_layers=int(lyr))
 
 
-def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
-    """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
-    if hydra.is_hydra(heads):
-        raise ValueError("apply_heads computes Medusa heads; these are Hydra heads, which "
-                         "also read the drafted path (see medusa_jax.hydra)")
+def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
+    """The heads' residual blocks: hidden [..., H] -> [K, ..., H], what each head projects
+    (`apply_heads`; the training loss over vocabulary chunks projects it itself)."""
     dt = hidden.dtype
     k = heads["w"].shape[0]
     x = jnp.broadcast_to(hidden, (k, *hidden.shape))
@@ -102,6 +100,17 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
         b = heads["b"][:, layer].astype(dt)
         y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
         x = x + jax.nn.silu(y)
+    return x
+
+
+def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
+    """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
+    if hydra.is_hydra(heads):
+        raise ValueError("apply_heads computes Medusa heads; these are Hydra heads, which "
+                         "also read the drafted path (see medusa_jax.hydra)")
+    dt = hidden.dtype
+    k = heads["w"].shape[0]
+    x = head_states(heads, hidden)
     proj = heads["proj"].astype(dt)
     if proj.shape[0] == 1 and k > 1:  # one projection shared by every head
         logits = jnp.einsum("k...h,hv->k...v", x, proj[0], preferred_element_type=jnp.float32)

@@ -30,7 +30,7 @@ from medusa_jax import sharding
 from medusa_jax.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.backbone import param_axes as backbone_param_axes
 from medusa_jax.config import ModelConfig
-from medusa_jax.heads import apply_heads, heads_axes
+from medusa_jax.heads import apply_heads, head_states, heads_axes
 
 Batch = dict  # tokens, positions, segments [B, T] int32; loss_mask [B, T] bool
 LossFn = Callable[[Params, Batch], tuple[jax.Array, dict]]
@@ -376,19 +376,6 @@ def _vocab_ce_bwd(n, train_proj, res, cotangents):
 
 
 vocab_chunked_ce.defvjp(_vocab_ce_fwd, _vocab_ce_bwd)
-
-
-def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
-    """The heads' residual blocks: hidden [..., H] -> [K, ..., H] (what `apply_heads`
-    projects; here the projection is the vocabulary-chunked loss's)."""
-    dt = hidden.dtype
-    k = heads["w"].shape[0]
-    x = jnp.broadcast_to(hidden, (k, *hidden.shape))
-    for layer in range(heads["w"].shape[1]):
-        w, b = heads["w"][:, layer].astype(dt), heads["b"][:, layer].astype(dt)
-        y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
-        x = x + jax.nn.silu(y)
-    return x
 
 
 def vocab_chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
