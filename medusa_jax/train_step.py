@@ -193,6 +193,17 @@ def _chunk_sums(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax
             jnp.sum((rank < 5) * validf, axis=(1, 2)))
 
 
+def _heads_total(ce, top1, top5, own, count, decay: float) -> tuple[jax.Array, dict]:
+    """The loss and metrics from per-head sums [K] over the scored positions: means over
+    `count` (default `own`, the valid positions), heads weighted decay**k."""
+    denom = jnp.maximum(own if count is None else count, 1.0)
+    head_loss = ce / denom
+    weights = decay ** jnp.arange(1, ce.shape[0] + 1, dtype=jnp.float32)
+    loss = jnp.sum(weights * head_loss)
+    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
+                  "top5": top5 / denom, "count": own}
+
+
 def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
                         valid: jax.Array, decay: float, chunk: int,
                         count: jax.Array | None = None,
@@ -226,12 +237,7 @@ def chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Array,
 
     zeros = jnp.zeros((k,), jnp.float32)
     (ce, top1, top5), _ = jax.lax.scan(step, (zeros, zeros, zeros), xs)
-    denom = jnp.maximum(own if count is None else count, 1.0)
-    head_loss = ce / denom
-    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
-    loss = jnp.sum(weights * head_loss)
-    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
-                  "top5": top5 / denom, "count": own}
+    return _heads_total(ce, top1, top5, own, count, decay)
 
 
 # ----------------------------------------------------------------- the loss over vocab chunks
@@ -393,12 +399,7 @@ def vocab_chunked_medusa_loss(heads: Params, hidden: jax.Array, targets: jax.Arr
     x = head_states(heads, hidden).reshape(k, b * t, -1)
     ce, top1, top5 = vocab_chunked_ce(x, heads["proj"], targets.reshape(k, b * t),
                                       weight.reshape(k, b * t), chunks, train_proj)
-    denom = jnp.maximum(own if count is None else count, 1.0)
-    head_loss = ce / denom
-    weights = decay ** jnp.arange(1, k + 1, dtype=jnp.float32)
-    loss = jnp.sum(weights * head_loss)
-    return loss, {"loss": loss, "head_loss": head_loss, "top1": top1 / denom,
-                  "top5": top5 / denom, "count": own}
+    return _heads_total(ce, top1, top5, own, count, decay)
 
 
 def heads_loss(heads: Params, hidden: jax.Array, targets: jax.Array, valid: jax.Array,

@@ -15,6 +15,7 @@ from medusa_jax import assets
 from medusa_jax.acceptance import Sampling, log_probs
 from medusa_jax.backbone import KVCache, causal_mask, forward, standard_layout
 from medusa_jax.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
+from test_acceptance import _chi_square_ok  # noqa: F401 (test_serve imports it from here)
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
@@ -141,21 +142,6 @@ def _exact_pairs(model, prompt, sampling):
 
     p1 = next_probs([prompt])[0]
     return p1[:, None] * next_probs([prompt + [x] for x in range(v)])
-
-
-def _chi_square_ok(counts, probs, z=4.0):
-    """Pearson chi-square with small cells pooled; accept unless p < ~3e-5 (z = 4)."""
-    expected = probs * counts.sum()
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    if np.any(obs[~keep] > 0):
-        return False, np.inf
-    stat = np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep])
-    df = keep.sum() - 1
-    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
-    return stat < crit, stat / crit
 
 
 def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, prompts,
