@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
-from medusa_jax import sharding
+from medusa_jax import kernels, sharding
 from medusa_jax.config import ModelConfig, as_dtype
 
 Params = dict
@@ -282,15 +282,15 @@ def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
     dt = x.dtype
     h = _norm(cfg, x, layer["attn_norm"])
     if "wqkv" in layer:  # `decoding_layout`: one product for q, k and v
-        qkv = h @ layer["wqkv"].astype(dt)
+        qkv = kernels.matmul(h, layer["wqkv"])
         if cfg.attention_bias:
             qkv = qkv + layer["bqkv"].astype(dt)
         qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(qkv, [qd, qd + kvd], axis=-1)
     else:
-        q = h @ layer["wq"].astype(dt)
-        k = h @ layer["wk"].astype(dt)
-        v = h @ layer["wv"].astype(dt)
+        q = kernels.matmul(h, layer["wq"])
+        k = kernels.matmul(h, layer["wk"])
+        v = kernels.matmul(h, layer["wv"])
         if cfg.attention_bias:
             q = q + layer["bq"].astype(dt)
             k = k + layer["bk"].astype(dt)
@@ -316,17 +316,16 @@ def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
     """The output projection of attention [B, T, NH*D] into the residual stream, then the
     MLP block (gated: silu for Llama, GeGLU for Gemma). Gemma 2/3 also normalise each
     block's output before adding it (`sandwich_norms`)."""
-    dt = x.dtype
-    a = attn @ layer["wo"].astype(dt)
+    a = kernels.matmul(attn, layer["wo"])
     if cfg.sandwich_norms:
         a = _norm(cfg, a, layer["post_attn_norm"])
     x = x + a
     h = _norm(cfg, x, layer["mlp_norm"])
     if "w_gate_up" in layer:  # `decoding_layout`
-        gate, up = jnp.split(h @ layer["w_gate_up"].astype(dt), 2, axis=-1)
+        gate, up = jnp.split(kernels.matmul(h, layer["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = h @ layer["w_gate"].astype(dt), h @ layer["w_up"].astype(dt)
-    m = (_ACTIVATIONS[cfg.hidden_act](gate) * up) @ layer["w_down"].astype(dt)
+        gate, up = kernels.matmul(h, layer["w_gate"]), kernels.matmul(h, layer["w_up"])
+    m = kernels.matmul(_ACTIVATIONS[cfg.hidden_act](gate) * up, layer["w_down"])
     if cfg.sandwich_norms:
         m = _norm(cfg, m, layer["post_mlp_norm"])
     return x + m
@@ -412,11 +411,15 @@ def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
     """[H, V]: the lm_head, or the transposed embedding when tied."""
     if cfg.tie_word_embeddings:
         return params["embed"].T
-    return params["lm_head"]
+    return kernels.unwrap(params["lm_head"])
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final-norm hidden states [..., H] -> float32 logits [..., V]."""
+    if kernels.active(params) and hidden.dtype == jnp.float32:  # the CPU kernel's product
+        w = (kernels.output_weight(params["embed"]) if cfg.tie_word_embeddings
+             else params["lm_head"])
+        return _softcap(kernels.matmul(hidden, w), cfg.final_softcap)
     w = output_projection(cfg, params)
     logits = jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
                         preferred_element_type=jnp.float32)
@@ -594,7 +597,8 @@ def is_decoding_layout(params: Params) -> bool:
     return isinstance(params["layers"], (tuple, list))
 
 
-def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
+def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None = None
+                    ) -> Params:
     """The layout decoding runs fastest with, on one device, for a backbone of any depth
     (tensor-parallel weights keep the stacked layout: fused projections would mix
     differently sharded heads):
@@ -610,10 +614,14 @@ def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
     Converting stacked arrays holds a second copy of each stacked weight while its layers
     are sliced out; `weights.load_pretrained(..., decoding_layout=True)` builds this layout
     straight from the checkpoint instead (what `api.Medusa.load` does). `forward` takes this
-    layout and the standard one; `standard_layout` undoes it. Done once, outside jit."""
+    layout and the standard one; `standard_layout` undoes it. Done once, outside jit.
+
+    On the CPU the products' weights come wrapped for the few-row kernel
+    (`kernels.use_cpu_kernels`; `cpu_kernels=False`, --no-cpu-kernels or
+    MEDUSA_JAX_CPU_KERNELS=0 keep XLA's products)."""
     layers = params["layers"]
     if is_decoding_layout(params) or any(k in FUSED for k in layers):
-        return params  # already in the decoding layout
+        return kernels.use_cpu_kernels(params, cpu_kernels)  # already in the decoding layout
     layers = dict(layers)
     per_layer = [{} for _ in range(cfg.num_layers)]
     for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
@@ -621,11 +629,13 @@ def decoding_layout(cfg: ModelConfig, params: Params) -> Params:
         for i in range(cfg.num_layers):
             per_layer[i][key] = stacked[i]
         del stacked
-    return dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer))
+    return kernels.use_cpu_kernels(
+        dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels)
 
 
 def standard_layout(cfg: ModelConfig, params: Params) -> Params:
     """Undo `decoding_layout`: layers stacked, every projection on its own (`param_specs`)."""
+    params = kernels.unwrap(params)
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)

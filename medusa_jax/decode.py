@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from medusa_jax import pytree as struct  # flax.struct without importing Flax
 
-from medusa_jax import acceptance, hydra, sharding
+from medusa_jax import acceptance, hydra, kernels, sharding
 from medusa_jax.acceptance import Sampling
 from medusa_jax.backbone import (KVCache, Params, causal_mask, forward, forward_scratch,
                                  is_decoding_layout, tree_mask_after_prefix, write_kv)
@@ -466,6 +466,8 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
     root = _sample_rows(sub, base_logits, root_rule)
     heads = drafter.prepare(heads, tree)
+    if kernels.active(params) and getattr(drafter, "head_fn", None) is standard_heads:
+        heads = kernels.wrap_heads(heads)  # the heads' products on the CPU kernel too
     head_logits = drafter.start(params, heads, hidden, lengths)  # the drafter's carry
     if drafter.num_heads(heads, head_logits) < depth:
         raise ValueError(f"tree {tree.name!r} has depth {depth} but there are only "

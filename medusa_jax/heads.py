@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from medusa_jax import hydra
+from medusa_jax import hydra, kernels
 from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
 
@@ -98,7 +98,9 @@ def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
     for layer in range(heads["w"].shape[1]):  # L is tiny and static: unrolled on purpose
         w = heads["w"][:, layer].astype(dt)
         b = heads["b"][:, layer].astype(dt)
-        y = jnp.einsum("k...h,khg->k...g", x, w) + b.reshape(k, *([1] * (x.ndim - 2)), -1)
+        y = (kernels.matmul(x, w) if kernels.is_kernel_weight(w)
+             else jnp.einsum("k...h,khg->k...g", x, w))
+        y = y + b.reshape(k, *([1] * (x.ndim - 2)), -1)
         x = x + jax.nn.silu(y)
     return x
 
@@ -112,7 +114,9 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     k = heads["w"].shape[0]
     x = head_states(heads, hidden)
     proj = heads["proj"].astype(dt)
-    if proj.shape[0] == 1 and k > 1:  # one projection shared by every head
+    if kernels.is_kernel_weight(proj):  # a [1, H, V] projection is shared by every head
+        logits = kernels.matmul(x, proj)
+    elif proj.shape[0] == 1 and k > 1:  # one projection shared by every head
         logits = jnp.einsum("k...h,hv->k...v", x, proj[0], preferred_element_type=jnp.float32)
     else:
         logits = jnp.einsum("k...h,khv->k...v", x, proj, preferred_element_type=jnp.float32)

@@ -20,7 +20,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import save_file
 
-from medusa_jax import assets
+from medusa_jax import assets, kernels
 from medusa_jax.backbone import Params, fuse_layer, param_shapes, standard_layout
 from medusa_jax.config import ModelConfig, as_dtype
 
@@ -234,6 +234,7 @@ def load_pretrained(
             jax.tree.map(to_device, fuse_layer({key: read(*names[i]) for key, names in
                                                 layer_names.items()}, np.concatenate))
             for i in range(cfg.num_layers))
+        params = kernels.use_cpu_kernels(params)
     else:
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}

@@ -1,0 +1,259 @@
+"""CPU kernels for decoding: few-row matrix products through XLA's FFI.
+
+A decoding step multiplies a few rows (1 token, or a Medusa tree's 5 to 65) by every weight
+of the model, so it is bound by reading the weights. XLA:CPU runs such products as library
+calls far from that bound; `fewrow_matmul.cc` reads each weight once for all rows, on the
+threads of XLA's own pool.
+
+How it is switched on: a weight wrapped in `KernelWeight` is multiplied by the kernel
+(`matmul`); a plain array by XLA. `use_cpu_kernels(params)` wraps a backbone in the decoding
+layout when the kernels are available (CPU backend, library built: `build`), and the
+heads follow the backbone inside the decoders (`wrap_heads`). Being part of the
+parameters' pytree structure, the choice is part of every jitted function's cache key:
+the same process can time both (`unwrap`).
+
+- Off: `--no-cpu-kernels` on the commands, or MEDUSA_JAX_CPU_KERNELS=0.
+- Only on the CPU: other backends never get wrapped weights, and a wrapped weight that
+  reaches another platform lowers to XLA's product (`jax.lax.platform_dependent`).
+- Not under autodiff: the derivative of a kernel product is XLA's (`jax.custom_jvp`), so a
+  gradient through it is exact; training keeps the standard layout and never wraps.
+- Only float32 activations (bfloat16 or float32 weights, float32 accumulation); anything
+  else falls back to XLA's product.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import tree_util
+
+from medusa_jax.kernels import build
+
+ENV = "MEDUSA_JAX_CPU_KERNELS"
+FLAG = "--no-cpu-kernels"
+TARGET = "medusa_fewrow_matmul"
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+_state: dict = {}  # "ready": bool once decided, "why": the reason when not
+
+
+def off_by_env() -> bool:
+    return os.environ.get(ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
+def add_flag(ap: argparse.ArgumentParser):
+    ap.add_argument(FLAG, dest="no_cpu_kernels", action="store_true",
+                    help=f"multiply with XLA's own products on the CPU instead of this "
+                         f"project's few-row kernel ({ENV}=0 does the same)")
+
+
+def apply_flag(args: argparse.Namespace):
+    """Honour --no-cpu-kernels (before anything loads a model)."""
+    if getattr(args, "no_cpu_kernels", False):
+        os.environ[ENV] = "0"
+
+
+def available() -> bool:
+    """True when the kernel is built, loaded and registered with XLA for this process's CPU
+    backend. Decided once per process (building it the first time on this machine, a few
+    seconds); a reason it is not is printed once."""
+    if off_by_env():
+        return False
+    if "ready" not in _state:
+        _state["ready"], _state["why"] = _prepare()
+        if not _state["ready"] and _state["why"]:
+            build.note(f"CPU kernels off: {_state['why']}; using XLA's products")
+    return _state["ready"]
+
+
+def _prepare() -> tuple[bool, str]:
+    if jax.default_backend() != "cpu":
+        return False, ""  # silent: the kernels are for the CPU only
+    path, why = build.library()
+    if path is None:
+        return False, why
+    lib = build.load(path)
+    if lib is None:
+        return False, ""
+    try:
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)),
+                                    platform="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure means: XLA's products
+        return False, f"registering with XLA failed ({e})"
+    return True, ""
+
+
+PANEL = 64  # columns per packed panel (`fewrow_matmul.cc`'s PW)
+
+
+@functools.partial(tree_util.register_dataclass, data_fields=["w"],
+                   meta_fields=["n", "transposed"])
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelWeight:
+    """A weight [..., K, N] laid out as the CPU kernel reads it: packed into panels of 64
+    columns, `w` [..., ceil(N/64), K, 64] (`pack`), or, `transposed`, as the [..., N, K]
+    array it is stored as (a tied embedding read as the output layer). `shape` is the
+    logical [..., K, N]; indexing the leading (stacking) axes and `astype` act as on an
+    array, so code written for arrays reads it unchanged."""
+
+    w: jax.Array
+    n: int
+    transposed: bool = False
+
+    @classmethod
+    def pack(cls, w: jax.Array) -> "KernelWeight":
+        """w [..., K, N] -> panels [..., ceil(N/64), K, 64], zero-padded."""
+        *lead, k, n = w.shape
+        panels = -(-n // PANEL)
+        w = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, panels * PANEL - n)])
+        return cls(jnp.swapaxes(w.reshape(*lead, k, panels, PANEL), -3, -2), n)
+
+    @classmethod
+    def of_transposed(cls, w: jax.Array) -> "KernelWeight":
+        """w [..., N, K], read as the [..., K, N] matrix it is the transpose of."""
+        return cls(w, w.shape[-2], transposed=True)
+
+    def array(self) -> jax.Array:
+        """The plain [..., K, N] array."""
+        if self.transposed:
+            return jnp.swapaxes(self.w, -1, -2)
+        *lead, panels, k, _ = self.w.shape
+        return jnp.swapaxes(self.w, -3, -2).reshape(*lead, k, panels * PANEL)[..., :self.n]
+
+    @property
+    def shape(self):
+        lead = self.w.shape[:-2] if self.transposed else self.w.shape[:-3]
+        k = self.w.shape[-1] if self.transposed else self.w.shape[-2]
+        return (*lead, k, self.n)
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.w.dtype
+
+    def astype(self, dtype):
+        """Casting for a float32 product keeps the stored weight: the kernel widens
+        bfloat16 itself (exactly), so a cast would only double the bytes read."""
+        return self if jnp.dtype(dtype) == jnp.float32 else self.array().astype(dtype)
+
+    def __getitem__(self, index):
+        """Index the leading axes only (a stack of heads, a head's layers)."""
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > self.ndim - 2 or any(i is Ellipsis for i in index):
+            raise IndexError("a KernelWeight indexes its leading (stacking) axes only")
+        return KernelWeight(self.w[index], self.n, self.transposed)
+
+
+def is_kernel_weight(x) -> bool:
+    return isinstance(x, KernelWeight)
+
+
+def active(params) -> bool:
+    """Whether `params` carries kernel weights (the decoders' static choice)."""
+    return any(is_kernel_weight(x) for x in jax.tree.leaves(params, is_leaf=is_kernel_weight))
+
+
+def unwrap(params):
+    """The same parameters with every `KernelWeight` replaced by its array (XLA's products)."""
+    return jax.tree.map(lambda x: x.array() if is_kernel_weight(x) else x, params,
+                        is_leaf=is_kernel_weight)
+
+
+# The decoding layout's products, by parameter name (see `backbone.decoding_layout`).
+BACKBONE_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
+
+
+def use_cpu_kernels(params, enabled: bool | None = None):
+    """Wrap a backbone's decoding-layout products (and an untied lm_head) in `KernelWeight`
+    when the kernels are available and every weight is on the CPU; otherwise (or with
+    `enabled=False`) return the parameters unchanged, unwrapped."""
+    params = unwrap(params)
+    if enabled is False or not isinstance(params.get("layers"), (tuple, list)):
+        return params
+    leaves = jax.tree.leaves(params)
+    if not all(isinstance(x, jax.Array) and x.is_fully_addressable
+               and all(d.platform == "cpu" for d in x.devices()) for x in leaves):
+        return params
+    if not available():
+        return params
+
+    def wrap_layer(layer):
+        return {k: KernelWeight.pack(v) if k in BACKBONE_WEIGHTS and v.dtype in _KERNEL_DTYPES
+                else v for k, v in layer.items()}
+
+    out = dict(params, layers=tuple(wrap_layer(layer) for layer in params["layers"]))
+    if "lm_head" in out and out["lm_head"].dtype in _KERNEL_DTYPES:
+        out["lm_head"] = KernelWeight.pack(out["lm_head"])
+    return out
+
+
+def wrap_heads(heads):
+    """Medusa heads with their block and projection weights multiplied by the kernel (inside
+    a decoder whose backbone carries kernel weights)."""
+    out = dict(heads)
+    for name in ("w", "proj"):
+        if name in out and not is_kernel_weight(out[name]) and out[name].dtype in _KERNEL_DTYPES:
+            out[name] = KernelWeight.pack(out[name])
+    return out
+
+
+def output_weight(embed: jax.Array) -> KernelWeight:
+    """A tied embedding [V, H] as the output layer [H, V], read in place (no transpose)."""
+    return KernelWeight.of_transposed(embed)
+
+
+# ----------------------------------------------------------------------------- products
+
+
+def _xla_product(x, w: KernelWeight):
+    """x [G, M, K] @ w [G, K, N] -> [G, M, N] float32, by XLA."""
+    return jnp.einsum("gmk,gkn->gmn", x, w.array().astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def _ffi_product(x, w: KernelWeight):
+    g, m, _ = x.shape
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((g, m, w.n), jnp.float32))
+    return call(x, w.w, transposed=w.transposed)
+
+
+@jax.custom_jvp
+def _product(x, w: KernelWeight):
+    return jax.lax.platform_dependent(x, w, cpu=_ffi_product, default=_xla_product)
+
+
+@_product.defjvp
+def _product_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    dw = KernelWeight(dw.w.astype(x.dtype), w.n, w.transposed)
+    return _product(x, w), _xla_product(dx, w) + _xla_product(x, dw)
+
+
+def matmul(x: jax.Array, w) -> jax.Array:
+    """x [..., K] @ w [K, N] (or, with `w` [G, K, N], x [G, ..., K] @ w[g] for each g:
+    stacked heads; G = 1 shares one weight). `w` a `KernelWeight`: the CPU kernel, float32
+    out; an array: XLA's product in x's dtype, as `x @ w.astype(x.dtype)`."""
+    if not is_kernel_weight(w) or x.dtype != jnp.float32 or not available():
+        arr = w.array() if is_kernel_weight(w) else w
+        if arr.ndim == 2:
+            return x @ arr.astype(x.dtype)
+        if arr.shape[0] == 1:
+            return jnp.einsum("g...k,kn->g...n", x, arr[0].astype(x.dtype))
+        return jnp.einsum("g...k,gkn->g...n", x, arr.astype(x.dtype))
+    k = x.shape[-1]
+    if w.ndim == 2 or w.shape[0] == 1:  # one weight (shared by every group): one product
+        if w.ndim == 2:
+            w = KernelWeight(w.w[None], w.n, w.transposed)
+        y = _product(x.reshape(1, -1, k), w)
+        return y.reshape(*x.shape[:-1], w.n)
+    g = w.shape[0]
+    y = _product(x.reshape(g, -1, k), w)
+    return y.reshape(g, *x.shape[1:-1], w.n)
