@@ -417,9 +417,11 @@ def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final-norm hidden states [..., H] -> float32 logits [..., V]."""
     if kernels.active(params) and hidden.dtype == jnp.float32:  # the CPU kernel's product
-        w = (kernels.output_weight(params["embed"]) if cfg.tie_word_embeddings
-             else params["lm_head"])
-        return _softcap(kernels.matmul(hidden, w), cfg.final_softcap)
+        w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+        if cfg.tie_word_embeddings and kernels.wants(w):
+            w = kernels.output_weight(w)
+        if kernels.is_kernel_weight(w):
+            return _softcap(kernels.matmul(hidden, w), cfg.final_softcap)
     w = output_projection(cfg, params)
     logits = jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
                         preferred_element_type=jnp.float32)

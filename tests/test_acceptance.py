@@ -74,9 +74,21 @@ SAMPLINGS = [Sampling(mode="rejection", temperature=1.0),
              Sampling(mode="rejection", temperature=0.7, top_k=6, top_p=0.9)]
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t1", "t0.7-topk-topp"])
-def test_rejection_sampling_matches_plain_sampling_distribution(tiny, sampling):
+@pytest.mark.parametrize("sampling, cpu_kernel", [(SAMPLINGS[0], False), (SAMPLINGS[1], False),
+                                                  (SAMPLINGS[1], True)],
+                         ids=["t1", "t0.7-topk-topp", "t0.7-topk-topp-cpu-kernel"])
+def test_rejection_sampling_matches_plain_sampling_distribution(tiny, sampling, cpu_kernel,
+                                                                monkeypatch):
     params, heads = tiny
+    if cpu_kernel:  # the decoding layout with every product on the CPU kernel
+        from medusa_jax import kernels
+        from medusa_jax.backbone import decoding_layout
+
+        if not kernels.available():
+            pytest.skip("the CPU kernel could not be built here")
+        monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+        params = decoding_layout(CFG, params)
+        assert kernels.active(params)
     exact = _exact_pair_distribution(params, sampling)
     tokens, lengths = pad_prompts([PROMPT] * ROWS)
     key = jax.random.key(42)

@@ -99,7 +99,21 @@ def test_other_platforms_lower_to_xlas_product():
     assert kernels.TARGET not in gpu and "dot_general" in gpu
 
 
-def test_backbone_is_wrapped_only_in_the_decoding_layout(stories):
+@pytest.fixture
+def small_weights_too(monkeypatch):
+    """The embedded model's matrices are below `MIN_BYTES`: wrap them anyway, so the tests
+    run the decoders with the kernel on a real model."""
+    monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+
+
+def test_small_weights_stay_with_xla(stories):
+    from medusa_jax.backbone import decoding_layout
+
+    cfg, params, _ = stories
+    assert not kernels.active(decoding_layout(cfg, params))
+
+
+def test_backbone_is_wrapped_only_in_the_decoding_layout(stories, small_weights_too):
     from medusa_jax.backbone import decoding_layout, standard_layout
 
     cfg, params, _ = stories
@@ -113,7 +127,7 @@ def test_backbone_is_wrapped_only_in_the_decoding_layout(stories):
         np.testing.assert_array_equal(a, b)
 
 
-def test_greedy_medusa_equals_plain_with_the_kernel(stories):
+def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
     """The shipped heads and the default tree, batch 3: kernel decoding equals itself
     plain, and equals XLA's plain decoding token for token."""
     from medusa_jax.api import Medusa

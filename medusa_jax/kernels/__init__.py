@@ -167,14 +167,26 @@ def unwrap(params):
                         is_leaf=is_kernel_weight)
 
 
+# Weights below this many bytes per matrix stay with XLA: its emitted loops beat a library
+# call there, and a step over such a model is bound by per-kernel overhead, not bandwidth.
+MIN_BYTES = 1 << 20
+
+
+def wants(w) -> bool:
+    """Whether the kernel should multiply by this [..., K, N] weight."""
+    return (w.dtype in _KERNEL_DTYPES and w.ndim >= 2
+            and w.shape[-1] * w.shape[-2] * w.dtype.itemsize >= MIN_BYTES)
+
+
 # The decoding layout's products, by parameter name (see `backbone.decoding_layout`).
 BACKBONE_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
 
 
 def use_cpu_kernels(params, enabled: bool | None = None):
-    """Wrap a backbone's decoding-layout products (and an untied lm_head) in `KernelWeight`
-    when the kernels are available and every weight is on the CPU; otherwise (or with
-    `enabled=False`) return the parameters unchanged, unwrapped."""
+    """Wrap a backbone's decoding-layout products (and an untied lm_head) of at least
+    `MIN_BYTES` in `KernelWeight` when the kernels are available and every weight is on
+    the CPU; otherwise (or with `enabled=False`) return the parameters unchanged, unwrapped.
+    A backbone without any weight that large keeps XLA's products throughout."""
     params = unwrap(params)
     if enabled is False or not isinstance(params.get("layers"), (tuple, list)):
         return params
@@ -186,13 +198,13 @@ def use_cpu_kernels(params, enabled: bool | None = None):
         return params
 
     def wrap_layer(layer):
-        return {k: KernelWeight.pack(v) if k in BACKBONE_WEIGHTS and v.dtype in _KERNEL_DTYPES
-                else v for k, v in layer.items()}
+        return {k: KernelWeight.pack(v) if k in BACKBONE_WEIGHTS and wants(v) else v
+                for k, v in layer.items()}
 
     out = dict(params, layers=tuple(wrap_layer(layer) for layer in params["layers"]))
-    if "lm_head" in out and out["lm_head"].dtype in _KERNEL_DTYPES:
+    if "lm_head" in out and wants(out["lm_head"]):
         out["lm_head"] = KernelWeight.pack(out["lm_head"])
-    return out
+    return out if active(out) else params
 
 
 def wrap_heads(heads):
@@ -200,7 +212,7 @@ def wrap_heads(heads):
     a decoder whose backbone carries kernel weights)."""
     out = dict(heads)
     for name in ("w", "proj"):
-        if name in out and not is_kernel_weight(out[name]) and out[name].dtype in _KERNEL_DTYPES:
+        if name in out and not is_kernel_weight(out[name]) and wants(out[name]):
             out[name] = KernelWeight.pack(out[name])
     return out
 
