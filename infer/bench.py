@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections import defaultdict
 
 from medusa_jax import cli, compile_cache
+from medusa_jax.kernels.flags import add_flag as kernels_flag, apply_flag as kernels_apply
 
 
 def build_parser():
@@ -98,6 +100,10 @@ def build_parser():
                         "to all (parameters, heads, KV cache, compiled temporaries)")
     p.add_argument("--context", type=cli.positive_int, default=2048,
                    help="KV cache length for --layers (default 2048)")
+    p.add_argument("--compare-kernels", action="store_true",
+                   help="with --step-curve: time every pass with this project's CPU kernel "
+                        "and with XLA's products, alternating, in one process")
+    kernels_flag(p)
     compile_cache.add_flag(p)
     return p
 
@@ -167,16 +173,31 @@ def step_curve(args) -> int:
     sizes = sorted(set([0] + args.tree_sizes))
     print("measuring bandwidth and matrix peak ...", file=sys.stderr)
     bandwidth, peak = measure_bandwidth(dtype=args.dtype), measure_peak(dtype=args.dtype)
+    from medusa_jax import kernels
+
     print("timing the passes ...", file=sys.stderr)
-    curve = step_time_curve(cfg, params, sizes, prefix=args.prefix, reps=args.reps)
+    products = {kernels.describe(params): params}
+    if args.compare_kernels:
+        if not kernels.active(params):
+            raise SystemExit("error: --compare-kernels: the CPU kernel is not in use for this "
+                             "model (off, unavailable, or no weight of 1 MiB or more)")
+        products["XLA's products"] = kernels.unwrap(params)
+    curves = {name: {} for name in products}
+    for _ in range(args.reps):  # alternating: each rep times every configuration once
+        for name, p in products.items():
+            for n, sec in step_time_curve(cfg, p, sizes, prefix=args.prefix, reps=1).items():
+                curves[name].setdefault(n, []).append(sec)
     weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
     rows = []
-    for n, sec in curve.items():
-        nbytes, _ = pass_cost(cfg, n + 1, args.prefix)
-        bound = bound_seconds(cfg, n + 1, args.prefix, bandwidth, peak)
-        rows.append({"tree_nodes": n, "tokens_fed": n + 1, "ms": 1e3 * sec,
-                     "overhead": sec / curve[0], "bound_ms": 1e3 * bound,
-                     "vs_bound": sec / bound, "gb_per_s": nbytes / sec / 1e9})
+    for name, curve in curves.items():
+        curve = {n: statistics.median(v) for n, v in curve.items()}
+        for n, sec in curve.items():
+            nbytes, _ = pass_cost(cfg, n + 1, args.prefix)
+            bound = bound_seconds(cfg, n + 1, args.prefix, bandwidth, peak)
+            rows.append({"products": name, "tree_nodes": n, "tokens_fed": n + 1,
+                         "ms": 1e3 * sec, "vs_one_token": sec / curve[0],
+                         "bound_ms": 1e3 * bound, "vs_bound": sec / bound,
+                         "gb_per_s": nbytes / sec / 1e9})
     if args.json is not None:
         return _write_json(args.json, {
             "model": label, "device": str(jax.devices()[0]), "weight_bytes": weight_bytes,
@@ -185,12 +206,12 @@ def step_curve(args) -> int:
     print(f"{label} on {jax.devices()[0].platform}: {weight_bytes / 2**20:.1f} MiB of weights, "
           f"context {args.prefix}; measured bandwidth {bandwidth / 1e9:.1f} GB/s, matrix peak "
           f"{peak / 1e9:.0f} GFLOP/s ({args.dtype}); passes in a loop, the decoder's layout")
-    print(f"{'tree nodes':>10} {'tokens fed':>10} {'ms/step':>9} {'vs plain':>9} "
-          f"{'bound ms':>9} {'vs bound':>9} {'GB/s':>7}")
+    print(f"{'products':<22} {'tree nodes':>10} {'tokens fed':>10} {'ms/pass':>9} "
+          f"{'vs 1 token':>10} {'bound ms':>9} {'vs bound':>9} {'GB/s':>7}")
     for r in rows:
-        print(f"{r['tree_nodes']:>10} {r['tokens_fed']:>10} {r['ms']:>9.3f} "
-              f"{r['overhead']:>8.2f}x {r['bound_ms']:>9.3f} {r['vs_bound']:>8.2f}x "
-              f"{r['gb_per_s']:>7.1f}")
+        print(f"{r['products']:<22} {r['tree_nodes']:>10} {r['tokens_fed']:>10} "
+              f"{r['ms']:>9.3f} {r['vs_one_token']:>9.2f}x {r['bound_ms']:>9.3f} "
+              f"{r['vs_bound']:>8.2f}x {r['gb_per_s']:>7.1f}")
     return 0
 
 
@@ -317,6 +338,7 @@ def breakdown(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     compile_cache.enable_from_args(args)
+    kernels_apply(args)
     if args.layers is not None:
         if not args.random_weights:
             raise SystemExit("error: --layers needs --random-weights and --shape")
@@ -342,6 +364,9 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: --modes: {m!r} is not one of {', '.join(MODES)}")
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
     model = cli.load_with_heads(args.model, args.heads, args.mesh)
+    from medusa_jax import kernels
+
+    print(f"matrix products: {kernels.describe(model.params)}", file=sys.stderr)
     ids = [model.encode(p) for p, _ in prompts]
     with cli.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]

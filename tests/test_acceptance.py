@@ -83,10 +83,11 @@ def test_rejection_sampling_matches_plain_sampling_distribution(tiny, sampling, 
     if cpu_kernel:  # the decoding layout with every product on the CPU kernel
         from medusa_jax import kernels
         from medusa_jax.backbone import decoding_layout
+        from medusa_jax.kernels import fewrow
 
         if not kernels.available():
             pytest.skip("the CPU kernel could not be built here")
-        monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+        monkeypatch.setattr(fewrow, "MIN_BYTES", 0)
         params = decoding_layout(CFG, params)
         assert kernels.active(params)
     exact = _exact_pair_distribution(params, sampling)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from medusa_jax import kernels
-from medusa_jax.kernels import KernelWeight, build
+from medusa_jax.kernels import KernelWeight, build, fewrow
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason="the CPU kernel could not be built here")
@@ -103,7 +103,7 @@ def test_other_platforms_lower_to_xlas_product():
 def small_weights_too(monkeypatch):
     """The embedded model's matrices are below `MIN_BYTES`: wrap them anyway, so the tests
     run the decoders with the kernel on a real model."""
-    monkeypatch.setattr(kernels, "MIN_BYTES", 0)
+    monkeypatch.setattr(fewrow, "MIN_BYTES", 0)
 
 
 def test_small_weights_stay_with_xla(stories):
