@@ -466,7 +466,7 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
     root_rule = sampling if sampling.mode == "rejection" else Sampling()
     root = _sample_rows(sub, base_logits, root_rule)
     heads = drafter.prepare(heads, tree)
-    if kernels.active(params) and getattr(drafter, "head_fn", None) is standard_heads:
+    if kernels.active(params) and getattr(drafter, "head_fn", standard_heads) is standard_heads:
         heads = kernels.wrap_heads(heads)  # the heads' products on the CPU kernel too
     head_logits = drafter.start(params, heads, hidden, lengths)  # the drafter's carry
     if drafter.num_heads(heads, head_logits) < depth:

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import kernels
 from medusa_jax.backbone import ParamSpec, Params, output_projection
 from medusa_jax.config import ModelConfig
 
@@ -130,9 +131,13 @@ def _blocks(heads: Params, i: int, x: jax.Array) -> jax.Array:
     x [..., H] -> logits [..., V] float32."""
     dt = x.dtype
     for j in range(heads["w"].shape[1]):  # tiny and static: unrolled
-        x = x + jax.nn.silu(x @ heads["w"][i, j].astype(dt) + heads["b"][i, j].astype(dt))
-    logits = jnp.einsum("...h,hv->...v", x, heads["proj"][i].astype(dt),
-                        preferred_element_type=jnp.float32)
+        x = x + jax.nn.silu(kernels.matmul(x, heads["w"][i, j]) + heads["b"][i, j].astype(dt))
+    proj = heads["proj"][i]
+    if kernels.is_kernel_weight(proj):
+        logits = kernels.matmul(x, proj)
+    else:
+        logits = jnp.einsum("...h,hv->...v", x, proj.astype(dt),
+                            preferred_element_type=jnp.float32)
     return logits + heads["proj_b"][i].astype(jnp.float32)
 
 
@@ -143,8 +148,13 @@ def apply_head(heads: Params, i: int, inputs: jax.Array) -> jax.Array:
     n = i + 2
     w_in = heads["in_w"][i, :n].astype(dt)  # [n, H, H]
     r_in = heads["res_w"][i, :n].astype(dt)
-    y = jnp.einsum("...nh,nhg->...g", inputs, w_in) + heads["in_b"][i].astype(dt)
-    x = jnp.einsum("...nh,nhg->...g", inputs, r_in) + heads["res_b"][i].astype(dt)
+    if kernels.is_kernel_weight(w_in):  # one batched kernel call per block, then the sum
+        parts = jnp.moveaxis(inputs, -2, 0)  # [n, ..., H]
+        y = kernels.matmul(parts, w_in).sum(0) + heads["in_b"][i].astype(dt)
+        x = kernels.matmul(parts, r_in).sum(0) + heads["res_b"][i].astype(dt)
+    else:
+        y = jnp.einsum("...nh,nhg->...g", inputs, w_in) + heads["in_b"][i].astype(dt)
+        x = jnp.einsum("...nh,nhg->...g", inputs, r_in) + heads["res_b"][i].astype(dt)
     return _blocks(heads, i, x + jax.nn.silu(y))
 
 

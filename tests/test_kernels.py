@@ -144,6 +144,19 @@ def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
     assert sum(g.tokens_per_step for g in fast) / 3 > 1.5  # the heads do draft
 
 
+def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too):
+    from medusa_jax.api import Medusa
+
+    m = Medusa.load(heads="hydra")
+    prompts = ["Once upon a time", "The little dog"]
+    fast = m.generate(prompts, max_new_tokens=48)
+    m.params = kernels.unwrap(m.params)
+    plain = m.generate(prompts, max_new_tokens=48, medusa=False)
+    for a, b in zip(fast, plain):
+        assert a.token_ids == b.token_ids
+    assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
+
+
 # ----------------------------------------------------------------------------- fallbacks
 
 

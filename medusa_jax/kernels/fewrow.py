@@ -178,11 +178,14 @@ def use_cpu_kernels(params, enabled: bool | None = None):
     return out if active(out) else params
 
 
+HEADS_WEIGHTS = ("w", "proj", "in_w", "res_w")  # Medusa's blocks and projection, Hydra's too
+
+
 def wrap_heads(heads):
-    """Medusa heads with their block and projection weights multiplied by the kernel (inside
-    a decoder whose backbone carries kernel weights)."""
+    """Medusa or Hydra heads with their block and projection weights multiplied by the
+    kernel (inside a decoder whose backbone carries kernel weights)."""
     out = dict(heads)
-    for name in ("w", "proj"):
+    for name in HEADS_WEIGHTS:
         if name in out and not is_kernel_weight(out[name]) and wants(out[name]):
             out[name] = KernelWeight.pack(out[name])
     return out
