@@ -107,13 +107,20 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
     return out
 
 
-def _median_time(fn, reps: int) -> tuple[float, object]:
+def _median_time(fn, reps: int, progress=None) -> tuple[float, object]:
+    """Median wall time of `reps` calls after a warm-up call. `progress(text)`, when given,
+    hears of the warm-up and of each repetition as it ends ("rep 2/3: 0.213 s")."""
+    t0 = time.perf_counter()
     result = jax.block_until_ready(fn())  # compile + warm-up, not timed
+    if progress is not None:
+        progress(f"warm-up {time.perf_counter() - t0:.3f} s")
     times = []
-    for _ in range(reps):
+    for i in range(reps):
         t0 = time.perf_counter()
         result = jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"rep {i + 1}/{reps}: {times[-1]:.3f} s")
     return statistics.median(times), result
 
 
@@ -145,9 +152,11 @@ class RunResult:
 def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_size: int,
                 max_new_tokens: int, eos: tuple[int, ...], sampling: Sampling = Sampling(),
                 heads=None, tree: Tree | None = None, reps: int = 3, seed: int = 0,
-                name: str = "", max_cache_phases: int | None = None) -> RunResult:
+                name: str = "", max_cache_phases: int | None = None,
+                progress=None) -> RunResult:
     """Time plain (heads=None) or Medusa decoding of all prompts in fixed-size batches
-    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own)."""
+    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own).
+    `progress(text)`: told of the compile, the warm-up and each repetition as they end."""
     phases = {} if max_cache_phases is None else {"max_cache_phases": max_cache_phases}
     batches = []
     for s in range(0, len(prompts), batch_size):
@@ -168,7 +177,10 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
         return outs
 
     compiled = sum(run(timing.precompile), timing.Compile())  # the compile, timed apart
-    seconds, outs = _median_time(run, reps)
+    if progress is not None:
+        progress(f"compiled in {timing.fmt_seconds(compiled.seconds)}"
+                 f"{' (from the compilation cache)' if compiled.cached else ''}")
+    seconds, outs = _median_time(run, reps, progress)
     rows, steps, loop_steps = [], [], 0
     for (n, _, _), out in zip(batches, outs):
         out = jax.device_get(out)
@@ -222,7 +234,7 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
                      max_new_tokens: int, eos: tuple[int, ...], batch_size: int = 1,
                      sampling: Sampling = Sampling(), reps: int = 1,
                      plain: RunResult | None = None,
-                     max_cache_phases: int | None = None) -> Comparison:
+                     max_cache_phases: int | None = None, progress=None) -> Comparison:
     """Time Medusa decoding against plain decoding (`plain`, or timed here with the same
     sampling) of the same prompts. The one plain-vs-Medusa comparison of the project: the
     training commands, `infer.bench` and `infer.tree` all report through it."""
@@ -230,7 +242,8 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
                   sampling=sampling, reps=reps, max_cache_phases=max_cache_phases)
     if plain is None:
         plain = run_decoder(params, cfg, prompts, name="plain", **common)
-    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa", **common)
+    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa",
+                         progress=progress, **common)
     return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
 
 
@@ -250,7 +263,8 @@ def print_comparison(c: Comparison, title: str):
 
 
 def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_size: int,
-                     max_new_tokens: int, eos: tuple[int, ...], reps: int = 3) -> RunResult | None:
+                     max_new_tokens: int, eos: tuple[int, ...], reps: int = 3,
+                     progress=None) -> RunResult | None:
     """transformers' PyTorch greedy `generate` on the same prompts (None without torch)."""
     try:
         import torch
@@ -279,7 +293,7 @@ def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_s
                 outs.append(out[:, ids.shape[1]:])
         return outs
 
-    seconds, outs = _median_time(run, reps)
+    seconds, outs = _median_time(run, reps, progress)
     rows = []
     for out in outs:
         for row in out.tolist():
