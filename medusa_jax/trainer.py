@@ -741,6 +741,16 @@ def _without_memory(argv):
     return rest
 
 
+def check_context(ap: argparse.ArgumentParser, seq_len: int, model_cfg: ModelConfig,
+                  what: str) -> None:
+    """--seq-len within the model's context (max_position_embeddings): rows longer than
+    the positions the model was trained on are refused before any work."""
+    limit = model_cfg.max_position_embeddings
+    if seq_len > limit:
+        ap.error(f"--seq-len {seq_len} is longer than the context of {what} "
+                 f"(max_position_embeddings {limit})")
+
+
 class Command:
     """A training command (train/medusa1.py, train/medusa2.py): its flags come from the
     config class, its run is `train` with the recipe."""
@@ -785,9 +795,10 @@ class Command:
         try:
             device_memory = None if mem.device_memory is None else \
                 memory.parse_bytes(mem.device_memory)
-            memory.model_config(mem.shape)
+            shape_cfg = memory.model_config(mem.shape)
         except (ValueError, FileNotFoundError) as e:
             ap.error(str(e))
+        check_context(ap, cfg.seq_len, shape_cfg, f"--shape {mem.shape}")
         need = math.prod(sharding.parse_mesh_spec(cfg.mesh).values())
         if need > 1:  # simulated CPU devices for the mesh (before JAX starts its backends)
             with contextlib.suppress(RuntimeError):
@@ -811,6 +822,11 @@ class Command:
         if self.memory_report(argv) is not None:
             return
         cfg, resume, stop_after = self.parse_args(argv)
+        with cli.errors_to_exit():  # --model: a path or hub id, config.json, the weights
+            cli.check_model_paths(cfg.model)
+            model_cfg = ModelConfig.from_dir(cfg.model or weights.default_model_dir())
+        check_context(self.build_parser(), cfg.seq_len, model_cfg,
+                      f"--model {cfg.model or assets.EMBEDDED_MODEL}")
         try:
             with cli.errors_to_exit():
                 self.run(cfg, resume, stop_after)
