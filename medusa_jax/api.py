@@ -68,15 +68,19 @@ class Generation:
     seconds: float  # decoding time of the batch this prompt ran in (compile excluded)
     compile_seconds: float = 0.0  # compiling its decoder first (0 when already compiled)
 
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
 
 @dataclasses.dataclass
 class GenerateTiming(timing.Timed):
     """`Medusa.last_timing`: compile and decode time of the last `generate` call, with what
-    it decoded. `line()` is the summary `infer.generate` prints, e.g.
+    it decoded. `line()` is the summary `infer.generate` prints, in the form
 
         1 prompt, medusa stories260K_cpu greedy: compiled in 0.91 s (from the compilation
         cache); 128 tokens in 0.12 s (1,110 tokens/s); 3.20 tokens/step (40 steps)
-    """
+
+    (the README's example run of `infer.generate --heads default`)."""
 
     label: str = ""  # "1 prompt, medusa stories260K_cpu greedy"
     steps: int = 0
@@ -88,9 +92,6 @@ class GenerateTiming(timing.Timed):
         if self.steps:
             text += f"; {self.tokens / self.steps:.2f} tokens/step ({self.steps} steps)"
         return text
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def default_heads_dir() -> Path:
