@@ -84,7 +84,7 @@ def check_output(out: Path) -> None:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from medusa_jax import assets
-    from medusa_jax.bench import SHAPES
+    from medusa_jax.shapes import SHAPES
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: --shape {args.shape!r} is unknown; known: "
