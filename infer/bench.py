@@ -332,7 +332,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         if args.plot:
             cli.writable_output("--plot", args.plot)
         if not args.random_weights:
-            cli.check_model_paths(args.model, args.heads)
+            cli.check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
     except (ValueError, OSError) as e:
         ap.error(str(e))
 

@@ -86,7 +86,7 @@ def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
     try:
         cfg = _resumed(cls, given, resume) if resume is not None else cls(**given)
         cfg = cfg.validate()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         ap.error(str(e))
     if no_compile_cache is not None:
         from medusa_jax import compile_cache
@@ -231,11 +231,13 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                              "'data=2,model=4' (default: one device)")
 
 
-def check_model_paths(model: str | None, heads: str | None = None) -> None:
+def check_model_paths(model: str | None, heads: str | None = None,
+                      tokenizer: bool = True) -> None:
     """Before JAX is imported (the commands call it right after parsing): --model and
     --heads resolved (a hub id through huggingface_hub's cache, `hub`), the model folder's
     config.json fields and its weights' headers checked, and --heads present. Raises
-    ValueError / FileNotFoundError in one line naming the flag or file."""
+    ValueError / FileNotFoundError in one line naming the flag or file. `tokenizer`: the
+    folder must hold a tokenizer (every command that encodes text)."""
     from medusa_jax import hub
     from medusa_jax.config import ModelConfig
     from medusa_jax.weights import check_headers, tokenizer_files
@@ -248,7 +250,8 @@ def check_model_paths(model: str | None, heads: str | None = None) -> None:
             raise NotADirectoryError(f"--model {model}: not a folder (a Hugging Face model "
                                      f"folder holds config.json and *.safetensors)")
         ModelConfig.from_dir(folder)
-        tokenizer_files(folder)
+        if tokenizer:
+            tokenizer_files(folder)
         check_headers(folder)
     if heads is not None and heads not in ("default", "hydra"):
         path = Path(hub.local(heads, "--heads", hub.HEADS_FILES))

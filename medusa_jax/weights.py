@@ -13,12 +13,16 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors import SafetensorError
 
 from medusa_jax import assets, hub
 from medusa_jax.config import ModelConfig, as_dtype
+
+if TYPE_CHECKING:
+    from medusa_jax.backbone import Params
 
 # JAX and the backbone are imported where the weights become arrays: the commands check a
 # model folder (config.json, the safetensors headers) before JAX is imported.

@@ -27,7 +27,8 @@ FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra")  # hydra: zank
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m train.export_heads",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="run directory, heads artifact, or heads in another layout")
+    ap.add_argument("source", help="run directory, heads artifact, or heads in another layout "
+                    "(a path or a Hugging Face hub id)")
     ap.add_argument("--format", required=True, choices=FORMATS, help="layout to write")
     ap.add_argument("--output", required=True, help="folder to write into: new or empty")
     ap.add_argument("--force", action="store_true", help="replace an earlier export of the "
@@ -144,7 +145,11 @@ def export(args: argparse.Namespace) -> list[Path]:
             raise ValueError(f"--output {out}: already exists (--force replaces it)")
     else:
         check_new_folder(out, "--output", args.force, earlier_export(args.format))
-    source = Path(args.source)
+    from medusa_jax import hub
+
+    source = Path(hub.local(args.source, "source", hub.HEADS_FILES))  # a path or a hub id
+    if args.model:
+        args.model = str(hub.local(args.model, "--model"))
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
     heads, meta = hf.read(found, None)
