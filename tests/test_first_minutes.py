@@ -53,6 +53,11 @@ def test_help_imports_nothing_heavy(module):
     ("train.hydra", ["--model", "/nonexistent/model"]),
     ("train.enlarge", ["--shape", "llama-110m", "--model", "/nonexistent/model",
                        "--output", "/nonexistent/out"]),
+    ("train.distill", ["--prompts", "p.txt", "--model", "/nonexistent/model", "--output",
+                       "/nonexistent/a.jsonl"]),
+    ("infer.search_tree", ["--model", "/nonexistent/model"]),
+    ("train.export_heads", ["/nonexistent/model", "--format", "vllm", "--output",
+                            "/nonexistent/out"]),
 ])
 def test_a_wrong_model_path_is_one_line_before_heavy_imports(module, argv):
     result, proc = probe(module, *argv)

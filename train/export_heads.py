@@ -129,11 +129,9 @@ def earlier_export(fmt: str):
 
 
 def export(args: argparse.Namespace) -> list[Path]:
-    from medusa_jax import heads_formats as hf
+    from medusa_jax import assets, hub
     from medusa_jax.config import ModelConfig
     from medusa_jax.rundir import check_new_folder
-
-    from medusa_jax import assets
 
     out = Path(args.output)
     if assets.inside_package(out):
@@ -145,11 +143,17 @@ def export(args: argparse.Namespace) -> list[Path]:
             raise ValueError(f"--output {out}: already exists (--force replaces it)")
     else:
         check_new_folder(out, "--output", args.force, earlier_export(args.format))
-    from medusa_jax import hub
-
     source = Path(hub.local(args.source, "source", hub.HEADS_FILES))  # a path or a hub id
+    if not source.exists():  # before JAX (heads_formats) is imported
+        raise FileNotFoundError(f"{source}: no Medusa heads artifact here (no such file or "
+                                f"folder)")
     if args.model:
         args.model = str(hub.local(args.model, "--model"))
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model}: no such model folder")
+        ModelConfig.from_dir(args.model)  # its config.json's fields, named
+    from medusa_jax import heads_formats as hf
+
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
     heads, meta = hf.read(found, None)
