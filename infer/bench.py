@@ -329,6 +329,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
     if any(m != "greedy" for m in modes) and not args.temperature > 0:
         ap.error(f"--temperature must be > 0 for --modes {args.modes}, got {args.temperature}")
     try:
+        if args.prompts:  # read again when the prompts are used; a bad file fails here
+            from medusa_jax.prompt_files import read_prompt_file
+
+            read_prompt_file(args.prompts)
         if args.json not in (None, "-"):
             cli.writable_output("--json", args.json)
         if args.plot:

@@ -18,7 +18,7 @@ MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the a
 
 def read_prompts_file(path: str) -> list[str]:
     """Text lines, or JSONL with a `prompt` field or a `turns` list (its first turn is used)."""
-    from medusa_jax.bench import read_prompt_file
+    from medusa_jax.prompt_files import read_prompt_file
 
     try:
         return [prompt for prompt, _ in read_prompt_file(path)]

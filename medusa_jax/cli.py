@@ -269,6 +269,8 @@ def writable_output(flag: str, path: str, folder: bool = False) -> Path:
     p = Path(path)
     if not folder and (p.is_dir() or path.endswith(("/", os.sep))):
         raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    if not folder and p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is read-only")
     if folder and p.exists() and not p.is_dir():
         raise ValueError(f"{flag} {path}: exists and is not a folder")
     parent = p if folder and p.exists() else p.parent
@@ -316,7 +318,7 @@ def read_prompts(path: str | None, num: int | None = None) -> list[tuple[str, st
     """(prompt, category) pairs from a prompts file (see `bench.read_prompt_file`), or the
     embedded held-out TinyStories openings; the first `num`. Errors exit with one line."""
     from medusa_jax import assets
-    from medusa_jax.bench import read_prompt_file
+    from medusa_jax.prompt_files import read_prompt_file
 
     with errors_to_exit():
         prompts = read_prompt_file(path) if path else \

@@ -152,3 +152,13 @@ def test_the_step_ratio_column_says_what_it_is(capsys):
     bench._print_table([row])
     head = capsys.readouterr().out.splitlines()[0]
     assert "step/plain" in head and "overhead" not in head
+
+
+@pytest.mark.parametrize("module, argv", [
+    ("infer.generate", ["--prompts-file", "/nonexistent/p.txt"]),
+    ("infer.bench", ["--prompts", "/nonexistent/p.txt"]),
+])
+def test_a_missing_prompts_file_is_one_line_before_heavy_imports(module, argv):
+    result, proc = probe(module, *argv)
+    assert result["rc"] in (1, 2) and result["heavy"] == [], proc.stderr
+    assert "/nonexistent/p.txt: no such" in proc.stderr
