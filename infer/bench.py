@@ -15,7 +15,9 @@
 
 Timings exclude compilation (every configuration runs once before the clock starts) and are
 the median of --reps repetitions. Speedup is wall-clock tokens/s against our own plain jitted
-decoding at the same batch size, measured in the same run.
+decoding at the same batch size, measured in the same run; `step/plain` is a step's time over
+a plain decoding step's (what verifying a tree costs per step). Progress goes to standard
+error: a line per configuration, then one per compile, warm-up and repetition.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from medusa_jax import cli, compile_cache
+from medusa_jax import cli, compile_cache, quiet
 from medusa_jax.kernels.flags import add_flag as kernels_flag, apply_flag as kernels_apply
 
 
@@ -335,8 +337,43 @@ def breakdown(args) -> int:
     return 0
 
 
+def check_args(ap: argparse.ArgumentParser, args) -> None:
+    """Everything that can be checked before JAX is imported and any work starts: --modes
+    and --temperature, the --json and --plot outputs, --model and --heads (paths or hub
+    ids, config.json, the weights' headers). Errors are one line, exit status 2."""
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes:
+        ap.error(f"--modes {args.modes!r}: give at least one of {', '.join(cli.DECODE_MODES)}")
+    for m in modes:
+        if m not in cli.DECODE_MODES:
+            ap.error(f"--modes: {m!r} is not one of {', '.join(cli.DECODE_MODES)}")
+    if any(m != "greedy" for m in modes) and not args.temperature > 0:
+        ap.error(f"--temperature must be > 0 for --modes {args.modes}, got {args.temperature}")
+    try:
+        if args.prompts:  # read again when the prompts are used; a bad file fails here
+            from medusa_jax.prompt_files import read_prompt_file
+
+            read_prompt_file(args.prompts)
+        if args.json not in (None, "-"):
+            cli.writable_output("--json", args.json)
+        if args.plot:
+            cli.writable_output("--plot", args.plot)
+        if not args.random_weights:
+            cli.check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+
+
+def say(text: str) -> None:
+    """A progress line on standard error (the results go to standard output)."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    check_args(ap, args)
+    quiet.imports()
     compile_cache.enable_from_args(args)
     kernels_apply(args)
     if args.layers is not None:
@@ -355,13 +392,9 @@ def main(argv=None) -> int:
         return step_curve(args)
     if args.breakdown:
         return breakdown(args)
-    from medusa_jax.acceptance import MODES
     from medusa_jax.decode import check_fits
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"error: --modes: {m!r} is not one of {', '.join(MODES)}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked: check_args
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
     model = cli.load_with_heads(args.model, args.heads, args.mesh)
     from medusa_jax import kernels
@@ -421,8 +454,12 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
 
     suffix = "" if phases is None else f" ({phases} ph.)"
     common = dict(common, max_cache_phases=phases)
-    print(f"batch size {bs}: timing plain decoding{suffix} ...", file=sys.stderr)
-    plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain", **common)
+    def progress(what):  # one line per compile, warm-up and repetition
+        return lambda text: say(f"batch size {bs}: {what}: {text}")
+
+    say(f"batch size {bs}: timing plain decoding{suffix} ({args.reps} reps) ...")
+    plain = run_decoder(model.params, model.cfg, ids, batch_size=bs, name="plain",
+                        progress=progress(f"plain{suffix}"), **common)
     first = next((r for r in results if r["config"].startswith("plain jax")
                   and r["batch_size"] == bs), None)
     row = _row(plain, plain, "plain jax" + suffix, "greedy", "-", None)
@@ -433,14 +470,14 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
         # transformers is slow on this model: time it on the first --hf-prompts prompts,
         # against our plain decoding of the same prompts
         sub = ids[: args.hf_prompts]
-        print(f"batch size {bs}: timing transformers on {len(sub)} prompts ...",
-              file=sys.stderr)
+        say(f"batch size {bs}: timing transformers on {len(sub)} prompts ({args.hf_reps} "
+            f"reps) ...")
         hf = run_transformers(model.model_dir, sub, batch_size=bs,
                               max_new_tokens=args.max_new_tokens, eos=model.eos,
-                              reps=args.hf_reps)
+                              reps=args.hf_reps, progress=progress("transformers"))
         if hf is not None:
             ours = run_decoder(model.params, model.cfg, sub, batch_size=bs, name="plain",
-                               **common)
+                               progress=progress(f"plain, {len(sub)} prompts"), **common)
             row = _row(hf, ours, f"transformers ({len(sub)} prompts)", "greedy", "-",
                        hf.rows == ours.rows)
             row["jax_plain_tokens_per_second"] = round(ours.tokens_per_second, 1)
@@ -449,15 +486,18 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
         sampling = Sampling(mode=mode, temperature=1.0 if mode == "greedy" else args.temperature)
         base = plain
         if mode != "greedy":  # compare against plain sampling at the same temperature
+            say(f"batch size {bs}: timing plain {mode}{suffix} ({args.reps} reps) ...")
             base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
-                               name="plain-sample", **common)
+                               name="plain-sample", progress=progress(f"plain {mode}"),
+                               **common)
         for tree in trees:
             for label, heads in getattr(model, "head_sets", [(model.drafter_kind,
                                                                model.heads)]):
-                print(f"batch size {bs}: timing {label} {mode} {tree.name} ...",
-                      file=sys.stderr)
+                what = f"{label} {mode} {tree.name}{suffix}"
+                say(f"batch size {bs}: timing {what} ({args.reps} reps) ...")
                 c = compare_decoding(model.params, heads, model.cfg, ids, tree,
-                                     batch_size=bs, sampling=sampling, plain=base, **common)
+                                     batch_size=bs, sampling=sampling, plain=base,
+                                     progress=progress(what), **common)
                 same = c.identical_rows == len(ids) if mode == "greedy" else None
                 results.append(_row(c.medusa, base, label + suffix, mode, tree.name, same,
                                     by_category=_by_category(c.medusa, prompts)))
@@ -487,7 +527,8 @@ def _row(run, base, config, mode, tree, identical, by_category=None):
         "config": config, "mode": mode, "tree": tree, "batch_size": run.batch_size,
         "tokens_per_step": round(run.tokens_per_step, 3),
         "step_ms": round(1e3 * run.step_seconds, 4),
-        "step_overhead": round(run.step_seconds / base.step_seconds, 3),
+        # a step's time over a plain step's (the cost of verifying a tree per step)
+        "step_vs_plain": round(run.step_seconds / base.step_seconds, 3),
         "tokens_per_second": round(run.tokens_per_second, 1),
         "speedup": round(run.tokens_per_second / base.tokens_per_second, 3),
         "new_tokens": run.new_tokens, "seconds": round(run.seconds, 4),
@@ -505,14 +546,15 @@ def _by_category(run, prompts):
 
 
 def _print_table(results):
+    # "step/plain": a step's time over a plain decoding step's, same batch and mode
     head = (f"{'config':<28}{'mode':<10}{'tree':<18}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
-            f"{'overhead':>9}{'tok/s':>9}{'speedup':>9}  identical")
+            f"{'step/plain':>11}{'tok/s':>9}{'speedup':>9}  identical")
     print(head)
     print("-" * len(head))
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
         print(f"{r['config']:<28}{r['mode']:<10}{r['tree']:<18}{r['batch_size']:>5}"
-              f"{r['tokens_per_step']:>9.2f}{r['step_ms']:>9.3f}{r['step_overhead']:>8.2f}x"
+              f"{r['tokens_per_step']:>9.2f}{r['step_ms']:>9.3f}{r['step_vs_plain']:>10.2f}x"
               f"{r['tokens_per_second']:>9.0f}{r['speedup']:>8.2f}x  {same}")
         if r["by_category"]:
             print("    tokens/step by category: " +

@@ -11,13 +11,14 @@ import argparse
 import json
 import sys
 
-from medusa_jax import cli, compile_cache
-from medusa_jax.acceptance import MODES
+from medusa_jax import cli, compile_cache, quiet
+
+MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
 
 
 def read_prompts_file(path: str) -> list[str]:
     """Text lines, or JSONL with a `prompt` field or a `turns` list (its first turn is used)."""
-    from medusa_jax.bench import read_prompt_file
+    from medusa_jax.prompt_files import read_prompt_file
 
     try:
         return [prompt for prompt, _ in read_prompt_file(path)]
@@ -59,6 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         prompts += read_prompts_file(args.prompts_file)
     if not prompts:
         prompts = ["Once upon a time"]
+    if args.mode != "greedy" and not args.temperature > 0:
+        ap.error(f"--temperature must be > 0 for --mode {args.mode}, got {args.temperature}")
+    try:  # paths (and hub ids) before JAX: a wrong one fails at once
+        cli.check_model_paths(args.model, args.heads)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    quiet.imports()
     compile_cache.enable_from_args(args)  # after argument errors: importing jax takes a moment
     from medusa_jax.api import Medusa
 
@@ -77,13 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(dict(r.to_json(), prompt=prompt)))
         else:
             print(f"### {r.prompt}\n{r.prompt}{r.text}\n")
-    steps = sum(r.steps for r in results)
-    timed = model.last_timing
-    decoding = ("medusa " + model.tree(args.tree).name) if model.heads is not None else "plain"
-    n = len(results)
-    summary = (f"{n} prompt{'s' * (n != 1)}, {decoding} {args.mode}: {timed.line()}; "
-               f"{timed.tokens / max(steps, 1):.2f} tokens/step ({steps} steps)")
-    print(summary, file=sys.stderr if args.json else sys.stdout)
+    # "1 prompt, medusa stories260K_cpu greedy: compiled in ...; N tokens/step (S steps)"
+    print(model.last_timing.line(), file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -43,6 +43,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():
         ap.error(f"--out {out}: not a file in an existing directory")
+    try:  # paths and hub ids, config.json and the weights' headers, before JAX
+        cli.check_model_paths(args.model, args.heads)
+        if args.plot:
+            cli.writable_output("--plot", args.plot)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     compile_cache.enable_from_args(args)
     from medusa_jax import timing
     from medusa_jax.bench import compare_decoding, run_decoder

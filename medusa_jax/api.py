@@ -15,13 +15,14 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from medusa_jax import assets, compile_cache, sharding, startup, timing
+from medusa_jax import assets, compile_cache, hub, sharding, startup, timing
 from medusa_jax.acceptance import MODES, Sampling
 from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.config import ModelConfig, stop_tokens
@@ -30,15 +31,35 @@ from medusa_jax.heads import heads_axes, heads_config_of
 from medusa_jax.heads_formats import is_medusa2_model, load_heads
 from medusa_jax.hydra import is_hydra
 from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.weights import default_model_dir, load_pretrained
+from medusa_jax.weights import check_headers, default_model_dir, load_pretrained, tokenizer_files
 
 
 @dataclasses.dataclass
 class Generation:
-    """One prompt's result."""
+    """One prompt's result.
+
+    - `prompt`: the prompt as given (text or token ids).
+    - `text`: the generated continuation only, **without the prompt** (decoded with the
+      prompt and cut after it, so a leading space survives; special tokens skipped);
+      `prompt + text` is the whole story, as `infer.generate` prints it.
+    - `token_ids`, `new_tokens`: the new token ids and how many (an EOS that ended the row
+      is included in both).
+    - `steps`: decoding steps, i.e. forward passes of the model after the prompt's prefill.
+      Plain decoding emits one token per step; a Medusa step emits 1 + the number of
+      drafted tokens the model accepted on the tree's best path.
+    - `tokens_per_step`: `new_tokens / steps` (1.0 for plain decoding).
+    - `accept_hist`: `accept_hist[n]` is how many steps emitted n tokens (n - 1 accepted
+      drafts plus the model's own next token; a last step cut by `max_new_tokens` or an
+      EOS counts the tokens it kept). Its length is the tree's depth + 2, so
+      `sum(accept_hist) == steps` and `sum(n * c for n, c in enumerate(accept_hist)) ==
+      new_tokens`. E.g. `[0, 2, 6, 2, 11]`: 21 steps, 2 of them emitted 1 token, 6 two, 2
+      three and 11 four (64 tokens). Plain decoding: `[0, steps, 0]`.
+    - `seconds`: decoding time of the batch this prompt ran in (compile excluded);
+      `compile_seconds`: compiling its decoder first (0 when already compiled).
+    """
 
     prompt: str | list[int]
-    text: str
+    text: str  # the continuation, without the prompt
     token_ids: list[int]  # the new tokens only (an EOS that ended the row is included)
     new_tokens: int
     steps: int  # decoding steps (forward passes after prefill)
@@ -49,6 +70,28 @@ class Generation:
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class GenerateTiming(timing.Timed):
+    """`Medusa.last_timing`: compile and decode time of the last `generate` call, with what
+    it decoded. `line()` is the summary `infer.generate` prints, in the form
+
+        1 prompt, medusa stories260K_cpu greedy: compiled in 0.91 s (from the compilation
+        cache); 128 tokens in 0.12 s (1,110 tokens/s); 3.20 tokens/step (40 steps)
+
+    (the README's example run of `infer.generate --heads default`)."""
+
+    label: str = ""  # "1 prompt, medusa stories260K_cpu greedy"
+    steps: int = 0
+
+    def line(self) -> str:
+        text = super().line()
+        if self.label:
+            text = f"{self.label}: {text}"
+        if self.steps:
+            text += f"; {self.tokens / self.steps:.2f} tokens/step ({self.steps} steps)"
+        return text
 
 
 def default_heads_dir() -> Path:
@@ -125,7 +168,9 @@ class Medusa:
         self.model_dir = model_dir
         self.default_tree = default_tree
         self.eos = stop_tokens(cfg, tokenizer)
-        self.last_timing = timing.Timed()  # compile and decode time of the last `generate`
+        self.last_timing = GenerateTiming()  # compile and decode time of the last `generate`
+        self.verbose = True  # the "compiling the decoder (first call) ..." line on stderr
+        self._compiled: set = set()  # the decoder calls compiled so far
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
@@ -155,15 +200,21 @@ class Medusa:
                                 f"{type(value).__name__} {_clip(value)}")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
+        model = hub.local(model, "model")
+        if heads not in ("default", "hydra"):
+            heads = hub.local(heads, "heads", hub.HEADS_FILES)
         if model is None and heads not in (None, "default", "hydra") and \
                 is_medusa2_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
-        # the tokenizer first, so a folder without one fails before its weights are read
-        # (a missing folder is reported by load_pretrained)
+        # cheap checks first, in this order: config.json's fields, that there is a
+        # tokenizer, the weights' headers (truncated, garbage); then the weights (NaN, inf),
+        # and the tokenizer last, as transformers may import PyTorch (seconds). A missing
+        # folder is reported by load_pretrained.
         if model_dir.is_dir():
             ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
-        tokenizer = startup.load_tokenizer(model_dir) if model_dir.is_dir() else None
+            tokenizer_files(model_dir)
+            check_headers(model_dir)
         if heads in ("default", "hydra"):
             if model is not None:
                 raise ValueError(f'heads="{heads}" is only defined for the embedded model')
@@ -178,6 +229,7 @@ class Medusa:
                                           decoding_layout=mesh is None)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
+        tokenizer = startup.load_tokenizer(model_dir)
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
                    mesh=mesh)
 
@@ -317,6 +369,7 @@ class Medusa:
         key = jax.random.key(seed)
         results: list[Generation] = []
         total = timing.Timed()
+        steps_total = 0
         for start in range(0, len(encoded), batch_size):
             chunk = encoded[start:start + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))  # fixed batch shape
@@ -330,7 +383,16 @@ class Medusa:
             args += (tokens, lengths, sub)
             kw.update(sampling=sampling, max_new_tokens=max_new_tokens, eos=self.eos)
             with self.under_mesh():
+                first = (fn.__name__, tokens.shape, the_tree, sampling, max_new_tokens)
+                if self.verbose and first not in self._compiled:
+                    print("compiling the decoder (first call) ...", end="", file=sys.stderr,
+                          flush=True)
                 compiled = timing.precompile(fn, *args, **kw)  # timed apart from decoding
+                if self.verbose and first not in self._compiled:
+                    cached = " (from the compilation cache)" if compiled.cached else ""
+                    print(f" {timing.fmt_seconds(compiled.seconds)}{cached}", file=sys.stderr,
+                          flush=True)
+                self._compiled.add(first)
                 t0 = time.perf_counter()
                 out = fn(*args, **kw)
             out = sharding.to_host(out)
@@ -340,13 +402,18 @@ class Medusa:
                 n = int(out.num_new[i])
                 ids = [int(t) for t in np.asarray(out.tokens[i, :n])]
                 steps = int(out.steps[i])
+                steps_total += steps
                 text = self._continuation(chunk[i], ids)
                 results.append(Generation(
                     prompt=prompts[start + i], text=text, token_ids=ids, new_tokens=n,
                     steps=steps, tokens_per_step=n / max(steps, 1),
                     accept_hist=[int(x) for x in out.accept_hist[i]], seconds=seconds,
                     compile_seconds=compiled.seconds))
-        self.last_timing = total
+        n = len(prompts)
+        decoding = f"{self.drafter_kind} {the_tree.name}" if use_medusa else "plain"
+        self.last_timing = GenerateTiming(total.compile, total.seconds, total.tokens,
+                                          label=f"{n} prompt{'s' * (n != 1)}, {decoding} "
+                                                f"{mode}", steps=steps_total)
         return results
 
 

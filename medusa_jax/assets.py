@@ -54,6 +54,17 @@ def heldout_prompts() -> list[str]:
     return [line for line in prompts_file("heldout").read_text().splitlines() if line.strip()]
 
 
+def inside_package(path: str | Path) -> bool:
+    """Whether `path` lies inside the installed package's assets (the embedded model, the
+    shipped heads, trees, prompts): nothing the commands write goes there, --force or not."""
+    try:
+        target = Path(path).expanduser().resolve()
+    except (OSError, RuntimeError):
+        return False
+    base = root().resolve()
+    return target == base or base in target.parents
+
+
 def is_embedded(model: str | Path | None) -> bool:
     """Whether `model` (None = the default) is the embedded stories260K."""
     return model is None or Path(model).resolve() == model_dir().resolve()

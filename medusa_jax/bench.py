@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import re
 import statistics
 import time
@@ -27,28 +26,7 @@ from medusa_jax.config import ModelConfig, as_dtype
 from medusa_jax.decode import generate, medusa_capacity, medusa_generate, pad_prompts
 from medusa_jax.tree import DynamicTree, Tree
 
-# Named backbone shapes for random-weight step-time measurements.
-SHAPES = {
-    "llama-2-7b": dict(model_type="llama", vocab_size=32000, hidden_size=4096,
-                       intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
-                       head_dim=128, max_position_embeddings=4096),
-    "llama-2-13b": dict(model_type="llama", vocab_size=32000, hidden_size=5120,
-                        intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40,
-                        head_dim=128, max_position_embeddings=4096),
-    "llama-2-70b": dict(model_type="llama", vocab_size=32000, hidden_size=8192,
-                        intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-                        head_dim=128, max_position_embeddings=4096),
-    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096,
-                       intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-                       head_dim=128, max_position_embeddings=8192, rope_theta=500000.0),
-    # llama2.c's stories110M shape: the mid size that runs on a 2-core CPU
-    "llama-110m": dict(model_type="llama", vocab_size=32000, hidden_size=768,
-                       intermediate_size=2048, num_layers=12, num_heads=12, num_kv_heads=12,
-                       head_dim=64, max_position_embeddings=1024),
-    "llama-15m": dict(model_type="llama", vocab_size=32000, hidden_size=288,
-                      intermediate_size=768, num_layers=6, num_heads=6, num_kv_heads=6,
-                      head_dim=48, max_position_embeddings=1024),
-}
+from medusa_jax.shapes import SHAPES  # noqa: E402 - the named shapes (no JAX there)
 
 
 def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
@@ -58,62 +36,23 @@ def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
     return cfg, init_params(cfg, jax.random.key(seed))
 
 
-def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
-    """(prompt, category) pairs: text lines, or JSONL with `prompt` or `turns` (first turn).
-    Bad input raises ValueError in one line naming the file and line."""
-    from medusa_jax.data import read_text  # UTF-8, with file:line errors
-
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: no such prompts file")
-    out = []
-    for n, line in enumerate(read_text(file).splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("["):
-            try:
-                json.loads(line)
-            except json.JSONDecodeError:
-                pass
-            else:
-                raise ValueError(f"{file}:{n}: a JSON array, not a prompt: give text, or an "
-                                 f"object with 'prompt' or 'turns' (token ids are not read "
-                                 f"from prompt files)")
-        if line.startswith("{"):
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{file}:{n}: invalid JSON ({e.msg})") from None
-            if "prompt" in rec:
-                field, text = "prompt", rec["prompt"]
-            elif "turns" in rec:
-                if not isinstance(rec["turns"], list) or not rec["turns"]:
-                    raise ValueError(f"{file}:{n}: 'turns' must be a non-empty list of strings, "
-                                     f"got {type(rec['turns']).__name__} {rec['turns']!r:.40}")
-                field, text = "turns[0]", rec["turns"][0]
-            else:
-                raise ValueError(f"{file}:{n}: no 'prompt' or 'turns' field")
-            if not isinstance(text, str):
-                raise ValueError(f"{file}:{n}: '{field}' must be a string, got "
-                                 f"{type(text).__name__} {text!r:.40}")
-            if not text.strip():
-                raise ValueError(f"{file}:{n}: '{field}' is empty")
-            out.append((text, rec.get("category")))
-        else:
-            out.append((line, None))
-    if not out:
-        raise ValueError(f"{file}: no prompts in it")
-    return out
+from medusa_jax.prompt_files import read_prompt_file  # noqa: E402,F401 - re-exported
 
 
-def _median_time(fn, reps: int) -> tuple[float, object]:
+def _median_time(fn, reps: int, progress=None) -> tuple[float, object]:
+    """Median wall time of `reps` calls after a warm-up call. `progress(text)`, when given,
+    hears of the warm-up and of each repetition as it ends ("rep 2/3: 0.213 s")."""
+    t0 = time.perf_counter()
     result = jax.block_until_ready(fn())  # compile + warm-up, not timed
+    if progress is not None:
+        progress(f"warm-up {time.perf_counter() - t0:.3f} s")
     times = []
-    for _ in range(reps):
+    for i in range(reps):
         t0 = time.perf_counter()
         result = jax.block_until_ready(fn())
         times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"rep {i + 1}/{reps}: {times[-1]:.3f} s")
     return statistics.median(times), result
 
 
@@ -145,9 +84,11 @@ class RunResult:
 def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_size: int,
                 max_new_tokens: int, eos: tuple[int, ...], sampling: Sampling = Sampling(),
                 heads=None, tree: Tree | None = None, reps: int = 3, seed: int = 0,
-                name: str = "", max_cache_phases: int | None = None) -> RunResult:
+                name: str = "", max_cache_phases: int | None = None,
+                progress=None) -> RunResult:
     """Time plain (heads=None) or Medusa decoding of all prompts in fixed-size batches
-    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own)."""
+    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own).
+    `progress(text)`: told of the compile, the warm-up and each repetition as they end."""
     phases = {} if max_cache_phases is None else {"max_cache_phases": max_cache_phases}
     batches = []
     for s in range(0, len(prompts), batch_size):
@@ -168,7 +109,10 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
         return outs
 
     compiled = sum(run(timing.precompile), timing.Compile())  # the compile, timed apart
-    seconds, outs = _median_time(run, reps)
+    if progress is not None:
+        progress(f"compiled in {timing.fmt_seconds(compiled.seconds)}"
+                 f"{' (from the compilation cache)' if compiled.cached else ''}")
+    seconds, outs = _median_time(run, reps, progress)
     rows, steps, loop_steps = [], [], 0
     for (n, _, _), out in zip(batches, outs):
         out = jax.device_get(out)
@@ -222,7 +166,7 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
                      max_new_tokens: int, eos: tuple[int, ...], batch_size: int = 1,
                      sampling: Sampling = Sampling(), reps: int = 1,
                      plain: RunResult | None = None,
-                     max_cache_phases: int | None = None) -> Comparison:
+                     max_cache_phases: int | None = None, progress=None) -> Comparison:
     """Time Medusa decoding against plain decoding (`plain`, or timed here with the same
     sampling) of the same prompts. The one plain-vs-Medusa comparison of the project: the
     training commands, `infer.bench` and `infer.tree` all report through it."""
@@ -230,7 +174,8 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
                   sampling=sampling, reps=reps, max_cache_phases=max_cache_phases)
     if plain is None:
         plain = run_decoder(params, cfg, prompts, name="plain", **common)
-    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa", **common)
+    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa",
+                         progress=progress, **common)
     return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
 
 
@@ -250,7 +195,8 @@ def print_comparison(c: Comparison, title: str):
 
 
 def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_size: int,
-                     max_new_tokens: int, eos: tuple[int, ...], reps: int = 3) -> RunResult | None:
+                     max_new_tokens: int, eos: tuple[int, ...], reps: int = 3,
+                     progress=None) -> RunResult | None:
     """transformers' PyTorch greedy `generate` on the same prompts (None without torch)."""
     try:
         import torch
@@ -279,7 +225,7 @@ def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_s
                 outs.append(out[:, ids.shape[1]:])
         return outs
 
-    seconds, outs = _median_time(run, reps)
+    seconds, outs = _median_time(run, reps, progress)
     rows = []
     for out in outs:
         for row in out.tolist():

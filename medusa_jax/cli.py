@@ -86,7 +86,7 @@ def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
     try:
         cfg = _resumed(cls, given, resume) if resume is not None else cls(**given)
         cfg = cfg.validate()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         ap.error(str(e))
     if no_compile_cache is not None:
         from medusa_jax import compile_cache
@@ -148,6 +148,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a seed numpy's generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1, got {value}")
+    return value
+
+
 def seed_int(text: str) -> int:
     """argparse type: a PRNG seed (what jax.random.key takes)."""
     try:
@@ -201,17 +212,82 @@ def errors_to_exit():
 # ----------------------------------------------------------------------------- infer/
 
 
+# acceptance.MODES, here without importing JAX (a test checks the two agree)
+DECODE_MODES = ("greedy", "typical", "rejection")
+
+
 def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                     mesh: bool = False):
     """--model and --heads as every decoding command takes them (and --mesh)."""
-    ap.add_argument("--model", help="Hugging Face model directory (default: embedded stories260K)")
-    ap.add_argument("--heads", help=heads_help or "Medusa heads artifact, or 'default' for the "
-                    "embedded model's shipped heads (default: the shipped heads for the "
-                    "embedded model)")
+    ap.add_argument("--model", help="Hugging Face model directory or hub id such as "
+                    "HuggingFaceTB/SmolLM2-135M (downloaded into huggingface_hub's cache, or "
+                    "found there with HF_HUB_OFFLINE=1; default: embedded stories260K)")
+    ap.add_argument("--heads", help=(heads_help or "Medusa heads artifact, or 'default' for "
+                    "the embedded model's shipped heads (default: the shipped heads for the "
+                    "embedded model)") + "; a hub id works here too")
     if mesh:
         ap.add_argument("--mesh", type=mesh_spec, default=None,
                         help="tensor-parallel decoding on a device mesh, e.g. 'model=8' or "
                              "'data=2,model=4' (default: one device)")
+
+
+def check_model_paths(model: str | None, heads: str | None = None,
+                      tokenizer: bool = True) -> None:
+    """Before JAX is imported (the commands call it right after parsing): --model and
+    --heads resolved (a hub id through huggingface_hub's cache, `hub`), the model folder's
+    config.json fields and its weights' headers checked, and --heads present. Raises
+    ValueError / FileNotFoundError in one line naming the flag or file. `tokenizer`: the
+    folder must hold a tokenizer (every command that encodes text)."""
+    from medusa_jax import hub
+    from medusa_jax.config import ModelConfig
+    from medusa_jax.weights import check_headers, tokenizer_files
+
+    if model is not None:
+        folder = Path(hub.local(model, "--model"))
+        if not folder.exists():
+            raise FileNotFoundError(f"--model {model}: no such folder")
+        if not folder.is_dir():
+            raise NotADirectoryError(f"--model {model}: not a folder (a Hugging Face model "
+                                     f"folder holds config.json and *.safetensors)")
+        ModelConfig.from_dir(folder)
+        if tokenizer:
+            tokenizer_files(folder)
+        check_headers(folder)
+    if heads is not None and heads not in ("default", "hydra"):
+        path = Path(hub.local(heads, "--heads", hub.HEADS_FILES))
+        if not path.exists():
+            raise FileNotFoundError(f"--heads {heads}: no Medusa heads artifact here (no such "
+                                    f"file or folder)")
+
+
+def writable_output(flag: str, path: str, folder: bool = False) -> Path:
+    """An output path checked before any work: a file (`folder=False`) must not be an
+    existing folder and its parent must exist and be writable; a folder must be a folder or
+    creatable. Raises ValueError naming the flag."""
+    import os
+
+    p = Path(path)
+    if not folder and (p.is_dir() or path.endswith(("/", os.sep))):
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    if not folder and p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is read-only")
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    parent = p if folder and p.exists() else p.parent
+    while folder and not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # a folder is created with its parents
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
+    import tempfile
+
+    try:  # os.access says yes to root on read-only and pseudo filesystems (/proc, /sys)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".medusa-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write into {parent} "
+                         f"({e.strerror or type(e).__name__})") from None
+    return p
 
 
 def mesh_spec(text: str) -> str:
@@ -242,7 +318,7 @@ def read_prompts(path: str | None, num: int | None = None) -> list[tuple[str, st
     """(prompt, category) pairs from a prompts file (see `bench.read_prompt_file`), or the
     embedded held-out TinyStories openings; the first `num`. Errors exit with one line."""
     from medusa_jax import assets
-    from medusa_jax.bench import read_prompt_file
+    from medusa_jax.prompt_files import read_prompt_file
 
     with errors_to_exit():
         prompts = read_prompt_file(path) if path else \

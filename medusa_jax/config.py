@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
-
-import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
                          "gemma3")
@@ -43,7 +42,8 @@ _GEMMA_DEFAULTS = {
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_DTYPES = ("float32", "bfloat16", "float16")  # jax.numpy's names (this module imports no jax:
+# the commands check a config.json before JAX is imported)
 
 
 def as_dtype(name: str | Any) -> Any:
@@ -51,7 +51,9 @@ def as_dtype(name: str | Any) -> Any:
     if isinstance(name, str):
         if name not in _DTYPES:
             raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
-        return _DTYPES[name]
+        import jax.numpy as jnp
+
+        return getattr(jnp, name)
     return name
 
 
@@ -135,15 +137,26 @@ class ModelConfig:
                 raise ValueError(f"{source}: required field {key!r} is missing")
             return cfg[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        def count(key, default=None):
+            """An integer size or count (>= 1), type and range checked; `default` where the
+            field is absent or null (None: the field is required)."""
+            if cfg.get(key) is None and default is not None:
+                return default
+            return _check_int(need(key), key, source)
+
+        _check_flags(cfg, source)
+        hidden = count("hidden_size")
+        heads = count("num_attention_heads")
+        kv_heads = count("num_key_value_heads", heads)
         if heads % kv_heads:
             raise ValueError(
                 f"{source}: num_attention_heads={heads} is not a multiple of "
                 f"num_key_value_heads={kv_heads}"
             )
-        head_dim = cfg.get("head_dim") or hidden // heads
+        if cfg.get("head_dim") is None and hidden % heads:
+            raise ValueError(f"{source}: hidden_size={hidden} is not a multiple of "
+                             f"num_attention_heads={heads} (and no head_dim is given)")
+        head_dim = count("head_dim") if cfg.get("head_dim") is not None else hidden // heads
         if gemma:
             act = _gemma_activation(cfg, model_type, source)
         else:
@@ -164,7 +177,7 @@ class ModelConfig:
             theta, rope_scaling = _rope(glob, cfg.get("rope_scaling") or {},
                                         cfg.get("rope_theta", 10000.0), source)
             local_theta, local_scaling = _rope(local, {}, cfg.get("rope_local_base_freq"),
-                                               source)
+                                               source, "rope_local_base_freq")
         else:
             theta, rope_scaling = _rope(rope, cfg.get("rope_scaling") or {},
                                         cfg.get("rope_theta", 10000.0), source)
@@ -182,31 +195,35 @@ class ModelConfig:
         if model_type in ("mistral", "qwen2", "qwen3"):
             use_window = cfg.get("use_sliding_window", model_type == "mistral")
             window = cfg.get("sliding_window") if use_window else None
-        layers = int(need("num_hidden_layers"))
+            if window is not None:
+                window = _check_int(window, "sliding_window", source)
+        layers = count("num_hidden_layers")
         layer_windows = ()
         if model_type in ("gemma2", "gemma3_text"):
             local = [t == "sliding_attention" for t in _layer_types(cfg, model_type, layers,
                                                                      source)]
             if any(local):
-                window = int(need("sliding_window"))
-                if window < 1:
-                    raise ValueError(f"{source}: sliding_window={window}, expected >= 1")
+                window = count("sliding_window")
                 layer_windows = tuple(window if lo else None for lo in local)
         eos = cfg.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        eos = tuple(_check_int(e, "eos_token_id", source, minimum=0) for e in eos)
+        bos = cfg.get("bos_token_id")
+        if bos is not None:
+            _check_int(bos, "bos_token_id", source, minimum=0)
         dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
         sandwich = model_type in ("gemma2", "gemma3_text")
         return cls(
             model_type=model_type,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=count("vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=count("intermediate_size"),
             num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=int(head_dim),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=count("max_position_embeddings", 2048),
+            rms_norm_eps=_positive(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
             rope_theta=theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -219,7 +236,8 @@ class ModelConfig:
             norm_offset=1.0 if gemma else 0.0,
             embed_scale=gemma,
             sandwich_norms=sandwich,
-            query_scale=float(need("query_pre_attn_scalar")) ** -0.5 if sandwich else None,
+            query_scale=_positive(need("query_pre_attn_scalar"), "query_pre_attn_scalar",
+                                  source) ** -0.5 if sandwich else None,
             # transformers' Gemma 3 never applies attn_logit_softcapping (parity: nor do we)
             attn_softcap=_cap(cfg, "attn_logit_softcapping", source)
             if model_type == "gemma2" else None,
@@ -232,7 +250,10 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
+        """From a model folder's config.json (or a Hugging Face hub id: `hub.local`)."""
+        from medusa_jax import hub
+
+        path = Path(hub.local(path))
         file = path / "config.json"
         if not path.is_dir():
             raise FileNotFoundError(f"model directory {path} does not exist")
@@ -252,11 +273,52 @@ class ModelConfig:
             raise ValueError(f"{file}: invalid model config ({e})") from None
 
 
-def _rope(rope: dict, scaling: dict, theta, source: str) -> tuple[float | None, tuple]:
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(value, key: str, source: str, minimum: int = 1) -> int:
+    """`value` as config.json's field `key`: an integer >= `minimum`, else one ValueError
+    naming the file and the field (a string "64", a float, a bool or -64 are refused)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{source}: {key} must be an integer >= {minimum}, got "
+                         f"{type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{source}: {key} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def _positive(value, key: str, source: str) -> float:
+    """A finite number > 0 (rms_norm_eps, rope_theta, ...): NaN, inf, 0, negatives and
+    strings are refused, naming the file and the field."""
+    if not _is_number(value):
+        raise ValueError(f"{source}: {key} must be a number > 0, got "
+                         f"{type(value).__name__} {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{source}: {key} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+          "use_bidirectional_attention")
+
+
+def _check_flags(cfg: dict, source: str) -> None:
+    """Boolean fields are JSON booleans: "false" (a string) would read as true."""
+    for key in _FLAGS:
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{source}: {key} must be true or false, got "
+                             f"{type(value).__name__} {value!r}")
+
+
+def _rope(rope: dict, scaling: dict, theta, source: str,
+          theta_key: str = "rope_theta") -> tuple[float | None, tuple]:
     """(theta, rope_scaling tuple) from a `rope_parameters` dict and/or an old-style
     `rope_scaling` dict with `theta` as the fallback base."""
-    theta = rope.get("rope_theta", theta)
-    theta = None if theta is None else float(theta)
+    if "rope_theta" in rope:
+        theta, theta_key = rope["rope_theta"], "rope_parameters.rope_theta"
+    theta = None if theta is None else _positive(theta, theta_key, source)
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     rope_type = rope_type or "default"
     params = {**scaling, **rope}
@@ -265,16 +327,22 @@ def _rope(rope: dict, scaling: dict, theta, source: str) -> tuple[float | None, 
             f"{source}: rope type {rope_type!r} is not supported; "
             f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
+    def number(key):
+        if params.get(key) is None:
+            raise ValueError(f"{source}: rope type {rope_type!r} needs rope_scaling.{key}")
+        return _positive(params[key], f"rope_scaling.{key}", source)
+
     if rope_type == "llama3":
         return theta, (
             "llama3",
-            float(params["factor"]),
-            float(params["low_freq_factor"]),
-            float(params["high_freq_factor"]),
-            int(params["original_max_position_embeddings"]),
+            number("factor"),
+            number("low_freq_factor"),
+            number("high_freq_factor"),
+            _check_int(params.get("original_max_position_embeddings"),
+                       "rope_scaling.original_max_position_embeddings", source),
         )
     if rope_type == "linear":
-        return theta, ("linear", float(params["factor"]))
+        return theta, ("linear", number("factor"))
     return theta, ("default",)
 
 
@@ -297,7 +365,8 @@ def _layer_types(cfg: dict, model_type: str, layers: int, source: str) -> list[s
     alternating from a local layer 0; Gemma 3: every `sliding_window_pattern`-th global)."""
     types = cfg.get("layer_types")
     if types is None:
-        every = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        every = 2 if model_type == "gemma2" else _check_int(
+            cfg.get("sliding_window_pattern") or 6, "sliding_window_pattern", source)
         return ["sliding_attention" if (i + 1) % every else "full_attention"
                 for i in range(layers)]
     if not isinstance(types, list) or len(types) != layers:
@@ -314,7 +383,7 @@ def _cap(cfg: dict, key: str, source: str) -> float | None:
     value = cfg.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{source}: {key}={value!r}, expected a positive number or null")
     return float(value)
 

@@ -266,7 +266,7 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
         raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
     if meta.get("format") != "medusa_jax.heads/1":
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
-    k, lyr = int(meta["num_heads"]), int(meta["num_layers"])
+    k, lyr = meta_count(meta, "num_heads", file), meta_count(meta, "num_layers", file)
     kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
     if kind == hydra.KIND:
         try:
@@ -279,7 +279,11 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
         raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa or hydra)")
     heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
              for name, a in tensors.items()}
-    meta["extra"] = json.loads(meta.get("extra") or "{}")
+    try:
+        meta["extra"] = json.loads(meta.get("extra") or "{}")
+    except json.JSONDecodeError:
+        raise HeadsFormatError(f"{file}: metadata extra={_clip(meta.get('extra'))} is not "
+                               f"JSON") from None
     warn_base_model(meta, base_model, file)
     return heads, meta
 
@@ -630,12 +634,29 @@ def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params
     return heads, meta
 
 
+def _clip(value, n: int = 40) -> str:
+    r = repr(value)
+    return r if len(r) <= n else r[:n] + "..."
+
+
+def meta_count(meta: dict, key: str, file: Path) -> int:
+    """An integer >= 1 of our artifact's safetensors metadata (stored as text, "5"); a
+    one-line HeadsFormatError naming the file and the field otherwise."""
+    if key not in meta:
+        raise HeadsFormatError(f"{file}: its metadata has no {key}")
+    value = meta[key]
+    try:
+        n = int(value) if isinstance(value, str) and value.strip().isdigit() else None
+    except ValueError:
+        n = None
+    if n is None or n < 1:
+        raise HeadsFormatError(f"{file}: metadata {key}={value!r} is not a positive integer")
+    return n
+
+
 def _native_cfg(file: Path) -> ModelConfig:
     _, meta = _safetensors_names(file)
-    try:
-        return _sizes_cfg(int(meta["hidden_size"]), int(meta["vocab_size"]))
-    except (KeyError, ValueError):
-        raise HeadsFormatError(f"{file}: no hidden_size/vocab_size in its metadata") from None
+    return _sizes_cfg(meta_count(meta, "hidden_size", file), meta_count(meta, "vocab_size", file))
 
 
 def _sizes_cfg(h: int, v: int) -> ModelConfig:

@@ -11,55 +11,15 @@ Orbax checkpoints, resume, signals, meshes and the report are the trainer's.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 
 from medusa_jax import hydra
 from medusa_jax import train_step as ts
 from medusa_jax.backbone import logits_from_hidden
-from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig
-from medusa_jax.trainer import Context, Method, Recipe, TrainConfig
-
-# as Medusa-1 (medusa1.py): the short self-distilled job needs a larger lr than the paper's
-DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
-
-
-@dataclasses.dataclass(frozen=True)
-class HydraConfig(TrainConfig):
-    """Hydra's defaults and its own flags."""
-
-    num_layers: int = option(2, "blocks per head: the input block, then residual blocks "
-                                "(default {default})")
-    teacher_loss: bool = option(False, "Hydra++'s teacher loss: soft cross-entropy against "
-                                       "the frozen base model's distribution at each target "
-                                       "position instead of the data's token (default: off)")
-
-    DEFAULT_STEPS: ClassVar[int] = 600
-    RUN_PREFIX: ClassVar[str] = "hydra"
-    HELP: ClassVar[dict] = {
-        "num_heads": "Hydra heads to train (default {default})",
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {DEFAULT_LR}; {SELF_DISTILL_LR} without --data)",
-        "output_dir": "run directory (default runs/hydra-<timestamp>)"}
-
-    def validate(self):
-        if self.shared_proj:
-            raise ValueError("--shared-proj is a Medusa-heads option; Hydra heads have one "
-                             "projection each (train.medusa1 --shared-proj)")
-        if self.loss_chunk:
-            raise ValueError("--loss-chunk is a Medusa-heads option; the Hydra loss is "
-                             "computed in one block")
-        return super().validate()
-
-    def resolve(self) -> "HydraConfig":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=DEFAULT_LR if self.data else SELF_DISTILL_LR)
-        return self
-
+from medusa_jax.train_config import HydraConfig  # noqa: F401 - re-exported
+from medusa_jax.trainer import Context, Method, Recipe
 
 def teacher_ce(head_logits: jax.Array, base_logits: jax.Array, valid: jax.Array,
                decay: float, count: jax.Array | None = None) -> jax.Array:

@@ -7,53 +7,12 @@ under stop_gradient) and the optimizer `train_step.make_optimizer` (AdamW on the
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import numpy as np
 
 from medusa_jax import heads as heads_lib
 from medusa_jax import train_step as ts
-from medusa_jax.cli import option
-from medusa_jax.trainer import Context, Method, Recipe, TrainConfig
-
-# The self-distilled stories260K job trains only a few hundred steps to fit its time budget;
-# at the Medusa paper's lr of 1e-3 the heads are still far from converged there, so that job
-# defaults to a larger lr (tuned: 1e-3 -> 2.55, 1e-2 -> 3.15, 3e-2 -> 3.26 tokens/step at
-# 400 steps). Runs on user data keep the paper's 1e-3.
-DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
-
-
-@dataclasses.dataclass(frozen=True)
-class Medusa1Config(TrainConfig):
-    """Medusa-1 adds --reduced-vocab; its other defaults differ."""
-
-    # two residual blocks per head: on the default job +4.5% tokens/step over one block
-    # (2.56 vs 2.45 with the 4-node CPU tree, held-out head-1 top-1 0.767 vs 0.746), for a
-    # negligible cost per step (the heads run on one token)
-    num_layers: int = option(2, "residual blocks per head (default {default})")
-    reduced_vocab: int = option(0, "heads predict only the N most frequent label tokens of "
-                                   "the training data (their projection K x H x N instead "
-                                   "of K x H x V; vLLM's token_map form; 0 = the whole "
-                                   "vocabulary, default {default})", metavar="N")
-
-    DEFAULT_STEPS: ClassVar[int] = 600
-    RUN_PREFIX: ClassVar[str] = "medusa1"
-    HELP: ClassVar[dict] = {
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {DEFAULT_LR}; {SELF_DISTILL_LR} without --data)",
-        "output_dir": "run directory (default runs/medusa1-<timestamp>)"}
-
-    def validate(self):
-        if self.reduced_vocab < 0:
-            raise ValueError(f"--reduced-vocab must be >= 0, got {self.reduced_vocab}")
-        return super().validate()
-
-    def resolve(self) -> "Medusa1Config":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=DEFAULT_LR if self.data else SELF_DISTILL_LR)
-        return self
-
+from medusa_jax.train_config import DEFAULT_LR, SELF_DISTILL_LR, Medusa1Config  # noqa: F401
+from medusa_jax.trainer import Context, Method, Recipe
 
 def check_reduced_vocab(cfg: Medusa1Config, vocab: int):
     if cfg.reduced_vocab >= vocab:

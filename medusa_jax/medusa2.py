@@ -36,7 +36,6 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -48,15 +47,14 @@ from medusa_jax import heads as heads_lib
 from medusa_jax import heads_formats
 from medusa_jax import train_step as ts
 from medusa_jax.backbone import Params, logits_from_hidden
-from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, as_dtype
-from medusa_jax.medusa1 import Medusa1, Medusa1Config
+from medusa_jax.medusa1 import Medusa1
+from medusa_jax.train_config import (HEAD_SCHEDULES, LM_LOSSES, Init,  # noqa: F401
+                                     Medusa2Config, resolve_init)
 from medusa_jax.rundir import Interrupted
 from medusa_jax.train_step import (Batch, LossFn, OptimConfig, TrainState, backbone_hidden,
                                    medusa_targets)
 
-LM_LOSSES = ("kl", "ce")
-HEAD_SCHEDULES = ("constant", "sine")
 DEFAULT_HEAD_WEIGHT = {"constant": 0.2, "sine": 0.01}  # the paper's two settings
 
 
@@ -315,137 +313,6 @@ def lm_report(cfg: ModelConfig, original: Params, finetuned: Params, rows: data.
 
 
 # ----------------------------------------------------------------------------- the recipe
-
-
-@dataclasses.dataclass(frozen=True)
-class Medusa2Config(trainer.TrainConfig):
-    """The shared fields (their names, meanings and defaults: equal distillation settings
-    let a Medusa-1 run's cached data be reused) plus Medusa-2's own."""
-
-    init: str | None = option(None, "Medusa-1 run dir or heads artifact to start from "
-                                    "(default: run stage 1 here)", metavar="PATH")
-    stage1_steps: int = option(Medusa1Config.DEFAULT_STEPS,
-                               "heads-only steps first, without --init (default {default})")
-    stage1_lr: float | None = option(None, "stage 1's learning rate (default: train.medusa1's)")
-    lr: float | None = option(1e-3, "the backbone's peak learning rate (default {default})")
-    head_lr_ratio: float = option(4.0, "heads' lr = this x the backbone's (default {default})")
-    lm_loss: str = option("auto", "kl: KL(original || fine-tuned); ce: next-token "
-                                  "cross-entropy (default auto: kl when self-distilling, ce "
-                                  "with --data)", choices=("auto", *LM_LOSSES))
-    lm_weight: float = option(1.0, "weight of the LM term (default {default})")
-    head_schedule: str = option("constant", "lambda of the heads' loss: constant, or sine "
-                                            "rising over the run (default {default})",
-                                choices=HEAD_SCHEDULES)
-    head_weight: float | None = option(None, "lambda (constant) or its peak (sine); default "
-                                             "0.2 / 0.01")
-    remat: bool = option(False, "rematerialise the backbone's layers in the backward pass "
-                                "(jax.checkpoint per layer, nothing saved inside it: only "
-                                "each layer's input is kept, each layer runs twice; for 7B+ "
-                                "shapes; default: off)")
-    medusa2_folder: bool = option(False, "also write <run>/medusa2_model: the fine-tuned "
-                                         "backbone and the heads in one folder, the reference's"
-                                         " Medusa-2 layout (default: off)")
-    eval_text: str | None = option(None, "plain text (documents separated by blank lines) for "
-                                         "the perplexity/KL report (default: held-out "
-                                         "TinyStories stories)", metavar="FILE")
-    anchor_text: str = option(
-        "auto", "real text (documents separated by blank lines) trained with the LM term only,"
-                " next to the training data: with the KL term it keeps the original's "
-                "predictions on text the model did not write (default auto: the shipped "
-                "TinyStories training stories when self-distilling the embedded model)",
-        metavar="FILE|auto|none")
-
-    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (~6 min here; with lr 1e-3 and the
-    # anchor text, held-out perplexity +2.5%: see README)
-    RUN_PREFIX: ClassVar[str] = "medusa2"
-    HELP: ClassVar[dict] = {
-        "steps": f"joint optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "epochs": "joint passes over the training data (instead of --steps)",
-        "num_heads": "heads to train in stage 1 (with --init the artifact decides; "
-                     "default {default})",
-        "num_layers": "residual blocks per head in stage 1 (default {default})",
-        "output_dir": "run directory (default runs/medusa2-<timestamp>)"}
-    RESUMABLE: ClassVar[frozenset] = trainer.TrainConfig.RESUMABLE | {"eval_text",
-                                                                        "medusa2_folder",
-                                                                        "remat"}
-
-    def validate(self):
-        def need(cond, msg):
-            if not cond:
-                raise ValueError(msg)
-        super().validate()
-        need(self.stage1_steps >= 1, "--stage1-steps must be >= 1")
-        need(self.stage1_lr is None or self.stage1_lr > 0, "--stage1-lr must be > 0")
-        need(self.head_lr_ratio > 0, "--head-lr-ratio must be > 0")
-        need(self.lm_loss in ("auto", *LM_LOSSES),
-             f"--lm-loss must be one of auto, {', '.join(LM_LOSSES)}")
-        need(self.lm_weight >= 0, "--lm-weight must be >= 0")
-        need(self.head_schedule in HEAD_SCHEDULES,
-             f"--head-schedule must be one of {', '.join(HEAD_SCHEDULES)}")
-        need(self.head_weight is None or self.head_weight >= 0, "--head-weight must be >= 0")
-        if self.eval_text is not None and not Path(self.eval_text).is_file():
-            raise ValueError(f"--eval-text {self.eval_text}: no such file")
-        if self.anchor_text not in ("auto", "none") and not Path(self.anchor_text).is_file():
-            raise ValueError(f"--anchor-text {self.anchor_text}: no such file")
-        if self.init is not None:
-            init = resolve_init(self.init)
-            if self.shared_proj:  # our artifact: its header says (other layouts: at load)
-                found = heads_formats.detect(init.heads)
-                if found.layout == "medusa_jax":
-                    from safetensors import safe_open
-
-                    with safe_open(str(found.files[0]), framework="numpy") as f:
-                        check_shared(init.heads, tuple(f.get_slice("proj").get_shape()))
-        return self
-
-    def tree_heads(self) -> int | None:
-        return None if self.init is not None else self.num_heads  # --init: its artifact's
-
-    def stage1_config(self, run_dir: Path) -> Medusa1Config:
-        """The first stage as a Medusa-1 run in <run>/stage1 (no decoding benchmark)."""
-        return Medusa1Config(**self.shared(output_dir=str(run_dir / "stage1"),
-                                           steps=self.stage1_steps, epochs=None,
-                                           lr=self.stage1_lr, eval_prompts=0))
-
-    @property
-    def resolved_lm_loss(self) -> str:
-        if self.lm_loss != "auto":
-            return self.lm_loss
-        return "ce" if self.data else "kl"
-
-    @property
-    def resolved_anchor_text(self) -> Path | None:
-        if self.anchor_text == "none":
-            return None
-        if self.anchor_text == "auto":
-            own = assets.is_embedded(self.model) and not self.data and \
-                self.resolved_lm_loss == "kl"
-            return assets.text_file("train") if own else None
-        return Path(self.anchor_text)
-
-
-@dataclasses.dataclass(frozen=True)
-class Init:
-    heads: Path  # the heads artifact (file or directory)
-    run_dir: Path | None  # the Medusa-1 run it came from, if any
-
-
-def resolve_init(path: str | Path) -> Init:
-    """A Medusa-1 run directory (with heads/) or a heads artifact; ValueError otherwise."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"--init {p}: no such file or directory")
-    if (p / "heads" / heads_lib.HEADS_FILE).is_file():
-        return Init(heads=p / "heads", run_dir=p)
-    if (p / "checkpoints").is_dir() and not (p / "heads").exists():
-        raise ValueError(f"--init {p}: this Medusa-1 run has no heads/ yet "
-                         f"(finish it: python -m train.medusa1 --resume {p})")
-    try:  # heads in any layout heads_formats reads (ours, the reference's, vLLM's, ...)
-        heads_formats.detect(p)
-    except (ValueError, FileNotFoundError) as e:
-        raise ValueError(f"--init {p}: neither a Medusa-1 run directory (with heads/) "
-                         f"nor heads in a known layout ({e})") from None
-    return Init(heads=p, run_dir=None)
 
 
 class Medusa2(trainer.Recipe):

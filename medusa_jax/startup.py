@@ -29,8 +29,9 @@ def tokenizer_class(path: Path):
     pick (`LlamaTokenizer`; the tests check both load the same tokenizer), imported
     directly: AutoTokenizer reads the model config through transformers' configuration
     module, which imports PyTorch whenever it is installed."""
-    from medusa_jax import assets
+    from medusa_jax import assets, quiet
 
+    quiet.imports()  # transformers' "PyTorch was not found" notice: tokenizers only here
     if assets.is_embedded(path):
         from transformers import LlamaTokenizer
 

@@ -19,16 +19,14 @@ own) and a `Recipe` (the method: its parameters, loss and optimizer, and what it
 from __future__ import annotations
 
 import contextlib
-import argparse
 import dataclasses
 import json
-import math
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable
 
 import jax
 import numpy as np
@@ -40,171 +38,12 @@ from medusa_jax import train_step as ts
 from medusa_jax import backbone as backbone_lib
 from medusa_jax.backbone import Params, decoding_layout
 from medusa_jax.checkpoint import CheckpointError, Checkpointer
-from medusa_jax import cli
-from medusa_jax.cli import option
 from medusa_jax.config import ModelConfig, stop_tokens
-from medusa_jax.data import FORMATS, TEMPLATES  # names: the config has a field called data
+from medusa_jax.train_config import DTYPES, TrainConfig  # noqa: F401 - re-exported
+
+__all__ = ["DTYPES", "TrainConfig"]  # the configs live in train_config (no JAX there)
 from medusa_jax.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSignals
 from medusa_jax.tree import Tree
-
-
-DTYPES = ("float32", "bfloat16")  # --dtype: the backbone's
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """What every training run needs; saved as <run>/config.json and reused by --resume.
-    Medusa-1 and Medusa-2 extend it (equal distillation settings let a Medusa-2 run reuse a
-    Medusa-1 run's self-distilled data)."""
-
-    model: str | None = option(None, "Hugging Face model dir (default: embedded stories260K)",
-                               metavar="DIR")
-    data: tuple[str, ...] = option((), "training data (repeatable); default: self-distilled "
-                                       "TinyStories", metavar="FILE")
-    data_format: str = option("auto", "format of the --data files (default {default}: from "
-                                      "the file)", choices=FORMATS)
-    template: str = option("auto", "how conversations become tokens (default {default}: the "
-                                   "tokenizer's chat template if any, else plain when "
-                                   "self-distilling, vicuna with --data)", choices=TEMPLATES)
-    output_dir: str | None = option(None, "run directory (default runs/<method>-<timestamp>)",
-                                    metavar="DIR")
-    num_heads: int = option(5, "Medusa heads to train (default {default})")
-    num_layers: int = option(1, "residual blocks per head (default {default})")
-    steps: int | None = option(None, "optimizer steps (default: the method's, unless --epochs)")
-    epochs: float | None = option(None, "passes over the training data (instead of --steps)")
-    batch_size: int = option(16, "packed rows per optimizer step (default {default})")
-    seq_len: int = option(256, "tokens per packed row (default {default})")
-    lr: float | None = option(None, "peak learning rate (default: the method's)")
-    warmup_ratio: float = option(0.1, "linear warmup, as a fraction of the steps, then cosine "
-                                      "decay (default {default})")
-    weight_decay: float = option(0.0, "AdamW weight decay (default {default})")
-    grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
-    loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
-    shared_proj: bool = option(False, "heads share one projection: the base model's output "
-                                      "layer, frozen; only their residual blocks train (K x "
-                                      "H x H trained weights instead of K x H x (H + V); "
-                                      "vLLM's original_lm_head form; Medusa-2: for its first "
-                                      "stage, and kept frozen jointly; default: off)")
-    dtype: str = option("float32", "the backbone's dtype: its weights and activations "
-                                   "(Medusa-2: its activations; its trained weights stay "
-                                   "float32). The heads' master weights, their gradients and "
-                                   "Adam moments are float32 either way (default {default})",
-                        choices=DTYPES)
-    grad_accum: int = option(1, "micro-batches per optimizer step: --batch-size rows in "
-                                "--grad-accum passes, equal to one pass over them "
-                                "(default {default})")
-    loss_chunk: int = option(0, "tokens of every row scored at once by the heads' loss "
-                                "(0 = auto: a power of two that keeps one chunk's logits "
-                                "under 512 MiB per device; the whole row, today's unchunked "
-                                "loss, when it fits; default {default})")
-    seed: int = option(0, "data order, held-out split and sampling (default {default})")
-    mesh: str = option("1,1", "device mesh, e.g. 'data=1,fsdp=8' or '2,4' (default {default})")
-    keep: int = option(3, "checkpoints kept (default {default})")
-    save_every: int = option(250, "steps between checkpoints (default {default})")
-    log_every: int = option(10, "steps between metrics.jsonl records (default {default})")
-    eval_every: int = option(150, "steps between held-out evaluations (default {default})")
-    heldout_fraction: float = option(0.02, "with --data: records held out for evaluation "
-                                           "(default {default})")
-    distill_samples: int = option(640, "self-distilled answers when no --data (default {default})")
-    # low temperature: the heads are judged on greedy decoding, so near-greedy data helps
-    # (0.1 beat 0.3 and pure greedy, which has only one answer per opening)
-    distill_temperature: float = option(0.1, "sampling temperature of the self-distilled "
-                                             "answers, 0 = greedy (default {default})")
-    # with a ~20-token opening this nearly fills seq_len 256 (long openings lose a few tail
-    # tokens to truncation, which the data summary counts)
-    distill_max_new_tokens: int = option(240, "tokens per self-distilled answer "
-                                              "(default {default})")
-    distill_batch_size: int = option(64, "prompts answered at once (default {default})")
-    eval_prompts: int = option(64, "held-out prompts for the decoding benchmark, 0 = skip "
-                                   "(default {default})")
-    eval_max_new_tokens: int = option(128, "tokens per prompt in the decoding benchmark "
-                                           "(default {default})")
-    coordinator: str | None = option(None, "multi-process run: process 0's HOST:PORT, the "
-                                           "same on every process (default: one process, or "
-                                           "JAX's cluster detection on a TPU pod / SLURM)",
-                                     metavar="HOST:PORT")
-    num_processes: int | None = option(None, "multi-process run: how many processes")
-    process_id: int | None = option(None, "multi-process run: this process, 0..N-1 (0 "
-                                          "writes the run directory's files)")
-    init_timeout: int = option(300, "seconds to wait for the coordinator and the other "
-                                    "processes (default {default})")
-    tree: str = option(assets.PUBLISHED_DEFAULT_TREE,
-                       "Medusa tree for the benchmark (default {default}; the embedded model "
-                       "is also benchmarked on its CPU tree)")
-
-    DEFAULT_STEPS: ClassVar[int] = 600
-    RUN_PREFIX: ClassVar[str] = "medusa"
-    # flags that may change on --resume (everything else must match the saved run)
-    RESUMABLE: ClassVar[frozenset] = frozenset({
-        "steps", "epochs", "keep", "save_every", "log_every", "eval_every", "mesh",
-        "eval_prompts", "eval_max_new_tokens", "tree", "coordinator", "num_processes",
-        "process_id", "init_timeout", "grad_accum", "loss_chunk"})
-
-    def resolve(self):
-        """Fill the defaults that depend on the kind of run (saved resolved)."""
-        return self
-
-    def validate(self):
-        def need(cond, msg):
-            if not cond:
-                raise ValueError(msg)
-        need(self.data_format in data.FORMATS, f"--data-format must be one of {data.FORMATS}")
-        need(self.template in data.TEMPLATES, f"--template must be one of {data.TEMPLATES}")
-        for name in ("num_heads", "num_layers", "batch_size", "keep", "save_every",
-                     "log_every", "eval_every", "distill_samples", "distill_max_new_tokens",
-                     "distill_batch_size", "eval_max_new_tokens"):
-            need(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be >= 1")
-        need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, "
-                                   f"got {self.dtype!r}")
-        need(self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}")
-        need(self.batch_size % self.grad_accum == 0,
-             f"--batch-size {self.batch_size} is not divisible by --grad-accum "
-             f"{self.grad_accum}")
-        need(self.loss_chunk >= 0, f"--loss-chunk must be >= 0, got {self.loss_chunk}")
-        need(self.seq_len >= 2 + self.num_heads,
-             f"--seq-len must be > num_heads + 1 (got {self.seq_len})")
-        need(self.steps is None or self.steps >= 1, "--steps must be >= 1")
-        need(self.epochs is None or self.epochs > 0, "--epochs must be > 0")
-        need(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
-        need(self.lr is None or self.lr > 0, "--lr must be > 0")
-        need(0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)")
-        need(0 < self.loss_decay <= 1, "--loss-decay must be in (0, 1]")
-        need(self.distill_temperature >= 0, "--distill-temperature must be >= 0")
-        need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
-        need(0 <= self.heldout_fraction < 1, "--heldout-fraction must be in [0, 1)")
-        need(self.init_timeout >= 1, "--init-timeout must be >= 1")
-        need(-2**63 <= self.seed < 2**63, f"--seed must be in -2**63..2**63-1, got {self.seed}")
-        need(self.num_processes is None or self.num_processes >= 1,
-             "--num-processes must be >= 1")
-        sharding.parse_mesh_spec(self.mesh)
-        # the benchmark's tree, before the run rather than after training (its depth only
-        # matters when the benchmark runs; the vocabulary is checked there)
-        Tree.load(self.tree, num_heads=self.tree_heads() if self.eval_prompts else None)
-        return self
-
-    @property
-    def batch_ways(self) -> int:
-        """The devices a batch's rows are split over (--mesh's data x fsdp)."""
-        sizes = sharding.parse_mesh_spec(self.mesh)
-        return math.prod(sizes[a] for a in sharding.BATCH_AXES)
-
-    def tree_heads(self) -> int | None:
-        """The head count --tree is checked against (None: not known before the run)."""
-        return self.num_heads
-
-    def total_steps(self, num_rows: int) -> int:
-        if self.steps:
-            return self.steps
-        if self.epochs:
-            return math.ceil(self.epochs * num_rows / self.batch_size)
-        return self.DEFAULT_STEPS
-
-    def shared(self, **changes) -> dict:
-        """The fields of `TrainConfig` itself, with changes: what another method's config
-        is built from (Medusa-2's first stage is a Medusa-1 run)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(TrainConfig)}
-        out.update(changes)
-        return out
 
 
 # ----------------------------------------------------------------------------- the run
@@ -704,127 +543,6 @@ def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- commands
-
-
-def add_memory_flags(ap: argparse.ArgumentParser):
-    g = ap.add_argument_group("memory report (no training: compile the step from shapes)")
-    g.add_argument("--memory-report", action="store_true", default=None,
-                   help="print the training step's per-device memory (parameters, optimizer "
-                        "state, temporaries, total) for --shape with these flags (--mesh, "
-                        "--batch-size, --seq-len, --dtype, ...), from compiles at 1 and 2 "
-                        "layers extrapolated to all; no weights, no data, no run directory")
-    g.add_argument("--shape", metavar="NAME|DIR",
-                   help="with --memory-report: a named shape (llama-2-7b, llama-2-13b, "
-                        "llama-2-70b, llama-3-8b, ...) or a model folder's config.json")
-    g.add_argument("--json", action="store_true", default=None,
-                   help="with --memory-report: the report as JSON (per_device_bytes, "
-                        "parts_bytes, ...)")
-    g.add_argument("--memory-layers", metavar="A,B", type=cli.int_list(1),
-                   help="with --memory-report: compile at depths A and B and extrapolate "
-                        "the temporaries linearly to all layers (default: compile the full "
-                        "depth, exact and no slower; A,A reports depth A as it is)")
-    g.add_argument("--device-memory", metavar="SIZE",
-                   help="with --memory-report: say whether the step fits this much memory "
-                        "per device (e.g. 80GB, 16GiB)")
-
-
-def _memory_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    add_memory_flags(ap)
-    return ap
-
-
-def _without_memory(argv):
-    """argv less the memory-report flags (the config's parser must not see them)."""
-    _, rest = _memory_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    return rest
-
-
-class Command:
-    """A training command (train/medusa1.py, train/medusa2.py): its flags come from the
-    config class, its run is `train` with the recipe."""
-
-    def __init__(self, prog: str, doc: str, config_cls, recipe_cls):
-        self.prog, self.doc = prog, doc
-        self.config_cls, self.recipe_cls = config_cls, recipe_cls
-
-    def build_parser(self):
-        ap = argparse.ArgumentParser(prog=self.prog, description=self.doc.split("\n")[0])
-        cli.add_config_flags(ap, self.config_cls)
-        cli.add_run_flags(ap)
-        add_memory_flags(ap)
-        return ap
-
-    def parse_args(self, argv=None):
-        """(config, --resume, --stop-after); bad flags exit with one line (status 2)."""
-        return cli.parse_config(self.build_parser(), self.config_cls, _without_memory(argv))
-
-    def memory_report(self, argv=None) -> dict | None:
-        """--memory-report: print the training step's per-device memory for --shape (or
-        None when the flag is not given). Bad flags exit with one line (status 2)."""
-        ap = self.build_parser()
-        mem, _ = _memory_parser().parse_known_args(argv)
-        given = [f for f in ("shape", "json", "device_memory", "memory_layers")
-                 if getattr(mem, f) is not None]
-        if not mem.memory_report:
-            if given:
-                ap.error(f"--{given[0].replace('_', '-')} needs --memory-report")
-            return None
-        if mem.memory_layers is not None and len(mem.memory_layers) != 2:
-            ap.error("--memory-layers takes two depths, e.g. 2,3")
-        if mem.shape is None:
-            ap.error("--memory-report needs --shape (e.g. llama-2-7b, or a model folder)")
-        # no decoding benchmark runs here: its tree need not fit these heads
-        argv = list(sys.argv[1:] if argv is None else argv)
-        cfg, resume, _ = self.parse_args([*argv, "--eval-prompts", "0"])
-        if resume is not None or cfg.model is not None:
-            ap.error("--memory-report takes --shape, not --model or --resume")
-        from medusa_jax import memory
-
-        try:
-            device_memory = None if mem.device_memory is None else \
-                memory.parse_bytes(mem.device_memory)
-            memory.model_config(mem.shape)
-        except (ValueError, FileNotFoundError) as e:
-            ap.error(str(e))
-        need = math.prod(sharding.parse_mesh_spec(cfg.mesh).values())
-        if need > 1:  # simulated CPU devices for the mesh (before JAX starts its backends)
-            with contextlib.suppress(RuntimeError):
-                jax.config.update("jax_num_cpu_devices", need)
-        with cli.errors_to_exit():
-            r = memory.training_memory(self.recipe_cls(), cfg.resolve(), mem.shape,
-                                       device_memory,
-                                       tuple(mem.memory_layers or ()) or memory.DEFAULT_LAYERS)
-        if mem.json:
-            print(json.dumps(r, indent=2))
-        else:
-            memory.print_report(r)
-        return r
-
-    def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
-        return train(cfg, self.recipe_cls(), resume, stop_after)
-
-    def main(self, argv=None):
-        """Parse, run; errors and interrupts end the process with one line and the exit
-        status a shell expects (1 error, 2 bad flags, 128 + signal number)."""
-        if self.memory_report(argv) is not None:
-            return
-        cfg, resume, stop_after = self.parse_args(argv)
-        try:
-            with cli.errors_to_exit():
-                self.run(cfg, resume, stop_after)
-        except Interrupted as e:
-            print(f"\n{e}", file=sys.stderr, flush=True)
-            sys.exit(e.code)
-        except StopNow as e:
-            name = signal.Signals(e.signum).name
-            print(f"\nstopped at once (second {name}) before anything was saved; nothing to "
-                  f"resume" if e.run_dir is None else
-                  f"\nstopped at once (second {name}); continue with --resume {e.run_dir} "
-                  f"(its last finished checkpoint, if any, is intact)", file=sys.stderr,
-                  flush=True)
-            sys.exit(e.code)
-        except KeyboardInterrupt:  # Ctrl-C outside the training run
-            print("\nstopped (SIGINT)", file=sys.stderr, flush=True)
-            sys.exit(128 + signal.SIGINT)
+# the commands (flags, --memory-report, main): train_cli, which imports no JAX
+from medusa_jax.train_cli import (Command, add_memory_flags,  # noqa: E402,F401
+                                  check_context)

@@ -13,16 +13,19 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError
-from safetensors.numpy import save_file
 
-from medusa_jax import assets, kernels
-from medusa_jax.backbone import Params, fuse_layer, param_shapes, standard_layout
+from medusa_jax import assets, hub, kernels
 from medusa_jax.config import ModelConfig, as_dtype
+
+if TYPE_CHECKING:
+    from medusa_jax.backbone import Params
+
+# JAX and the backbone are imported where the weights become arrays: the commands check a
+# model folder (config.json, the safetensors headers) before JAX is imported.
 
 
 class WeightsError(ValueError):
@@ -99,6 +102,64 @@ def weight_files(path: Path) -> list[Path]:
     if single.is_file():
         return [single]
     raise WeightsError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+# safetensors' dtypes and their sizes in bytes (the format's header names them so)
+_ST_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on the JSON header
+
+
+def read_header(file: Path) -> dict:
+    """The JSON header of a safetensors file, checked against the file's size: every
+    tensor's dtype, shape and byte range must agree and lie inside the file. Pure Python
+    (no tensor is read): a truncated file or a garbage header is a one-line WeightsError
+    naming the file, before anything else loads."""
+    bad = f"{file}: corrupt or truncated safetensors file"
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{bad} ({size} bytes: no header)")
+            n = int.from_bytes(head, "little")
+            if n > min(_MAX_HEADER, size - 8):
+                raise WeightsError(f"{bad} (its header claims {n} bytes; the file has "
+                                   f"{size})")
+            raw = f.read(n)
+    except OSError as e:
+        raise WeightsError(f"{file}: cannot read ({e.strerror or e})") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+        if not isinstance(header, dict):
+            raise ValueError("not a JSON object")
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WeightsError(f"{bad} (its header is not JSON: {str(e)[:80]})") from None
+    data = size - 8 - n
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            ok = (dtype in _ST_DTYPES and all(isinstance(d, int) and d >= 0 for d in shape)
+                  and 0 <= begin <= end and end - begin == count * _ST_DTYPES[dtype])
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise WeightsError(f"{bad} (tensor {name}: an invalid header entry)")
+        if end > data:
+            raise WeightsError(f"{bad} (tensor {name} ends at byte {end} of its data; the "
+                               f"file holds {data}: truncated)")
+    return header
+
+
+def check_headers(path: Path) -> list[Path]:
+    """`weight_files(path)`, each with its header read and checked (`read_header`)."""
+    files = weight_files(path)
+    for file in files:
+        read_header(file)
+    return files
 
 
 class _Tensors:
@@ -181,8 +242,14 @@ def load_pretrained(
     checked before any is read. Raises FileNotFoundError / ValueError / WeightsError on bad
     input.
     """
-    path = Path(path) if path is not None else default_model_dir()
+    import jax
+    import jax.numpy as jnp
+
+    from medusa_jax.backbone import fuse_layer, param_shapes
+
+    path = Path(hub.local(path)) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
+    check_headers(path)  # a truncated or garbage file, before any tensor is read
     cfg = cfg.replace(param_dtype=param_dtype or "float32", compute_dtype=compute_dtype)
     tensors = _Tensors(weight_files(path), multimodal=_is_multimodal_gemma3(path))
     shapes = param_shapes(cfg)
@@ -256,13 +323,8 @@ def load_tokenizer(model_dir: str | Path | None = None):
 
     Raises WeightsError in one line naming the folder when it holds none of
     TOKENIZER_FILES, or when transformers cannot build a tokenizer from them."""
-    path = Path(model_dir) if model_dir is not None else default_model_dir()
-    if not path.is_dir():
-        raise WeightsError(f"{path}: no such model folder (looking for its tokenizer)")
-    found = [f for f in TOKENIZER_FILES if (path / f).is_file()]
-    if not found:
-        raise WeightsError(f"{path}: no tokenizer in this folder (looked for "
-                           f"{', '.join(TOKENIZER_FILES)})")
+    path = Path(hub.local(model_dir)) if model_dir is not None else default_model_dir()
+    found = tokenizer_files(path)
     from medusa_jax.startup import tokenizer_class  # AutoTokenizer, or what it would pick
 
     try:
@@ -274,6 +336,18 @@ def load_tokenizer(model_dir: str | Path | None = None):
     if not (path / "tokenizer_config.json").is_file():
         add_config_bos(tokenizer, path)
     return tokenizer
+
+
+def tokenizer_files(path: Path) -> list[str]:
+    """The tokenizer files of a model folder (of TOKENIZER_FILES); a WeightsError naming the
+    folder when it is missing or holds none."""
+    if not path.is_dir():
+        raise WeightsError(f"{path}: no such model folder (looking for its tokenizer)")
+    found = [f for f in TOKENIZER_FILES if (path / f).is_file()]
+    if not found:
+        raise WeightsError(f"{path}: no tokenizer in this folder (looked for "
+                           f"{', '.join(TOKENIZER_FILES)})")
+    return found
 
 
 def add_config_bos(tokenizer, path: Path) -> None:
@@ -316,6 +390,8 @@ def _check_shape(shape: tuple, want: tuple, name: str, file: Path,
 def save_safetensors(tensors: dict, file: str | Path, metadata: dict | None = None) -> Path:
     """Write a safetensors file atomically (a temp file, then a rename), with the
     permissions of any other file the process writes (safetensors itself creates 0600)."""
+    from safetensors.numpy import save_file
+
     file = Path(file)
     tmp = file.with_name(file.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
@@ -333,6 +409,10 @@ def save_pretrained(cfg: ModelConfig, params: Params, out_dir: str | Path,
     `source_dir`: the checkpoint the model came from; its config and tokenizer files are
     copied so the result loads in transformers as a drop-in replacement.
     """
+    from medusa_jax.backbone import standard_layout
+
+    if source_dir is not None:
+        source_dir = hub.local(source_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     to_np = lambda a: np.ascontiguousarray(np.asarray(a, dtype=np.float32))  # noqa: E731

@@ -19,7 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Self-distill ShareGPT JSONL from a prompt file.")
     ap.add_argument("--prompts", required=True, help="text file (one prompt a line) or JSON(L)")
     ap.add_argument("--output", required=True, help="output JSONL path")
-    ap.add_argument("--model", default=None, help="HF model dir (default: embedded stories260K)")
+    ap.add_argument("--model", default=None, help="HF model dir or hub id (default: embedded stories260K)")
     ap.add_argument("--template", default="auto", choices=data.TEMPLATES)
     ap.add_argument("--num-samples", type=cli.positive_int, default=None,
                     help="answers to generate (default: one per prompt)")
@@ -41,6 +41,10 @@ def main(argv=None):
         ap.error(f"--output {out}: is a directory; give a file path such as {out / 'answers.jsonl'}")
     if out.parent.exists() and not out.parent.is_dir():
         ap.error(f"--output {out}: {out.parent} is not a directory")
+    try:  # --model: a path or hub id, config.json and the weights' headers, before JAX
+        cli.check_model_paths(args.model)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     compile_cache.enable_from_args(args)
     from medusa_jax import distill, timing, weights
 

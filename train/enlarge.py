@@ -45,15 +45,15 @@ def build_parser():
                    "named shapes (llama-110m, llama-2-7b, ...)")
     p.add_argument("--output", required=True, help="new folder to write (must not exist, "
                    "or be empty)")
-    p.add_argument("--model", help="source Hugging Face model folder (default: the embedded "
-                   "stories260K)")
+    p.add_argument("--model", help="source Hugging Face model folder or hub id (default: the "
+                   "embedded stories260K)")
     p.add_argument("--heads", help="source heads, Medusa or Hydra (default: the shipped "
                    "Medusa heads for the embedded model, none for another model); 'default' "
                    "/ 'hydra': the embedded model's shipped Medusa / Hydra heads; 'none' for "
                    "no heads")
     p.add_argument("--layers", type=cli.positive_int, default=None,
                    help="layer count instead of the shape's (extra layers are identities)")
-    p.add_argument("--rotate", type=int, default=None, metavar="SEED",
+    p.add_argument("--rotate", type=cli.nonnegative_int, default=None, metavar="SEED",
                    help="fold the RMSNorm scales into the projections and rotate the "
                         "residual stream by a random orthogonal matrix (no heads then)")
     return p
@@ -70,19 +70,32 @@ def check_output(out: Path) -> None:
                              f"folder")
     if out.parent.exists() and not out.parent.is_dir():
         raise SystemExit(f"error: --output {out}: {out.parent} is not a folder")
+    from medusa_jax import assets
+
+    if assets.inside_package(out):
+        raise SystemExit(f"error: --output {out}: inside the installed package's assets "
+                         f"({assets.root()}); write somewhere else (runs/, say)")
+    try:  # a read-only or pseudo filesystem (/proc), before any work
+        cli.writable_output("--output", str(out), folder=True)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from medusa_jax import assets
-    from medusa_jax.bench import SHAPES
+    from medusa_jax.shapes import SHAPES
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: --shape {args.shape!r} is unknown; known: "
                          f"{', '.join(SHAPES)}")
     out = Path(args.output)
     check_output(out)
-    source = Path(args.model) if args.model else assets.model_dir()
+    with cli.errors_to_exit():  # paths, hub ids, config.json and the weights' headers
+        cli.check_model_paths(args.model, args.heads if args.heads != "none" else None)
+    from medusa_jax import hub
+
+    source = Path(hub.local(args.model, "--model")) if args.model else assets.model_dir()
     if args.heads in ("default", "hydra") and args.model:
         raise SystemExit(f"error: --heads {args.heads}: the shipped heads are the embedded "
                          f"model's; with --model give a heads path")
@@ -94,7 +107,7 @@ def main(argv=None) -> int:
         heads_path = assets.heads_dir()
     else:
         heads_path = None if args.heads == "none" else \
-            (args.heads or assets.default_heads(args.model))
+            (hub.local(args.heads, "--heads", hub.HEADS_FILES) or assets.default_heads(args.model))
     if heads_path is not None and args.rotate is not None:
         if args.heads:
             raise SystemExit("error: --heads with --rotate: Medusa and Hydra heads cannot "

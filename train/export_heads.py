@@ -27,7 +27,8 @@ FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra")  # hydra: zank
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m train.export_heads",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("source", help="run directory, heads artifact, or heads in another layout")
+    ap.add_argument("source", help="run directory, heads artifact, or heads in another layout "
+                    "(a path or a Hugging Face hub id)")
     ap.add_argument("--format", required=True, choices=FORMATS, help="layout to write")
     ap.add_argument("--output", required=True, help="folder to write into: new or empty")
     ap.add_argument("--force", action="store_true", help="replace an earlier export of the "
@@ -85,10 +86,27 @@ def resolve_model(source: Path, found, meta: dict, given: str | None) -> Path | 
     return None
 
 
+# the files an export of each format writes (fnmatch patterns): --force replaces a folder
+# holding these and nothing else
+_HF_MODEL = ("config.json", "generation_config.json", "model.safetensors",
+             "model-*-of-*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+             "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja")
+EXPORT_FILES = {
+    "reference": ("config.json", "medusa_lm_head.safetensors", "medusa_lm_head.pt"),
+    "vllm": ("config.json", "model.safetensors"),
+    "medusa_jax": ("medusa_heads.safetensors",),
+    "medusa2": _HF_MODEL,
+    "hydra": ("config.json", "hydra_lm_head.safetensors", "hydra_lm_head.pt"),
+}
+
+
 def earlier_export(fmt: str):
     """`rundir.check_new_folder`'s test for --force: None when the folder holds an export of
-    `fmt`, else why not."""
+    `fmt` and nothing else (EXPORT_FILES), else why not."""
     def check(folder: Path) -> str | None:
+        import fnmatch
+
         from medusa_jax import heads_formats as hf
 
         try:
@@ -99,22 +117,43 @@ def earlier_export(fmt: str):
             return f"it holds the {found.layout} layout, not {fmt}"
         if any(f.parent != folder for f in found.files):  # e.g. a run directory's heads/
             return f"it is not an earlier export (its heads are in {found.files[0].parent})"
+        other = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                       if p.is_dir() or not any(fnmatch.fnmatchcase(p.name, pat)
+                                                for pat in EXPORT_FILES[fmt]))
+        if other:
+            shown = ", ".join(other[:3]) + (f" and {len(other) - 3} more" if len(other) > 3
+                                            else "")
+            return f"it holds files a {fmt} export does not write ({shown})"
         return None
     return check
 
 
 def export(args: argparse.Namespace) -> list[Path]:
-    from medusa_jax import heads_formats as hf
+    from medusa_jax import assets, hub
     from medusa_jax.config import ModelConfig
     from medusa_jax.rundir import check_new_folder
 
     out = Path(args.output)
+    if assets.inside_package(out):
+        raise ValueError(f"--output {out}: inside the installed package's assets "
+                         f"({assets.root()}), which the shipped model, heads and figures "
+                         f"use; write somewhere else (runs/, say)")
     if args.format == "medusa_jax" and out.suffix == ".safetensors":  # a file of its own
         if out.exists() and not (args.force and out.is_file()):
             raise ValueError(f"--output {out}: already exists (--force replaces it)")
     else:
         check_new_folder(out, "--output", args.force, earlier_export(args.format))
-    source = Path(args.source)
+    source = Path(hub.local(args.source, "source", hub.HEADS_FILES))  # a path or a hub id
+    if not source.exists():  # before JAX (heads_formats) is imported
+        raise FileNotFoundError(f"{source}: no Medusa heads artifact here (no such file or "
+                                f"folder)")
+    if args.model:
+        args.model = str(hub.local(args.model, "--model"))
+        if not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model}: no such model folder")
+        ModelConfig.from_dir(args.model)  # its config.json's fields, named
+    from medusa_jax import heads_formats as hf
+
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
     heads, meta = hf.read(found, None)

@@ -13,10 +13,11 @@ step, wall-clock speedup and whether the outputs are identical.
 The loop is `medusa_jax.trainer`; the method `medusa_jax.hydra_train`.
 """
 
-from medusa_jax.hydra_train import Hydra, HydraConfig
-from medusa_jax.trainer import Command
+from medusa_jax.train_cli import Command
+from medusa_jax.train_config import HydraConfig
 
-command = Command("python -m train.hydra", __doc__, HydraConfig, Hydra)
+# the recipe is imported when work starts: --help and flag errors import no JAX
+command = Command("python -m train.hydra", __doc__, HydraConfig, "medusa_jax.hydra_train:Hydra")
 
 if __name__ == "__main__":
     command.main()

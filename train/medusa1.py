@@ -16,10 +16,11 @@ prompts (batch 1, compile time excluded): tokens per step and wall-clock speedup
 The loop is `medusa_jax.trainer`; the method `medusa_jax.medusa1`.
 """
 
-from medusa_jax.medusa1 import Medusa1, Medusa1Config
-from medusa_jax.trainer import Command
+from medusa_jax.train_cli import Command
+from medusa_jax.train_config import Medusa1Config
 
-command = Command("python -m train.medusa1", __doc__, Medusa1Config, Medusa1)
+# the recipe is imported when work starts: --help and flag errors import no JAX
+command = Command("python -m train.medusa1", __doc__, Medusa1Config, "medusa_jax.medusa1:Medusa1")
 
 if __name__ == "__main__":
     command.main()

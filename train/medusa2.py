@@ -33,10 +33,11 @@ greedy decoding. Then:
 The loop is `medusa_jax.trainer`; the method `medusa_jax.medusa2`.
 """
 
-from medusa_jax.medusa2 import Medusa2, Medusa2Config
-from medusa_jax.trainer import Command
+from medusa_jax.train_cli import Command
+from medusa_jax.train_config import Medusa2Config
 
-command = Command("python -m train.medusa2", __doc__, Medusa2Config, Medusa2)
+# the recipe is imported when work starts: --help and flag errors import no JAX
+command = Command("python -m train.medusa2", __doc__, Medusa2Config, "medusa_jax.medusa2:Medusa2")
 
 if __name__ == "__main__":
     command.main()

@@ -1,0 +1,296 @@
+"""Bad input is refused before any work, in one line naming the file, field or flag
+(issue 32): config.json's values, broken weights before the tokenizer, output paths before
+benchmarking, flags before work; and nothing written where the user did not ask
+(train.export_heads --force, train.enlarge --output)."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from medusa_jax import assets, cli, startup
+from medusa_jax.config import ModelConfig
+from medusa_jax.weights import WeightsError, check_headers, default_model_dir
+
+
+def model_copy(tmp_path, name="m", **changes):
+    d = tmp_path / name
+    shutil.copytree(default_model_dir(), d)
+    if changes:
+        conf = json.loads((d / "config.json").read_text())
+        conf.update(changes)
+        (d / "config.json").write_text(json.dumps(conf))
+    return d
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+# ---- config.json: type, range, finiteness, named
+
+
+GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
+              query_pre_attn_scalar=8)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
+    (dict(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0, got 0"),
+    (dict(rope_theta=-10000), "rope_theta must be a finite number > 0, got -10000"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a finite number > 0, got inf"),
+    (dict(hidden_size="64"), "hidden_size must be an integer >= 1, got str '64'"),
+    (dict(hidden_size=-64), "hidden_size must be an integer >= 1, got -64"),
+    (dict(hidden_size=64.0), "hidden_size must be an integer >= 1, got float 64.0"),
+    (dict(max_position_embeddings=-1), "max_position_embeddings must be an integer >= 1, "
+                                       "got -1"),
+    (dict(num_hidden_layers=True), "num_hidden_layers must be an integer >= 1, got bool True"),
+    (dict(vocab_size=0), "vocab_size must be an integer >= 1, got 0"),
+    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got str "
+                                        "'false'"),
+    (dict(eos_token_id=-2), "eos_token_id must be an integer >= 0, got -2"),
+    (dict(head_dim=None, hidden_size=60), "hidden_size=60 is not a multiple of "
+                                          "num_attention_heads=8 (and no head_dim is given)"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": float("nan")}),
+     "rope_scaling.factor must be a finite number > 0, got nan"),
+    (dict(GEMMA2, sliding_window="4096"), "sliding_window must be an integer >= 1, got str "
+                                          "'4096'"),
+    (dict(model_type="mistral", sliding_window=-4), "sliding_window must be an integer >= 1, "
+                                                    "got -4"),
+])
+def test_config_values_are_checked_and_named(tmp_path, changes, message):
+    d = model_copy(tmp_path, **changes)
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_dir(d)
+    assert str(e.value) == f"{d / 'config.json'}: {message}"
+
+
+def test_the_embedded_and_shipped_configs_still_pass():
+    cfg = ModelConfig.from_dir(default_model_dir())
+    assert (cfg.hidden_size, cfg.rms_norm_eps, cfg.rope_theta) == (64, 1e-5, 10000.0)
+
+
+def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
+    """`infer.generate` names config.json and the field, and never imports JAX for it."""
+    d = model_copy(tmp_path, rope_theta=-10000)
+    code = ("import sys\nfrom infer import generate\n"
+            f"rc = generate.main(['--model', {str(d)!r}])\n"
+            "print('jax imported' if 'jax' in sys.modules else 'no jax', rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
+    assert one_line(proc.stderr) == (f"error: {d / 'config.json'}: rope_theta must be a "
+                                     f"finite number > 0, got -10000")
+
+
+# ---- broken weights: reported before anything else loads
+
+
+def test_truncated_and_garbage_headers_are_named_from_the_header_alone(tmp_path):
+    d = model_copy(tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match=r"model\.safetensors: corrupt or truncated "
+                                           r"safetensors file \(tensor \S+ ends at byte \d+ "
+                                           r"of its data; the file holds \d+: truncated\)"):
+        check_headers(d)
+    f.write_bytes(b"\x07garbage" * 10)
+    with pytest.raises(WeightsError, match="its header claims"):
+        check_headers(d)
+    f.write_bytes((16).to_bytes(8, "little") + b"{not json}      ")
+    with pytest.raises(WeightsError, match="its header is not JSON"):
+        check_headers(d)
+
+
+def test_a_nan_weight_is_refused_before_the_tokenizer_loads(tmp_path, monkeypatch):
+    from medusa_jax.api import Medusa
+
+    d = model_copy(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"][3] = np.nan
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+    def no_tokenizer(path):
+        raise AssertionError("the tokenizer was loaded before the weights were checked")
+
+    monkeypatch.setattr(startup, "load_tokenizer", no_tokenizer)
+    with pytest.raises(WeightsError, match="tensor model.norm.weight holds 1 non-finite"):
+        Medusa.load(d)
+
+
+def test_a_truncated_file_fails_generate_before_jax(tmp_path):
+    d = model_copy(tmp_path)
+    f = d / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:5000])
+    code = ("import sys\nfrom infer import generate\n"
+            f"rc = generate.main(['--model', {str(d)!r}])\n"
+            "print('jax imported' if 'jax' in sys.modules else 'no jax', rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
+    assert "model.safetensors: corrupt or truncated" in one_line(proc.stderr)
+
+
+# ---- heads metadata
+
+
+def test_heads_metadata_that_is_not_a_count_is_named(tmp_path):
+    from medusa_jax.heads import load_heads
+    from medusa_jax.heads_formats import HeadsFormatError, HEADS_FILE
+
+    src = assets.heads_dir() / HEADS_FILE
+    out = tmp_path / HEADS_FILE
+    from safetensors import safe_open
+
+    with safe_open(str(src), framework="numpy") as f:
+        meta = dict(f.metadata())
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cfg = ModelConfig.from_dir(default_model_dir())
+    for key, value in (("num_layers", "abc"), ("num_heads", "-3"), ("extra", "{oops")):
+        save_file(tensors, out, metadata=dict(meta, **{key: value}))
+        with pytest.raises(HeadsFormatError) as e:
+            load_heads(out, cfg)
+        assert str(e.value).startswith(f"{out}: metadata {key}=") and "\n" not in str(e.value)
+
+
+# ---- outputs and flags before work
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any model loading means the checks came too late."""
+    def fail(*a, **k):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(cli, "load_with_heads", fail)
+    from medusa_jax import weights
+
+    monkeypatch.setattr(weights, "load_pretrained", fail)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--json", "{tmp}"], "--json {tmp}: is a folder; give a file name"),
+    (["--plot", "{tmp}/missing/dir/p.png"], "--plot {tmp}/missing/dir/p.png: its folder "
+                                            "{tmp}/missing/dir does not exist"),
+    (["--modes", "rejection", "--temperature", "-1"], "--temperature must be > 0 for --modes "
+                                                      "rejection, got -1.0"),
+    (["--modes", "greedy,fast"], "--modes: 'fast' is not one of greedy, typical, rejection"),
+    (["--model", "{tmp}/nope"], "--model {tmp}/nope: no such folder"),
+])
+def test_bench_checks_outputs_and_flags_first(tmp_path, capsys, no_work, argv, message):
+    from infer import bench
+
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--no-transformers", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: {message.replace('{tmp}', str(tmp_path))}")
+
+
+def test_generate_refuses_a_bad_temperature_in_one_line(capsys):
+    from infer import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--mode", "rejection", "--temperature", "-1"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --temperature must be > 0 for --mode rejection, got -1.0")
+
+
+def test_enlarge_names_rotate_before_work(capsys, tmp_path, no_work):
+    from train import enlarge
+
+    with pytest.raises(SystemExit) as e:
+        enlarge.main(["--shape", "llama-110m", "--rotate", "-1", "--output",
+                      str(tmp_path / "big")])
+    assert e.value.code == 2
+    assert "argument --rotate: must be in 0..2**63-1, got -1" in capsys.readouterr().err
+    assert not (tmp_path / "big").exists()
+
+
+@pytest.mark.parametrize("where", ["/proc/medusa-jax-test/big", "/sys/big"])
+def test_enlarge_refuses_an_unwritable_output_before_work(where, no_work):
+    from train import enlarge
+
+    with pytest.raises(SystemExit) as e:
+        enlarge.main(["--shape", "llama-110m", "--output", where])
+    assert str(e.value).startswith(f"error: --output {where}: cannot write into ")
+    assert "\n" not in str(e.value)
+
+
+def test_enlarge_never_writes_into_the_package(no_work):
+    from train import enlarge
+
+    out = assets.root() / "big"
+    with pytest.raises(SystemExit) as e:
+        enlarge.main(["--shape", "llama-110m", "--output", str(out)])
+    assert "inside the installed package's assets" in str(e.value)
+    assert not out.exists()
+
+
+def test_memory_report_checks_seq_len_against_the_shape(capsys):
+    from train.medusa1 import command
+
+    with pytest.raises(SystemExit) as e:
+        command.main(["--memory-report", "--shape", "llama-2-7b", "--seq-len", "100000"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --seq-len 100000 is longer than the context of --shape llama-2-7b "
+        "(max_position_embeddings 4096)")
+
+
+def test_training_checks_seq_len_against_the_model_before_work(capsys, tmp_path):
+    from train.medusa1 import command
+
+    with pytest.raises(SystemExit) as e:
+        command.main(["--seq-len", "4096", "--output-dir", str(tmp_path / "run")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
+        "error: --seq-len 4096 is longer than the context of --model stories260K "
+        "(max_position_embeddings 512)")
+    assert not (tmp_path / "run").exists()
+
+
+# ---- train.export_heads --force
+
+
+def test_export_never_writes_into_the_package_assets(tmp_path, monkeypatch, capsys):
+    """Against a copy of the assets (so a regression cannot damage the real ones)."""
+    from train import export_heads
+
+    fake = tmp_path / "assets"
+    shutil.copytree(assets.heads_dir(), fake / "stories260K_heads")
+    monkeypatch.setattr(assets, "root", lambda: fake)
+    target = fake / "stories260K_heads"
+    before = {p.name: p.read_bytes() for p in target.iterdir()}
+    rc = export_heads.main([str(assets.heads_dir()), "--format", "medusa_jax", "--output",
+                            str(target), "--force"])
+    assert rc == 1
+    assert "inside the installed package's assets" in one_line(capsys.readouterr().err)
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == before
+
+
+def test_force_replaces_only_a_folder_holding_nothing_but_an_export(tmp_path, capsys):
+    from train import export_heads
+
+    out = tmp_path / "vllm"
+    src = str(assets.heads_dir())
+    assert export_heads.main([src, "--format", "vllm", "--output", str(out)]) == 0
+    (out / "mynotes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert export_heads.main([src, "--format", "vllm", "--output", str(out), "--force"]) == 1
+    assert one_line(capsys.readouterr().err) == (
+        f"error: --output {out}: it holds files a vllm export does not write (mynotes.txt); "
+        f"not replaced even with --force")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / "mynotes.txt").unlink()
+    assert export_heads.main([src, "--format", "vllm", "--output", str(out), "--force"]) == 0
