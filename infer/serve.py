@@ -198,26 +198,30 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
         f"{args.warmup}; --prefill-buckets, --window-block and --max-context set how many)")
+    def ready_note():
+        engine._ready.wait()
+        if engine._stop_reason is None:
+            log(f"ready for requests {time.perf_counter() - t_launch:.1f} s after launch")
+        engine._all_compiled.wait()
+        if engine._stop_reason is None:
+            log(f"all {n} programs compiled ({engine.compile_seconds:.1f} s compiling)")
+
     if args.warmup == "all":
         engine.start("all")
-    else:
-        def ready_note():
-            engine._ready.wait()
-            if engine._stop_reason is None:
-                log(f"ready for requests {time.perf_counter() - t_launch:.1f} s after launch")
-            engine._all_compiled.wait()
-            if engine._stop_reason is None:
-                log(f"all {n} programs compiled ({engine.compile_seconds:.1f} s compiling)")
-
-        import threading
-
-        engine.start(args.warmup)
-        threading.Thread(target=ready_note, daemon=True).start()
-    log(f"serving {name} on http://{args.host}:{port}"
-        + (f"; compiled in {engine.compile_seconds:.1f} s" if args.warmup == "all" else
-           " (/health says 'starting' until the first programs are compiled)"))
+        log(f"serving {name} on http://{args.host}:{port}; compiled in "
+            f"{engine.compile_seconds:.1f} s")
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if args.warmup != "all":  # compiling starts once the port is open
+                import threading
+
+                engine.start(args.warmup)
+                threading.Thread(target=ready_note, daemon=True).start()
+                log(f"serving {name} on http://{args.host}:{port} (/health says 'starting' "
+                    f"until the first programs are compiled)")
+
         def handle_exit(self, sig, frame):  # running requests hear first, then uvicorn stops
             engine.stop(f"the server is shutting down (signal {sig})", timeout=0.5)
             super().handle_exit(sig, frame)

@@ -48,6 +48,9 @@ from medusa_jax.tree import DynamicTree, Tree
 
 MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
 WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
+# the background warm-up waits while requests run (compiling competes with them for the
+# CPU and the GIL), but no longer than this per program under a steady load
+BACKGROUND_YIELD_S = 2.0
 
 
 # ----------------------------------------------------------------------------- per-row sampling
@@ -518,8 +521,11 @@ class Engine:
         if prog is not None:
             return prog
         with self._demand_cv:
-            if background:
-                self._demand_cv.wait_for(lambda: not self._demand)
+            if background:  # after requests' compiles, and not while requests run
+                deadline = time.perf_counter() + BACKGROUND_YIELD_S
+                while self._demand or (self._busy() and time.perf_counter() < deadline
+                                       and self._stop_reason is None):
+                    self._demand_cv.wait(0.02)
             else:
                 self._demand += 1
         try:
@@ -562,14 +568,14 @@ class Engine:
         seconds = time.perf_counter() - t0
         self.compile_seconds += seconds
         self._programs[(kind, size)] = prog
-        if all(p in self._programs for p in self.first_programs()):
-            self._ready.set()
-        if len(self._programs) == len(self.programs()):
-            self._all_compiled.set()
         if self.log is not None:
             what = "window" if kind == "step" else "bucket"
             self.log(f"compiled {kind} ({what} {size}) in {seconds:.1f} s "
                      f"[{len(self._programs)}/{len(self.programs())}]")
+        if all(p in self._programs for p in self.first_programs()):
+            self._ready.set()
+        if len(self._programs) == len(self.programs()):
+            self._all_compiled.set()
         return prog
 
     def compile(self, programs: list[tuple[str, int]] | None = None,
@@ -590,6 +596,9 @@ class Engine:
             self.stop(f"compiling failed: {e!r}", timeout=0)
             if self.log is not None:
                 self.log(f"error: compiling failed: {e!r}")
+
+    def _busy(self) -> bool:
+        return bool(self._waiting) or any(s.req is not None for s in self._slots)
 
     def _bucket(self, n: int) -> int:
         """The bucket a prompt of n tokens is prefilled in: the smallest compiled one that

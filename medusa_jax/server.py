@@ -316,6 +316,25 @@ def _backend(tokenizer):
     return None
 
 
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template, if any. The embedded model's tokenizer
+    (`startup.EmbeddedTokenizer`) is asked through its tokenizer_config.json: asking the
+    object would load transformers (a second of start-up) to say it has none."""
+    if tokenizer is None:
+        return None
+    from medusa_jax.startup import EmbeddedTokenizer
+
+    if isinstance(tokenizer, EmbeddedTokenizer):
+        try:
+            config = json.loads((tokenizer.path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        if not (isinstance(config, dict) and config.get("chat_template")) and \
+                not (tokenizer.path / "chat_template.jinja").is_file():
+            return None
+    return getattr(tokenizer, "chat_template", None)
+
+
 def vicuna_prompt(messages: list[tuple[str, str]], tokenizer,
                   encoder: TextEncoder | None = None) -> list[int]:
     """Token ids of a conversation in the Vicuna template, as training renders it
@@ -446,8 +465,7 @@ class Server:
         self.tokenizer = self.model.tokenizer
         self.created = int(time.time())
         self.max_request_bytes = max_request_bytes
-        self.chat_template = getattr(self.tokenizer, "chat_template", None) \
-            if self.tokenizer is not None else None
+        self.chat_template = _chat_template(self.tokenizer)
         self.encoder = TextEncoder(self.tokenizer) if self.tokenizer is not None else None
         tree = engine.fed if engine.medusa else 0
         # the longest prompt any request can have, and (x2 for normalizers that shrink

@@ -313,6 +313,18 @@ def test_a_chat_template_keeps_its_own_control_tokens_only():
     assert clean == list(whole)  # without control text in messages: the template as it was
 
 
+def test_the_server_app_for_the_embedded_model_imports_no_transformers():
+    """Asking the embedded tokenizer for a chat template loaded transformers: a second of
+    start-up before the port opened."""
+    code = ("import sys; from medusa_jax.api import Medusa; from medusa_jax.engine import "
+            "Engine; from medusa_jax.server import create_app; "
+            "m = Medusa.load(heads='default'); create_app(Engine(m, slots=1), 'x'); "
+            "assert 'transformers' not in sys.modules and 'torch' not in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def _metrics(url) -> dict:
     out = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
