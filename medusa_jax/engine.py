@@ -588,9 +588,15 @@ class Engine:
                 return
             self._program(kind, size, background=background)
 
-    def _warm(self):
-        """The background warm-up: every program in `programs` order."""
+    def _warm(self, warmup: str):
+        """The background warm-up: every program in `programs` order ("background"), or
+        only the decode state ("lazy")."""
         try:
+            if warmup == "lazy":
+                with self._compile_lock:
+                    self._setup()
+                self._ready.set()
+                return
             self.compile(background=True)
         except Exception as e:  # noqa: BLE001 - every request hears about it
             self.stop(f"compiling failed: {e!r}", timeout=0)
@@ -618,13 +624,9 @@ class Engine:
             raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
         if warmup == "all":
             self.compile()
-        elif warmup == "lazy":
-            with self._compile_lock:
-                self._setup()
-            self._ready.set()
         else:
-            self._warm_thread = threading.Thread(target=self._warm, name="medusa-compile",
-                                                 daemon=True)
+            self._warm_thread = threading.Thread(target=self._warm, args=(warmup,),
+                                                 name="medusa-compile", daemon=True)
             self._warm_thread.start()
         self._thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
         self._thread.start()

@@ -226,7 +226,7 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
     e.start(warmup)
     try:
         if warmup == "lazy":
-            assert e.status()["ready"] and e.status()["compiled"] == 0
+            assert e._ready.wait(60) and e.status()["compiled"] == 0
         assert generate_offline(e, prompts, NEW) == reference
         if warmup == "background":
             assert e._all_compiled.wait(180)
