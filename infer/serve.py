@@ -198,6 +198,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
         f"{args.warmup}; --prefill-buckets, --window-block and --max-context set how many)")
+
     def ready_note():
         engine._ready.wait()
         if engine._stop_reason is None:
