@@ -5,16 +5,34 @@
     python -m infer.serve --slots 8 --port 8001                           # plain decoding
 
 Then POST /v1/completions or /v1/chat/completions (the `openai` client works as it is),
-GET /v1/models, /health, /metrics. Everything the engine uses is compiled before the port
-opens. Ctrl-C / SIGTERM: running requests end with an error chunk, then the server exits.
+GET /v1/models, /health, /metrics. Ctrl-C / SIGTERM: running requests end with an error
+chunk, then the server exits.
+
+Start-up: the flags, paths and the address are checked first (before JAX is imported),
+the port opens as soon as the model is loaded, and the engine's programs compile while it
+is open (--warmup): one prefill and insert per prompt bucket, one step per attention
+window, a line each with its time. /health answers 503 {"status": "starting"} until the
+programs a short first request needs are in, then 200 {"status": "ok"}; a request that
+needs a program not compiled yet waits for it. What trades start-up for coverage: fewer
+--prefill-buckets and a larger --window-block mean fewer programs (more padding, wider
+attention per step); a smaller --max-context means fewer of both; --warmup all compiles
+everything before the port opens (no waiting later). The persistent compilation cache
+turns a later start's compiles into loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import socket
 import sys
+import time
+from pathlib import Path
 
-from medusa_jax import cli, compile_cache
+from medusa_jax import assets, cli, compile_cache
+
+WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -27,6 +45,22 @@ def _buckets(text: str) -> tuple[int, ...]:
     return out
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free one), got {value}")
+    return value
+
+
+def _name(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the served model name must not be empty")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -36,32 +70,110 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=cli.positive_int, default=8,
                    help="requests decoded at once (the static batch)")
     p.add_argument("--steps-per-call", type=cli.positive_int, default=4,
-                   help="decoding steps per engine call (tokens reach clients per call)")
+                   help="decoding steps per engine call (tokens reach clients per call; a "
+                        "larger value compiles a larger step program)")
     p.add_argument("--max-context", type=cli.positive_int, default=None,
-                   help="KV cache length per slot (default: the model's context)")
+                   help="KV cache length per slot, at most the model's context (default: "
+                        "the model's context; smaller: fewer programs to compile)")
     p.add_argument("--prefill-buckets", type=_buckets, default=None,
                    help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
-                        "of two from 16, and the context)")
+                        "of two from 16, and the context; fewer: a faster start, more "
+                        "padding)")
     p.add_argument("--window-block", type=cli.positive_int, default=128,
-                   help="attention windows are compiled in multiples of this")
+                   help="attention windows are compiled in multiples of this (larger: fewer "
+                        "step programs, more attention work per step)")
+    p.add_argument("--warmup", choices=WARMUPS, default="background",
+                   help="when the programs compile: background (default: the first "
+                        "request's programs first, /health 'starting' until then, the rest "
+                        "while serving), lazy (each when a request first needs it: the "
+                        "fastest start, a pause on each new length), all (everything before "
+                        "the port opens: the slowest start, no pause later)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="waiting requests past which new ones get 429")
-    p.add_argument("--served-model-name", help="the model id clients send (default: the "
-                                               "model folder's name)")
+    p.add_argument("--max-request-bytes", type=cli.positive_int, default=1 << 20,
+                   help="request bodies past this size get 413 (default: 1 MiB)")
+    p.add_argument("--served-model-name", type=_name,
+                   help="the model id clients send (default: the model folder's name)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     compile_cache.add_flag(p)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+def _model_context(model: str | None) -> int | None:
+    """max_position_embeddings from the model folder's config.json (stdlib only), or None
+    when it cannot be read here (the loader then names the problem)."""
+    folder = assets.model_dir() if model is None else Path(model)
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        value = cfg.get("max_position_embeddings", cfg.get("text_config", {}).get(
+            "max_position_embeddings"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
+    """Everything that can be checked before JAX is imported; returns the bound socket
+    (so a taken port or a foreign address fails now, not after the model is loaded)."""
     if args.tree and not args.heads:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     if args.max_queue < 0:
         ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.model is not None:
+        folder = Path(args.model)
+        if not folder.is_dir():
+            ap.error(f"--model {args.model}: no such directory")
+        if not (folder / "config.json").is_file():
+            ap.error(f"--model {args.model}: not a model folder (no config.json)")
+    if args.heads not in (None, "default", "hydra") and not Path(args.heads).exists():
+        ap.error(f"--heads {args.heads}: no such file or directory")
+    if args.heads in ("default", "hydra") and args.model is not None:
+        ap.error(f"--heads {args.heads} is only defined for the embedded model (no --model)")
+    context = _model_context(args.model)
+    if context is not None and args.max_context is not None and args.max_context > context:
+        ap.error(f"--max-context {args.max_context} is longer than the model's context "
+                 f"({context} tokens, max_position_embeddings in its config.json)")
+    limit = args.max_context or context
+    if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
+        ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
+                 f"({limit} tokens)")
+    try:
+        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        ap.error(f"--host {args.host}: not an address or host name ({e})")
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        ap.error(f"--host {args.host} --port {args.port}: cannot listen there "
+                 f"({e.strerror or e})")
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    t_launch = time.perf_counter()
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    sock = check_args(ap, args)
+    try:
+        return _serve(args, sock, t_launch)
+    except KeyboardInterrupt:  # Ctrl-C before the server was up
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _serve(args, sock: socket.socket, t_launch: float) -> int:
+    def log(msg: str):  # one write per line: the compile thread logs too
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+
     compile_cache.enable_from_args(args)
     import uvicorn
 
@@ -75,29 +187,61 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(model, slots=args.slots, tree=args.tree,
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
-                        buckets=args.prefill_buckets)
-        engine.start()
+                        buckets=args.prefill_buckets, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (model.model_dir.name if model.model_dir else "model")
     decoding = f"medusa {engine.tree.name}" if engine.medusa else "plain"
-    print(f"serving {name} ({decoding}, {args.slots} slots, context {engine.capacity}) on "
-          f"http://{args.host}:{args.port}; compiled in {engine.compile_seconds:.1f} s",
-          file=sys.stderr, flush=True)
+    port = sock.getsockname()[1]
+    n = len(engine.programs())
+    log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
+        f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
+        f"{args.warmup}; --prefill-buckets, --window-block and --max-context set how many)")
+
+    def ready_note():
+        engine._ready.wait()
+        if engine._stop_reason is None:
+            log(f"ready for requests {time.perf_counter() - t_launch:.1f} s after launch")
+        engine._all_compiled.wait()
+        if engine._stop_reason is None:
+            log(f"all {n} programs compiled ({engine.compile_seconds:.1f} s compiling)")
+
+    if args.warmup == "all":
+        engine.start("all")
+        log(f"serving {name} on http://{args.host}:{port}; compiled in "
+            f"{engine.compile_seconds:.1f} s")
 
     class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if args.warmup != "all":  # compiling starts once the port is open
+                import threading
+
+                engine.start(args.warmup)
+                threading.Thread(target=ready_note, daemon=True).start()
+                log(f"serving {name} on http://{args.host}:{port} (/health says 'starting' "
+                    f"until the first programs are compiled)")
+
         def handle_exit(self, sig, frame):  # running requests hear first, then uvicorn stops
-            engine.stop(f"the server is shutting down (signal {sig})", timeout=2.0)
+            engine.stop(f"the server is shutting down (signal {sig})", timeout=0.5)
             super().handle_exit(sig, frame)
             self._captured_signals.clear()  # a clean shutdown exits 0, not by the signal
 
-    config = uvicorn.Config(create_app(engine, name), host=args.host, port=args.port,
-                            log_level="warning", timeout_graceful_shutdown=5)
-    Server(config).run()
-    engine.stop()
+    config = uvicorn.Config(create_app(engine, name, args.max_request_bytes),
+                            host=args.host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=1)
+    Server(config).run(sockets=[sock])
+    engine.stop(timeout=1.0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit now: interpreter shutdown would spend about a second tearing JAX down, and a
+    # background compile still running cannot be interrupted (nor should shutdown meet it
+    # mid-call). Nothing is left to write: the compilation cache writes each entry as it
+    # compiles.
+    os._exit(rc)

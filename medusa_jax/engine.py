@@ -1,7 +1,8 @@
 """Serving engine: continuous batching over S static slots, Medusa (or plain) steps inside.
 
-The serving loop of JetStream / jax-llm-examples, three jitted programs compiled once at
-start-up for every shape they use:
+The serving loop of JetStream / jax-llm-examples, three jitted programs, each compiled once
+per shape it uses (all before serving, or in the background while the first requests are
+served with the first shapes compiled, or each when first needed: `Engine.start`'s warmup):
   - `prefill` (one request, its prompt right-padded to a bucket): fills a one-row KV cache,
     picks the first token with the request's own sampling, runs the heads;
   - `insert` (the decode state donated): puts a prefilled request into slot b;
@@ -46,6 +47,10 @@ from medusa_jax.decode import (MIN_BUCKET, commit, propose_candidates, standard_
 from medusa_jax.tree import DynamicTree, Tree
 
 MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
+WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
+# the background warm-up waits while requests run (compiling competes with them for the
+# CPU and the GIL), but no longer than this per program under a steady load
+BACKGROUND_YIELD_S = 2.0
 
 
 # ----------------------------------------------------------------------------- per-row sampling
@@ -364,7 +369,8 @@ class Engine:
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
-                 buckets: tuple[int, ...] | None = None):
+                 buckets: tuple[int, ...] | None = None,
+                 log: Callable[[str], None] | None = None):
         if slots < 1 or steps_per_call < 1 or window_block < 1 or max_queue < 0:
             raise ValueError(f"need slots, steps_per_call, window_block >= 1 and max_queue >= 0,"
                              f" got {slots}, {steps_per_call}, {window_block}, {max_queue}")
@@ -379,8 +385,11 @@ class Engine:
         self.tree = model.tree(tree) if use_medusa else None
         self.medusa = use_medusa
         self.slots, self.k, self.max_queue = slots, steps_per_call, max_queue
-        self.capacity = min(max_context or self.cfg.max_position_embeddings,
-                            self.cfg.max_position_embeddings)
+        model_context = self.cfg.max_position_embeddings
+        if max_context is not None and max_context > model_context:
+            raise ValueError(f"max_context {max_context} is longer than the model's context "
+                             f"({model_context} tokens, max_position_embeddings)")
+        self.capacity = max_context or model_context
         static = _static(self.tree) if use_medusa else None
         self.width = static.depth + 1 if use_medusa else 1  # tokens a step emits at most
         self.fed = self.tree.num_nodes if use_medusa else 1  # tokens a step feeds
@@ -407,9 +416,20 @@ class Engine:
         self._ids = itertools.count()
         self._stop_reason: str | None = None
         self._thread: threading.Thread | None = None
-        self._compiled = False
-        self.compile_seconds = 0.0
+        self._warm_thread: threading.Thread | None = None
+        self.compile_seconds = 0.0  # summed over the programs compiled so far
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        # compiled programs by (kind, size): ("prefill" | "insert", bucket), ("step", window)
+        self._programs: dict[tuple[str, int], object] = {}
+        self._compile_lock = threading.RLock()  # one compile at a time
+        self._demand_cv = threading.Condition()
+        self._demand = 0  # requests' compiles waiting for the lock
+        self._finish_lock = threading.Lock()
+        self._jits = None  # the jitted functions and abstract state, once `_setup` ran
+        self._ready = threading.Event()  # the first requests' programs are compiled
+        self._all_compiled = threading.Event()
+        self.compiling: tuple[str, int] | None = None  # the program being compiled now
+        self.log = log
 
     # --- limits and compile
 
@@ -438,49 +458,176 @@ class Engine:
                          top_p=np.full((n,), top_p, np.float32),
                          max_tokens=np.full((n,), max_tokens, np.int32), stop=stop_arr)
 
-    def compile(self):
-        """Compile prefill and insert for every bucket and step for every window."""
-        if self._compiled:
+    # --- compile: each program once, when it is first needed or ahead of time
+
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program the engine can use, in the order a warm-up compiles them: what a
+        first short request needs (`first_programs`), then what serves any request (the
+        longest bucket, the widest window), then the rest from small to large."""
+        b, w = self.buckets, self.windows
+        cover = [("step", w[-1]), ("prefill", b[-1]), ("insert", b[-1])]
+        rest = [(k, x) for x in b[1:-1] for k in ("prefill", "insert")] + \
+            [("step", x) for x in w[1:-1]]
+        return list(dict.fromkeys(self.first_programs() + cover + rest))
+
+    def first_programs(self) -> list[tuple[str, int]]:
+        """The programs a request with a short prompt needs: the smallest prefill bucket,
+        its insert, the narrowest step window."""
+        return [("prefill", self.buckets[0]), ("insert", self.buckets[0]),
+                ("step", self.windows[0])]
+
+    def status(self) -> dict:
+        """Compile progress: ready (the first requests' programs are compiled), compiled /
+        programs (counts), compiling (the program being compiled, or None)."""
+        now = self.compiling
+        return {"ready": self._ready.is_set(), "compiled": len(self._programs),
+                "programs": len(self.programs()),
+                "compiling": None if now is None else f"{now[0]} {now[1]}"}
+
+    def _setup(self):
+        """The decode state and the jitted functions (under the compile lock)."""
+        if self._jits is not None:
             return
         t0 = time.perf_counter()
         m, cfg = self.model, self.cfg
-        heads = m.heads if self.medusa else None
         hl_shape = None
         if self.medusa:
             hl_shape = (_static(self.tree).depth, self.slots, cfg.vocab_size)
         with m.under_mesh():
-            self._state = jax.jit(init_state, static_argnums=(0, 2, 3, 4))(
+            state = jax.jit(init_state, static_argnums=(0, 2, 3, 4))(
                 cfg, m.params, self.slots, self.capacity, hl_shape)
-        key1 = self._key_data(0)
-        row1 = self._rows(1)
-        pf = jax.jit(functools.partial(prefill, cfg=cfg, tree=self.tree))
-        ins = jax.jit(insert, donate_argnums=(0,))
-        self._prefill, self._insert, self._step = {}, {}, {}
-        for b in self.buckets:
-            tokens, length = np.zeros((1, b), np.int32), np.ones((1,), np.int32)
-            lowered = pf.lower(m.params, heads, tokens=tokens, length=length, key=key1,
-                               rows=row1)
-            self._prefill[b], pre = lowered.compile(), lowered.out_info
-            self._insert[b] = ins.lower(self._state, pre, np.int32(0), row1).compile()
-        step = jax.jit(engine_step, static_argnames=("cfg", "tree", "k", "window"),
-                       donate_argnums=(2,))
-        for w in self.windows:
-            self._step[w] = step.lower(m.params, self._heads_d if self.medusa else None,
-                                       self._state, cfg=cfg, tree=self.tree, k=self.k,
-                                       window=w).compile()
-        self._compiled = True
-        self.compile_seconds = time.perf_counter() - t0
+        # the programs are lowered against the state's shapes, never the live (donated) state
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state)
+        self._state = state
+        heads_d = None
+        if self.medusa:
+            depth = _static(self.tree).depth
+            heads_d = jax.tree.map(lambda x: x[:depth], self.model.heads)
+        self._heads_d = heads_d
+        self._jits = dict(
+            state=spec, pre_info={},
+            prefill=jax.jit(functools.partial(prefill, cfg=cfg, tree=self.tree)),
+            insert=jax.jit(insert, donate_argnums=(0,)),
+            step=jax.jit(engine_step, static_argnames=("cfg", "tree", "k", "window"),
+                         donate_argnums=(2,)))
+        self.compile_seconds += time.perf_counter() - t0
 
-    @functools.cached_property
-    def _heads_d(self):
-        """The heads the tree uses (deeper ones never propose a candidate)."""
-        depth = _static(self.tree).depth
-        return jax.tree.map(lambda x: x[:depth], self.model.heads)
+    def _program(self, kind: str, size: int, background: bool = False):
+        """The compiled program (kind, size), compiled now if it is not yet. A request's
+        need goes first: the background warm-up waits between its programs while one is
+        pending (the lock alone would let it take every turn)."""
+        prog = self._programs.get((kind, size))
+        if prog is not None:
+            return prog
+        with self._demand_cv:
+            if background:  # after requests' compiles, and not while requests run
+                deadline = time.perf_counter() + BACKGROUND_YIELD_S
+                while self._demand or (self._busy() and time.perf_counter() < deadline
+                                       and self._stop_reason is None):
+                    self._demand_cv.wait(0.02)
+            else:
+                self._demand += 1
+        try:
+            with self._compile_lock:
+                prog = self._programs.get((kind, size))
+                if prog is None:
+                    prog = self._build(kind, size)
+        finally:
+            if not background:
+                with self._demand_cv:
+                    self._demand -= 1
+                    self._demand_cv.notify_all()
+        return prog
+
+    def _build(self, kind: str, size: int):
+        self._setup()
+        j, m = self._jits, self.model
+        if kind == "insert" and size not in j["pre_info"]:
+            self._program("prefill", size)  # insert is lowered against prefill's output
+        self.compiling = (kind, size)
+        t0 = time.perf_counter()
+        heads = m.heads if self.medusa else None
+        row1 = self._rows(1)
+        try:
+            if kind == "prefill":
+                lowered = j["prefill"].lower(
+                    m.params, heads, tokens=np.zeros((1, size), np.int32),
+                    length=np.ones((1,), np.int32), key=self._key_data(0), rows=row1)
+                prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
+            elif kind == "insert":
+                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0),
+                                         row1).compile()
+            elif kind == "step":
+                prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
+                                       tree=self.tree, k=self.k, window=size).compile()
+            else:
+                raise ValueError(f"no program {kind!r}")
+        finally:
+            self.compiling = None
+        seconds = time.perf_counter() - t0
+        self.compile_seconds += seconds
+        self._programs[(kind, size)] = prog
+        if self.log is not None:
+            what = "window" if kind == "step" else "bucket"
+            self.log(f"compiled {kind} ({what} {size}) in {seconds:.1f} s "
+                     f"[{len(self._programs)}/{len(self.programs())}]")
+        if all(p in self._programs for p in self.first_programs()):
+            self._ready.set()
+        if len(self._programs) == len(self.programs()):
+            self._all_compiled.set()
+        return prog
+
+    def compile(self, programs: list[tuple[str, int]] | None = None,
+                background: bool = False):
+        """Compile `programs` (default: all of them) now; each is compiled once."""
+        with self._compile_lock:
+            self._setup()
+        for kind, size in (self.programs() if programs is None else programs):
+            if self._stop_reason is not None:
+                return
+            self._program(kind, size, background=background)
+
+    def _warm(self, warmup: str):
+        """The background warm-up: every program in `programs` order ("background"), or
+        only the decode state ("lazy")."""
+        try:
+            if warmup == "lazy":
+                with self._compile_lock:
+                    self._setup()
+                self._ready.set()
+                return
+            self.compile(background=True)
+        except Exception as e:  # noqa: BLE001 - every request hears about it
+            self.stop(f"compiling failed: {e!r}", timeout=0)
+            if self.log is not None:
+                self.log(f"error: compiling failed: {e!r}")
+
+    def _busy(self) -> bool:
+        return bool(self._waiting) or any(s.req is not None for s in self._slots)
+
+    def _bucket(self, n: int) -> int:
+        """The bucket a prompt of n tokens is prefilled in: the smallest compiled one that
+        holds it, else the smallest that does (compiled now)."""
+        fits = [b for b in self.buckets if b >= n]
+        return next((b for b in fits if ("insert", b) in self._programs), fits[0])
 
     # --- public
 
-    def start(self):
-        self.compile()
+    def start(self, warmup: str = "all"):
+        """Start the engine thread. warmup "all": compile every program first (returns
+        when done); "background": return at once, a second thread compiles the programs
+        (`first_programs` first; `status()["ready"]` says when they are in); "lazy": compile
+        each program when a request first needs it. A request that needs a program not yet
+        compiled waits for it, whatever the warm-up."""
+        if warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
+        if warmup == "all":
+            self.compile()
+        else:
+            self._warm_thread = threading.Thread(target=self._warm, args=(warmup,),
+                                                 name="medusa-compile", daemon=True)
+            self._warm_thread.start()
         self._thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
         self._thread.start()
         return self
@@ -514,6 +661,11 @@ class Engine:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+            if self._thread.is_alive():  # inside a device call or a compile: tell them now
+                with self._cv:
+                    waiting, self._waiting = list(self._waiting), collections.deque()
+                for req in waiting + [s.req for s in self._slots if s.req is not None]:
+                    self._finish(req, "error", error=self._stop_reason)
 
     def queue_depth(self) -> int:
         return len(self._waiting)
@@ -527,9 +679,10 @@ class Engine:
     # --- the loop (engine thread only)
 
     def _finish(self, req: Request, reason: str, error: str | None = None, tokens=()):
-        if req.finished:
-            return
-        req.finished = True
+        with self._finish_lock:  # `stop` may finish requests from another thread
+            if req.finished:
+                return
+            req.finished = True
         self.metrics.requests[reason] += 1
         try:
             req.on_event(list(tokens), reason, error)
@@ -589,18 +742,18 @@ class Engine:
                 continue
             i = free[0]
             n = len(req.prompt)
-            bucket = next(b for b in self.buckets if b >= n)
+            bucket = self._bucket(n)
             tokens = np.zeros((1, bucket), np.int32)
             tokens[0, :n] = req.prompt
             stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
             rows = self._rows(1, req.temperature if req.temperature > 0 else 0.0, req.top_k,
                               req.top_p, req.max_tokens, stop)
             heads = self.model.heads if self.medusa else None
-            pre = self._prefill[bucket](self.model.params, heads, tokens=tokens,
+            pre = self._program("prefill", bucket)(self.model.params, heads, tokens=tokens,
                                         length=np.array([n], np.int32),
                                         key=self._key_data(req.seed), rows=rows)
             pre.root.copy_to_host_async()
-            self._state = self._insert[bucket](self._state, pre, np.int32(i), rows)
+            self._state = self._program("insert", bucket)(self._state, pre, np.int32(i), rows)
             self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens)
             self.metrics.prompt_tokens += n
             admitted.append((req, i, pre.root))
@@ -622,7 +775,8 @@ class Engine:
             if s.req is not None:
                 start = min(s.known_len + s.unread * per_call, s.limit)
                 need = max(need, min(start + (self.k - 1) * self.width, s.limit) + self.fed)
-        return next((w for w in self.windows if w >= need), self.windows[-1])
+        fits = [w for w in self.windows if w >= need] or self.windows[-1:]
+        return next((w for w in fits if ("step", w) in self._programs), fits[0])
 
     def _process(self, out, owners: list[Request | None]):
         tokens, counts, steps, lengths = (np.asarray(x) for x in
@@ -662,8 +816,8 @@ class Engine:
                 nxt = None
                 if any(s.req is not None for s in self._slots):
                     owners = [s.req for s in self._slots]
-                    self._state, out = self._step[self._window()](
-                        self.model.params, self._heads_d if self.medusa else None, self._state)
+                    step = self._program("step", self._window())
+                    self._state, out = step(self.model.params, self._heads_d, self._state)
                     for x in (out.tokens, out.counts, out.steps, out.lengths):
                         x.copy_to_host_async()
                     for s in self._slots:

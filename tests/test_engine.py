@@ -205,3 +205,43 @@ def test_hydra_heads_are_refused_in_one_line():
     with pytest.raises(ValueError, match="the serving engine drafts with Medusa heads; these "
                                          "are Hydra heads"):
         Engine(Medusa.load(heads="hydra"), slots=2, max_context=CONTEXT)
+
+
+def test_max_context_past_the_model_is_refused(model):
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        Engine(model, slots=2, max_context=model.cfg.max_position_embeddings + 1)
+
+
+@pytest.mark.parametrize("warmup", ["background", "lazy"])
+def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, prompts, reference,
+                                                                    warmup):
+    """A request sent at once waits for the programs it needs; once compiled, serving any
+    prompt or length traces nothing again (static shapes, one compile per program)."""
+    from jax._src import monitoring
+
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=(16, 64),
+               window_block=WINDOW, max_queue=64)
+    assert e.programs()[:3] == e.first_programs() == [("prefill", 16), ("insert", 16),
+                                                      ("step", 64)]
+    e.start(warmup)
+    try:
+        if warmup == "lazy":
+            assert e._ready.wait(60) and e.status()["compiled"] == 0
+        assert generate_offline(e, prompts, NEW) == reference
+        if warmup == "background":
+            assert e._all_compiled.wait(180)
+        else:
+            e.compile()  # the rest, now
+        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 6
+        traced = []
+        listener = lambda event, *a, **k: traced.append(event) \
+            if "compile" in event else None  # noqa: E731
+        monitoring.register_event_duration_secs_listener(listener)
+        try:
+            assert generate_offline(e, prompts, NEW) == reference
+            generate_offline(e, prompts[:2], 90)  # the wider window, longer prompts
+        finally:
+            monitoring.unregister_event_duration_listener(listener)
+        assert traced == []
+    finally:
+        e.stop()
