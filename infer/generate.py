@@ -12,6 +12,7 @@ import json
 import sys
 
 from medusa_jax import cli, compile_cache, quiet
+from medusa_jax.kernels import flags as kernel_flags
 
 MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
 
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     compile_cache.add_flag(p)
+    kernel_flags.add_flag(p)
     return p
 
 
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     quiet.imports()
+    kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)  # after argument errors: importing jax takes a moment
     from medusa_jax.api import Medusa
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from medusa_jax import cli, compile_cache
+from medusa_jax.kernels import flags as kernel_flags
 
 
 def build_parser():
@@ -34,6 +35,7 @@ def build_parser():
     p.add_argument("--out", default="searched_tree.json", help="where to write the chosen tree")
     p.add_argument("--plot", help="PNG of expected and measured tokens/step and speedup vs size")
     compile_cache.add_flag(p)
+    kernel_flags.add_flag(p)
     return p
 
 
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
             cli.writable_output("--plot", args.plot)
     except (ValueError, OSError) as e:
         ap.error(str(e))
+    kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
     from medusa_jax import timing
     from medusa_jax.bench import compare_decoding, run_decoder

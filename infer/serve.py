@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from medusa_jax import assets, cli, compile_cache
+from medusa_jax.kernels import flags as kernel_flags
 
 WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
 
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     compile_cache.add_flag(p)
+    kernel_flags.add_flag(p)
     return p
 
 
@@ -174,6 +176,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
 
+    kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
     import uvicorn
 

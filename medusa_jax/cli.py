@@ -61,14 +61,17 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (
 
 
 def add_run_flags(ap: argparse.ArgumentParser):
-    """--resume, --stop-after and --no-compile-cache, which every training command takes."""
+    """--resume, --stop-after, --no-compile-cache and --no-cpu-kernels (the closing
+    benchmark's decoding), which every training command takes."""
     from medusa_jax import compile_cache
+    from medusa_jax.kernels import flags as kernel_flags
 
     ap.add_argument("--resume", metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its last checkpoint")
     ap.add_argument("--stop-after", type=int, metavar="N",
                     help="stop after N steps in this invocation (as if preempted; resume later)")
     compile_cache.add_flag(ap)
+    kernel_flags.add_flag(ap)
 
 
 def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
@@ -79,6 +82,10 @@ def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
     args = vars(ap.parse_args(argv))
     resume, stop_after = args.pop("resume"), args.pop("stop_after")
     no_compile_cache = args.pop("no_compile_cache", None)  # None: a parser without the flag
+    if args.pop("no_cpu_kernels", False):
+        from medusa_jax.kernels import flags as kernel_flags
+
+        kernel_flags.apply_flag(argparse.Namespace(no_cpu_kernels=True))
     given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in args.items()
              if v is not None}
     if stop_after is not None and stop_after < 1:
