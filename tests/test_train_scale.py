@@ -225,7 +225,9 @@ def test_frozen_backbone_in_passes_of_a_few_rows_equals_one_pass(monkeypatch):
     jaxpr = jax.make_jaxpr(lambda p, b: ts.frozen_hidden(p, CFG, b))(bb, batch)
     assert "scan" in str(jaxpr)  # really in passes
     parts = jax.jit(lambda p, b: ts.frozen_hidden(p, CFG, b))(bb, batch)
-    np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    # XLA:CPU rounds a product of 2 rows differently from one of 8 (another code path):
+    # float32 rounding of hidden states of order 1, so 1e-5 absolute
+    np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
 def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_path):
