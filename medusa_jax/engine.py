@@ -425,6 +425,8 @@ class Engine:
         self._demand_cv = threading.Condition()
         self._demand = 0  # requests' compiles waiting for the lock
         self._finish_lock = threading.Lock()
+        self._unfinished = 0  # requests submitted and not finished
+        self._held = 0  # requests the caller is handling (`hold`)
         self._jits = None  # the jitted functions and abstract state, once `_setup` ran
         self._ready = threading.Event()  # the first requests' programs are compiled
         self._all_compiled = threading.Event()
@@ -604,7 +606,20 @@ class Engine:
                 self.log(f"error: compiling failed: {e!r}")
 
     def _busy(self) -> bool:
-        return bool(self._waiting) or any(s.req is not None for s in self._slots)
+        """Requests submitted and not finished (waiting, being admitted, or running), or
+        held by the caller (`hold`: a server still reading or answering one)."""
+        return self._unfinished > 0 or self._held > 0
+
+    def hold(self):
+        """Count a request the caller is handling outside the engine (reading, tokenizing,
+        sending the answer): the background warm-up waits for it as for a running one
+        (its tracing would slow the caller's thread by holding the GIL). `release` ends it."""
+        with self._finish_lock:
+            self._held += 1
+
+    def release(self):
+        with self._finish_lock:
+            self._held = max(0, self._held - 1)
 
     def _bucket(self, n: int) -> int:
         """The bucket a prompt of n tokens is prefilled in: the smallest compiled one that
@@ -643,6 +658,8 @@ class Engine:
             if len(self._waiting) >= self.max_queue + self._free_slots():
                 raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
             req.id, req.t_submit = next(self._ids), time.perf_counter()
+            with self._finish_lock:
+                self._unfinished += 1
             self._waiting.append(req)
             self._cv.notify()
         return req
@@ -683,6 +700,7 @@ class Engine:
             if req.finished:
                 return
             req.finished = True
+            self._unfinished -= 1
         self.metrics.requests[reason] += 1
         try:
             req.on_event(list(tokens), reason, error)

@@ -591,6 +591,19 @@ class Server:
                 "total_tokens": prompt_tokens + completion_tokens}
 
     async def run(self, http: HTTPRequest, chat: bool):
+        """One request, held in the engine (`Engine.hold`) until its answer is sent: a
+        stream releases it when it ends."""
+        self.engine.hold()
+        held = True
+        try:
+            out = await self._run(http, chat)
+            held = not isinstance(out, StreamingResponse)
+            return out
+        finally:
+            if held:
+                self.engine.release()
+
+    async def _run(self, http: HTTPRequest, chat: bool):
         t_arrive = time.perf_counter()
         body = await self.read_body(http)
         self._check_model(body)
@@ -783,6 +796,7 @@ class Server:
         finally:
             watcher.cancel()
             await pieces.aclose()
+            self.engine.release()
 
 
 def create_app(engine: Engine, model_name: str,
