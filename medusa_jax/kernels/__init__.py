@@ -25,9 +25,12 @@ the same process can time both (`unwrap`).
 # `fewrow`, loaded on the first use of one of its names here.
 
 
+_SUBMODULES = ("build", "fewrow", "flags")  # imported as modules: never through fewrow
+
+
 def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
+    if name.startswith("__") or name in _SUBMODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
     return getattr(importlib.import_module("medusa_jax.kernels.fewrow"), name)
