@@ -76,14 +76,20 @@ def test_the_embedded_and_shipped_configs_still_pass():
     assert (cfg.hidden_size, cfg.rms_norm_eps, cfg.rope_theta) == (64, 1e-5, 10000.0)
 
 
+def _generate_in_child(model_dir):
+    """`infer.generate --model model_dir` in a fresh process; it prints whether JAX got
+    imported and the exit status."""
+    code = ("import sys\nfrom infer import generate\n"
+            f"rc = generate.main(['--model', {str(model_dir)!r}])\n"
+            "print('jax imported' if 'jax' in sys.modules else 'no jax', rc)")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+
+
 def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
     """`infer.generate` names config.json and the field, and never imports JAX for it."""
     d = model_copy(tmp_path, rope_theta=-10000)
-    code = ("import sys\nfrom infer import generate\n"
-            f"rc = generate.main(['--model', {str(d)!r}])\n"
-            "print('jax imported' if 'jax' in sys.modules else 'no jax', rc)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    proc = _generate_in_child(d)
     assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
     assert one_line(proc.stderr) == (f"error: {d / 'config.json'}: rope_theta must be a "
                                      f"finite number > 0, got -10000")
@@ -129,11 +135,7 @@ def test_a_truncated_file_fails_generate_before_jax(tmp_path):
     d = model_copy(tmp_path)
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:5000])
-    code = ("import sys\nfrom infer import generate\n"
-            f"rc = generate.main(['--model', {str(d)!r}])\n"
-            "print('jax imported' if 'jax' in sys.modules else 'no jax', rc)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60)
+    proc = _generate_in_child(d)
     assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
     assert "model.safetensors: corrupt or truncated" in one_line(proc.stderr)
 

@@ -34,7 +34,7 @@ CACHE_ENV = "MEDUSA_JAX_KERNEL_CACHE"
 FLAGS_ENV = "MEDUSA_JAX_KERNEL_CXXFLAGS"  # replaces -march=native (a cross build, say)
 CPU_FLAGS_ENV = "MEDUSA_JAX_CPU_FLAGS"  # what this CPU supports, when /proc says otherwise
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG", "-ffp-contract=fast",
-              "-fno-math-errno",]
+              "-fno-math-errno"]
 
 # Compiler macros that mean "this build executes these instructions": macro -> cpuinfo flag.
 ISA_MACROS = {"__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX2__": "avx2",

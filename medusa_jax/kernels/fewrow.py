@@ -157,7 +157,11 @@ def use_cpu_kernels(params, enabled: bool | None = None):
     """Wrap a backbone's decoding-layout products (and an untied lm_head) of at least
     `MIN_BYTES` in `KernelWeight` when the kernels are available and every weight is on
     the CPU; otherwise (or with `enabled=False`) return the parameters unchanged, unwrapped.
-    A backbone without any weight that large keeps XLA's products throughout."""
+    A backbone without any weight that large keeps XLA's products throughout. Parameters
+    already wrapped are returned as they are (`Medusa` lays out what `load_pretrained`
+    already did: unpacking and packing again would hold a second copy of every weight)."""
+    if enabled is not False and active(params) and available():
+        return params
     params = unwrap(params)
     if enabled is False or not isinstance(params.get("layers"), (tuple, list)):
         return params

@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <string>
 
 #if defined(__AVX__)
 #include <immintrin.h>
