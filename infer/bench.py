@@ -28,7 +28,10 @@ import statistics
 import sys
 from collections import defaultdict
 
-from medusa_jax import cli, compile_cache, quiet
+from medusa_jax import cli
+from medusa_jax.model import paths
+from medusa_jax.runtime import options
+from medusa_jax.runtime import compile_cache, quiet
 from medusa_jax.kernels.flags import add_flag as kernels_flag, apply_flag as kernels_apply
 
 
@@ -38,29 +41,29 @@ def build_parser():
     cli.add_model_flags(p, mesh=True)
     p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
                                      "(default: held-out TinyStories openings)")
-    p.add_argument("--num-prompts", type=cli.positive_int, default=16)
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--num-prompts", type=options.positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
-    p.add_argument("--trees", type=cli.name_list, default=None, help="comma list of tree names/files "
+    p.add_argument("--trees", type=options.name_list, default=None, help="comma list of tree names/files "
                                                  "(default: the model's default tree)")
-    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=cli.int_list(1),
+    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=options.int_list(1),
                    default=[1],
                    help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
-    p.add_argument("--cache-phases", type=cli.int_list(1), default=None,
+    p.add_argument("--cache-phases", type=options.int_list(1), default=None,
                    help="comma list: the decoders' most attention-window phases, e.g. 1,4 "
                         "(1: attend over the whole KV cache every step; default: the "
                         "decoders' own); each value gets its own plain and Medusa rows")
-    p.add_argument("--also-heads", type=cli.name_list, default=None, metavar="HEADS,...",
+    p.add_argument("--also-heads", type=options.name_list, default=None, metavar="HEADS,...",
                    help="comma list of more heads (artifacts of either kind, Medusa or "
                         "Hydra; 'default' / 'hydra': the embedded model's shipped ones), "
                         "each benchmarked against the same plain run, side by side with "
                         "--heads")
     p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--reps", type=cli.positive_int, default=3)
+    p.add_argument("--reps", type=options.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
-    p.add_argument("--hf-prompts", type=cli.positive_int, default=4,
+    p.add_argument("--hf-prompts", type=options.positive_int, default=4,
                    help="prompts for the (slow) transformers baseline, first batch size only")
-    p.add_argument("--hf-reps", type=cli.positive_int, default=1)
+    p.add_argument("--hf-reps", type=options.positive_int, default=1)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="results as JSON: on standard output, or into FILE")
     p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
@@ -83,24 +86,24 @@ def build_parser():
     p.add_argument("--compare-layouts", action="store_true",
                    help="plain greedy decoding of --model with its layers stacked and scanned "
                         "against the decoding layout (per-layer weights), alternating")
-    p.add_argument("--report-layers", type=cli.int_list(1), default=[1, 2],
+    p.add_argument("--report-layers", type=options.int_list(1), default=[1, 2],
                    help="with --hardware-report: layer counts to measure (the shape's depth "
                         "is extrapolated linearly from them; default 1,2)")
-    p.add_argument("--report-contexts", type=cli.int_list(1), default=[512, 4096],
+    p.add_argument("--report-contexts", type=options.int_list(1), default=[512, 4096],
                    help="with --hardware-report: cache fills to measure (default 512,4096)")
-    p.add_argument("--report-tokens", type=cli.int_list(1), default=[1, 5, 9, 17, 33, 65],
+    p.add_argument("--report-tokens", type=options.int_list(1), default=[1, 5, 9, 17, 33, 65],
                    help="with --hardware-report: tokens per pass to measure (default "
                         "1,5,9,17,33,65: plain decoding and trees of 4 ... 64 nodes)")
     p.add_argument("--shape", default="llama-110m")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tree-sizes", type=cli.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
-    p.add_argument("--prefix", type=cli.positive_int, default=256,
+    p.add_argument("--tree-sizes", type=options.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--prefix", type=options.positive_int, default=256,
                    help="context length for the step curve")
-    p.add_argument("--layers", type=cli.positive_int, default=None,
+    p.add_argument("--layers", type=options.positive_int, default=None,
                    help="with --random-weights: per-device memory of Medusa decoding of "
                         "--shape on --mesh, measured with this many layers and extrapolated "
                         "to all (parameters, heads, KV cache, compiled temporaries)")
-    p.add_argument("--context", type=cli.positive_int, default=2048,
+    p.add_argument("--context", type=options.positive_int, default=2048,
                    help="KV cache length for --layers (default 2048)")
     p.add_argument("--compare-kernels", action="store_true",
                    help="with --step-curve: time every pass with this project's CPU kernel "
@@ -111,7 +114,7 @@ def build_parser():
 
 
 def heads_cost(args) -> int:
-    from medusa_jax.bench import SHAPES, heads_cost as measure
+    from medusa_jax.tools.bench import SHAPES, heads_cost as measure
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
@@ -131,11 +134,11 @@ def heads_cost(args) -> int:
 def sizing(args) -> int:
     import jax
 
-    from medusa_jax.bench import size_model
+    from medusa_jax.tools.bench import size_model
 
     trees = args.trees.split(",") if args.trees else [None]
-    with cli.errors_to_exit():
-        from medusa_jax.tree import Tree
+    with options.errors_to_exit():
+        from medusa_jax.decoding.tree import Tree
 
         tree = Tree.load(trees[0]) if trees[0] else None
         r = size_model(args.shape, args.layers, args.mesh or "1,1", dtype=args.dtype,
@@ -160,11 +163,11 @@ def sizing(args) -> int:
 def step_curve(args) -> int:
     import jax
 
-    from medusa_jax.bench import (bound_seconds, measure_bandwidth, measure_peak,
+    from medusa_jax.tools.bench import (bound_seconds, measure_bandwidth, measure_peak,
                                   pass_cost, random_backbone, step_time_curve)
-    from medusa_jax.weights import load_pretrained
+    from medusa_jax.model.weights import load_pretrained
 
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         if args.random_weights:
             cfg, params = random_backbone(args.shape, args.dtype)
             label = f"{args.shape} (random weights, {args.dtype})"
@@ -219,11 +222,11 @@ def step_curve(args) -> int:
 
 def hardware_report(args) -> int:
     """--hardware-report: does Medusa pay on this device, at --shape?"""
-    from medusa_jax.bench import hardware_report as measure, predicted_speedups, \
+    from medusa_jax.tools.bench import hardware_report as measure, predicted_speedups, \
         shipped_tokens_per_step
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         r = measure(args.shape, dtype=args.dtype, layers=args.report_layers,
                     contexts=args.report_contexts, token_counts=args.report_tokens,
                     reps=args.reps, progress=say)
@@ -259,14 +262,14 @@ def hardware_report(args) -> int:
 
 
 def compare_layouts(args) -> int:
-    from medusa_jax.bench import compare_layouts as measure
-    from medusa_jax.weights import load_pretrained, load_tokenizer
+    from medusa_jax.tools.bench import compare_layouts as measure
+    from medusa_jax.model.weights import load_pretrained, load_tokenizer
 
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         cfg, params = load_pretrained(args.model)
         tok = load_tokenizer(args.model)
-    from medusa_jax.config import stop_tokens
+    from medusa_jax.model.config import stop_tokens
 
     print("timing both layouts, alternating ...", file=sys.stderr)
     r = measure(cfg, params, [tok.encode(p) for p, _ in prompts],
@@ -318,11 +321,11 @@ def _plot_report(r, path):
 
 
 def breakdown(args) -> int:
-    from medusa_jax.bench import step_breakdown
+    from medusa_jax.tools.bench import step_breakdown
 
     prompts = cli.read_prompts(args.prompts, 1)
     model = cli.load_with_heads(args.model, args.heads)
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
     print("timing each stage of a decoding step ...", file=sys.stderr)
     rows = step_breakdown(model.params, model.heads, model.cfg, model.encode(prompts[0][0]),
@@ -351,15 +354,15 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         ap.error(f"--temperature must be > 0 for --modes {args.modes}, got {args.temperature}")
     try:
         if args.prompts:  # read again when the prompts are used; a bad file fails here
-            from medusa_jax.prompt_files import read_prompt_file
+            from medusa_jax.text.prompt_files import read_prompt_file
 
             read_prompt_file(args.prompts)
         if args.json not in (None, "-"):
-            cli.writable_output("--json", args.json)
+            options.writable_output("--json", args.json)
         if args.plot:
-            cli.writable_output("--plot", args.plot)
+            options.writable_output("--plot", args.plot)
         if not args.random_weights:
-            cli.check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
+            paths.check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
     except (ValueError, OSError) as e:
         ap.error(str(e))
 
@@ -392,7 +395,7 @@ def main(argv=None) -> int:
         return step_curve(args)
     if args.breakdown:
         return breakdown(args)
-    from medusa_jax.decode import check_fits
+    from medusa_jax.decoding.decode import check_fits
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked: check_args
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
@@ -401,7 +404,7 @@ def main(argv=None) -> int:
 
     print(f"matrix products: {kernels.describe(model.params)}", file=sys.stderr)
     ids = [model.encode(p) for p, _ in prompts]
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
         for t in trees:
             check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, t.num_nodes)
@@ -420,15 +423,17 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax import api, heads as heads_lib
-    from medusa_jax.hydra import is_hydra
-    from medusa_jax.tree import Tree
+    from medusa_jax import api
+    from medusa_jax.drafters.medusa import heads as heads_lib
+    from medusa_jax.drafters import formats as heads_formats
+    from medusa_jax.drafters.hydra.heads import is_hydra
+    from medusa_jax.decoding.tree import Tree
 
     out = []
     for name in args.also_heads.split(","):
         path = {"default": api.default_heads_dir(), "hydra": api.default_hydra_heads_dir()} \
             .get(name, name)
-        heads, _ = heads_lib.load_heads(path, model.cfg, base_model=model.model_dir)
+        heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         kind = "hydra" if is_hydra(heads) else "medusa"
         k = heads_lib.heads_config_of(heads).num_heads
         for t in trees:
@@ -449,8 +454,8 @@ def _bench(args, model, ids, prompts, modes, trees, common, results):
 def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, phases):
     """Plain decoding at batch size `bs` (and transformers, once), then Medusa in every mode
     and tree; `phases`: the decoders' --cache-phases (None: their default)."""
-    from medusa_jax.acceptance import Sampling
-    from medusa_jax.bench import compare_decoding, run_decoder, run_transformers
+    from medusa_jax.decoding.acceptance import Sampling
+    from medusa_jax.tools.bench import compare_decoding, run_decoder, run_transformers
 
     suffix = "" if phases is None else f" ({phases} ph.)"
     common = dict(common, max_cache_phases=phases)

@@ -133,7 +133,7 @@ def summarize(results: dict, wall: float, accepted: float) -> dict:
 
 def read_prompts(path: str | None) -> list[str]:
     if path is None:
-        from medusa_jax.assets import heldout_prompts
+        from medusa_jax.runtime.assets import heldout_prompts
 
         return heldout_prompts()
     from infer.generate import read_prompts_file

@@ -11,7 +11,10 @@ import argparse
 import json
 import sys
 
-from medusa_jax import cli, compile_cache, quiet
+from medusa_jax import cli
+from medusa_jax.model import paths
+from medusa_jax.runtime import options
+from medusa_jax.runtime import compile_cache, quiet
 from medusa_jax.kernels import flags as kernel_flags
 
 MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
@@ -19,7 +22,7 @@ MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the a
 
 def read_prompts_file(path: str) -> list[str]:
     """Text lines, or JSONL with a `prompt` field or a `turns` list (its first turn is used)."""
-    from medusa_jax.prompt_files import read_prompt_file
+    from medusa_jax.text.prompt_files import read_prompt_file
 
     try:
         return [prompt for prompt, _ in read_prompt_file(path)]
@@ -39,12 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     p.add_argument("--mode", choices=MODES, default="greedy")
     p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree)")
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=cli.seed_int, default=0)
-    p.add_argument("--batch-size", type=cli.positive_int, default=8)
+    p.add_argument("--seed", type=options.seed_int, default=0)
+    p.add_argument("--batch-size", type=options.positive_int, default=8)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     compile_cache.add_flag(p)
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "greedy" and not args.temperature > 0:
         ap.error(f"--temperature must be > 0 for --mode {args.mode}, got {args.temperature}")
     try:  # paths (and hub ids) before JAX: a wrong one fails at once
-        cli.check_model_paths(args.model, args.heads)
+        paths.check_model_paths(args.model, args.heads)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-from medusa_jax import cli, compile_cache
+from medusa_jax import cli
+from medusa_jax.model import paths
+from medusa_jax.runtime import options
+from medusa_jax.runtime import compile_cache
 from medusa_jax.kernels import flags as kernel_flags
 
 
@@ -26,12 +29,12 @@ def build_parser():
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_flags(p)
     p.add_argument("--prompts", help="prompt file (default: held-out TinyStories openings)")
-    p.add_argument("--num-prompts", type=cli.positive_int, default=16)
-    p.add_argument("--max-new-tokens", type=cli.positive_int, default=128)
-    p.add_argument("--sizes", type=cli.int_list(1),
+    p.add_argument("--num-prompts", type=options.positive_int, default=16)
+    p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
+    p.add_argument("--sizes", type=options.int_list(1),
                    default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
-    p.add_argument("--top-k", type=cli.positive_int, default=10)
-    p.add_argument("--reps", type=cli.positive_int, default=3)
+    p.add_argument("--top-k", type=options.positive_int, default=10)
+    p.add_argument("--reps", type=options.positive_int, default=3)
     p.add_argument("--out", default="searched_tree.json", help="where to write the chosen tree")
     p.add_argument("--plot", help="PNG of expected and measured tokens/step and speedup vs size")
     compile_cache.add_flag(p)
@@ -46,17 +49,17 @@ def main(argv=None) -> int:
     if out.is_dir() or not out.parent.is_dir():
         ap.error(f"--out {out}: not a file in an existing directory")
     try:  # paths and hub ids, config.json and the weights' headers, before JAX
-        cli.check_model_paths(args.model, args.heads)
+        paths.check_model_paths(args.model, args.heads)
         if args.plot:
-            cli.writable_output("--plot", args.plot)
+            options.writable_output("--plot", args.plot)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
-    from medusa_jax import timing
-    from medusa_jax.bench import compare_decoding, run_decoder
-    from medusa_jax.tree import Tree
-    from medusa_jax.tree_search import expected_tokens_per_step, grow_tree, head_rank_accuracy
+    from medusa_jax.runtime import timing
+    from medusa_jax.tools.bench import compare_decoding, run_decoder
+    from medusa_jax.decoding.tree import Tree
+    from medusa_jax.tools.tree_search import expected_tokens_per_step, grow_tree, head_rank_accuracy
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]
     model = cli.load_with_heads(args.model, args.heads)
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
                          "heads (independent per depth), not Hydra's path-conditional ones")
     num_heads = model.heads["w"].shape[0]
     ids = [model.encode(p) for p in prompts]
-    from medusa_jax.decode import check_fits
+    from medusa_jax.decoding.decode import check_fits
 
     for n in args.sizes:  # a tree no decode can use is not worth measuring
         try:

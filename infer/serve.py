@@ -30,7 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_jax import assets, cli, compile_cache
+from medusa_jax.runtime import assets, compile_cache
+from medusa_jax import cli
+from medusa_jax.runtime import options
 from medusa_jax.kernels import flags as kernel_flags
 
 WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
@@ -68,19 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_model_flags(p, heads_help="Medusa heads artifact, or 'default' for the embedded "
                                       "model's shipped heads (omit for plain decoding)")
     p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree)")
-    p.add_argument("--slots", type=cli.positive_int, default=8,
+    p.add_argument("--slots", type=options.positive_int, default=8,
                    help="requests decoded at once (the static batch)")
-    p.add_argument("--steps-per-call", type=cli.positive_int, default=4,
+    p.add_argument("--steps-per-call", type=options.positive_int, default=4,
                    help="decoding steps per engine call (tokens reach clients per call; a "
                         "larger value compiles a larger step program)")
-    p.add_argument("--max-context", type=cli.positive_int, default=None,
+    p.add_argument("--max-context", type=options.positive_int, default=None,
                    help="KV cache length per slot, at most the model's context (default: "
                         "the model's context; smaller: fewer programs to compile)")
     p.add_argument("--prefill-buckets", type=_buckets, default=None,
                    help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
                         "of two from 16, and the context; fewer: a faster start, more "
                         "padding)")
-    p.add_argument("--window-block", type=cli.positive_int, default=128,
+    p.add_argument("--window-block", type=options.positive_int, default=128,
                    help="attention windows are compiled in multiples of this (larger: fewer "
                         "step programs, more attention work per step)")
     p.add_argument("--warmup", choices=WARMUPS, default="background",
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the port opens: the slowest start, no pause later)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="waiting requests past which new ones get 429")
-    p.add_argument("--max-request-bytes", type=cli.positive_int, default=1 << 20,
+    p.add_argument("--max-request-bytes", type=options.positive_int, default=1 << 20,
                    help="request bodies past this size get 413 (default: 1 MiB)")
     p.add_argument("--served-model-name", type=_name,
                    help="the model id clients send (default: the model folder's name)")
@@ -181,8 +183,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     import uvicorn
 
     from medusa_jax.api import Medusa
-    from medusa_jax.engine import Engine
-    from medusa_jax.server import create_app
+    from medusa_jax.serving.engine import Engine
+    from medusa_jax.serving.server import create_app
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,

@@ -22,16 +22,17 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax import assets, compile_cache, hub, sharding, startup, timing
-from medusa_jax.acceptance import MODES, Sampling
-from medusa_jax.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
-from medusa_jax.config import ModelConfig, stop_tokens
-from medusa_jax.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.heads import heads_axes, heads_config_of
-from medusa_jax.heads_formats import is_medusa2_model, load_heads
-from medusa_jax.hydra import is_hydra
-from medusa_jax.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.weights import check_headers, default_model_dir, load_pretrained, tokenizer_files
+from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
+from medusa_jax.text import tokenizer as startup
+from medusa_jax.decoding.acceptance import MODES, Sampling
+from medusa_jax.model.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
+from medusa_jax.model.config import ModelConfig, stop_tokens
+from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
+from medusa_jax.drafters.medusa.heads import heads_axes, heads_config_of
+from medusa_jax.drafters.formats import is_medusa2_model, load_heads
+from medusa_jax.drafters.hydra.heads import is_hydra
+from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
+from medusa_jax.model.weights import check_headers, default_model_dir, load_pretrained, tokenizer_files
 
 
 @dataclasses.dataclass

@@ -18,7 +18,7 @@ def pytest_configure(config):
     keeps as they are."""
     import sys
 
-    from medusa_jax import compile_cache  # stdlib only: jax is not imported here
+    from medusa_jax.runtime import compile_cache  # stdlib only: jax is not imported here
 
     if compile_cache.off_by_env():
         return
@@ -44,7 +44,7 @@ def stories():
     """(cfg, backbone params, tokenizer) of the embedded stories260K model."""
     from transformers import AutoTokenizer
 
-    from medusa_jax.weights import default_model_dir, load_pretrained
+    from medusa_jax.model.weights import default_model_dir, load_pretrained
 
     cfg, params = load_pretrained()
     return cfg, params, AutoTokenizer.from_pretrained(default_model_dir())

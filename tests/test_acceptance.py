@@ -6,12 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.acceptance import Sampling, log_probs
-from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
-from medusa_jax.config import ModelConfig
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.tree import Tree
+from medusa_jax.decoding.acceptance import Sampling, log_probs
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.decoding.tree import Tree
 
 V = 8
 CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,
@@ -82,7 +82,7 @@ def test_rejection_sampling_matches_plain_sampling_distribution(tiny, sampling, 
     params, heads = tiny
     if cpu_kernel:  # the decoding layout with every product on the CPU kernel
         from medusa_jax import kernels
-        from medusa_jax.backbone import decoding_layout
+        from medusa_jax.model.backbone import decoding_layout
         from medusa_jax.kernels import fewrow
 
         if not kernels.available():
@@ -119,7 +119,7 @@ def test_typical_acceptance_is_lossy_and_the_test_detects_it(tiny):
 
 
 def test_typical_thresholds_and_tie_break():
-    from medusa_jax.acceptance import typical
+    from medusa_jax.decoding.acceptance import typical
 
     tree = Tree.from_paths([[0], [1]])
     # root's distribution: token 3 has p=0.5, token 4 p=0.3; threshold is min(0.09, 0.3*e^-H)

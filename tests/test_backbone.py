@@ -10,9 +10,9 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
                           Qwen3Config)
 
-from medusa_jax.backbone import KVCache, causal_mask, forward, init_params
-from medusa_jax.config import ModelConfig
-from medusa_jax.weights import default_model_dir, load_pretrained
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.weights import default_model_dir, load_pretrained
 
 SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
@@ -136,7 +136,7 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     """The decoding layout (per-layer weights, fused q/k/v and gate/up) of a model of any
     depth computes the same function, `standard_layout` restores every parameter exactly,
     and loading a checkpoint straight into it gives the same arrays."""
-    from medusa_jax.backbone import decoding_layout, param_shapes, standard_layout
+    from medusa_jax.model.backbone import decoding_layout, param_shapes, standard_layout
 
     layers = 13 if arch == "deep" else 2
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
@@ -148,7 +148,7 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     assert any("'wqkv'" in p for p in paths) and not any("'wq'" in p for p in paths)
     assert isinstance(fast["layers"], tuple) and len(fast["layers"]) == layers
     if arch == "deep":  # the same layout read straight from a checkpoint
-        from medusa_jax.weights import save_pretrained
+        from medusa_jax.model.weights import save_pretrained
 
         save_pretrained(cfg, params, tmp_path)
         (tmp_path / "config.json").write_text(json.dumps(dict(
@@ -177,7 +177,7 @@ def test_per_layer_cache_gives_the_same_logits_and_entries():
     """The decoding layout's per-layer cache (written before it is read) against the stacked
     cache: rows at different lengths, a second pass over a window narrower than the cache,
     the same logits and the same keys/values in every slot that was written."""
-    from medusa_jax.backbone import decoding_layout, forward_scratch
+    from medusa_jax.model.backbone import decoding_layout, forward_scratch
 
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,

@@ -5,7 +5,7 @@ plain bfloat16 decoding does."""
 
 import numpy as np
 
-from medusa_jax import assets
+from medusa_jax.runtime import assets
 from medusa_jax.api import Medusa
 
 N_PROMPTS, NEW = 8, 48

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax import data
-from medusa_jax.checkpoint import CheckpointError, Checkpointer
+from medusa_jax.text import data
+from medusa_jax.training.checkpoint import CheckpointError, Checkpointer
 from test_train_step import CFG, setup  # tests/ is on sys.path under pytest
 
 TRAINED = ("heads",)
@@ -99,8 +99,8 @@ KILLED_SAVE = textwrap.dedent("""
     import os, sys
     import numpy as np
     from orbax.checkpoint._src.path import atomicity
-    from medusa_jax import data
-    from medusa_jax.checkpoint import Checkpointer
+    from medusa_jax.text import data
+    from medusa_jax.training.checkpoint import Checkpointer
     from test_train_step import setup
     from test_checkpoint import toy_rows, train
 
@@ -206,7 +206,7 @@ def test_restore_falls_back_past_a_corrupt_newest_step(two_steps, tmp_path, capl
     _truncate_arrays(ckdir / "2")
     state, step, shardings, _ = setup()
     ck = Checkpointer(ckdir, create=False)
-    with caplog.at_level("WARNING", logger="medusa_jax.checkpoint"):
+    with caplog.at_level("WARNING", logger="medusa_jax.training.checkpoint"):
         restored, meta = ck.restore(state, shardings, TRAINED)
     assert meta["step"] == 1 and int(restored.step) == 1
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][1])

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from medusa_jax import assets, cli, startup
-from medusa_jax.config import ModelConfig
-from medusa_jax.weights import WeightsError, check_headers, default_model_dir
+from medusa_jax.runtime import assets
+from medusa_jax import cli
+from medusa_jax.text import tokenizer as startup
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.weights import WeightsError, check_headers, default_model_dir
 
 
 def model_copy(tmp_path, name="m", **changes):
@@ -144,8 +146,8 @@ def test_a_truncated_file_fails_generate_before_jax(tmp_path):
 
 
 def test_heads_metadata_that_is_not_a_count_is_named(tmp_path):
-    from medusa_jax.heads import load_heads
-    from medusa_jax.heads_formats import HeadsFormatError, HEADS_FILE
+    from medusa_jax.drafters.formats import load_heads
+    from medusa_jax.drafters.formats import HeadsFormatError, HEADS_FILE
 
     src = assets.heads_dir() / HEADS_FILE
     out = tmp_path / HEADS_FILE
@@ -172,7 +174,7 @@ def no_work(monkeypatch):
         raise AssertionError("work started before the arguments were checked")
 
     monkeypatch.setattr(cli, "load_with_heads", fail)
-    from medusa_jax import weights
+    from medusa_jax.model import weights
 
     monkeypatch.setattr(weights, "load_pretrained", fail)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from medusa_jax.heads import HeadsConfig, init_heads, save_heads
+from medusa_jax.drafters.formats import save_heads
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,11 +6,13 @@ import json
 
 import pytest
 
-from medusa_jax import assets, cli
-from medusa_jax.config import stop_tokens
-from medusa_jax.medusa1 import Medusa1Config
-from medusa_jax.medusa2 import Medusa2Config
-from medusa_jax.trainer import Command, Recipe, TrainConfig
+from medusa_jax.runtime import assets
+from medusa_jax.runtime import options
+from medusa_jax.model.config import stop_tokens
+from medusa_jax.training.recipes.medusa1 import Medusa1Config
+from medusa_jax.training.recipes.medusa2 import Medusa2Config
+from medusa_jax.training.command import Command
+from medusa_jax.training.trainer import Recipe, TrainConfig
 
 
 @pytest.mark.parametrize("cls", [Medusa1Config, Medusa2Config])
@@ -19,7 +21,7 @@ def test_every_config_field_is_a_flag_of_its_type(cls):
     flags = {a.dest: a for a in ap._actions}
     for f in dataclasses.fields(cls):
         assert f.name in flags, f.name
-    cfg, resume, stop = cli.parse_config(ap, cls, [
+    cfg, resume, stop = options.parse_config(ap, cls, [
         "--steps", "7", "--lr", "0.5", "--data", "a.jsonl", "--data", "b.jsonl",
         "--template", "plain", "--mesh", "data=1,fsdp=1", "--stop-after", "3"])
     assert (cfg.steps, cfg.lr, cfg.data, cfg.template) == (7, 0.5, ("a.jsonl", "b.jsonl"),
@@ -45,23 +47,23 @@ def test_resume_takes_the_saved_config_and_refuses_other_changes(tmp_path, capsy
     saved = dataclasses.asdict(Medusa1Config(steps=10, lr=0.1, output_dir=str(tmp_path)))
     (tmp_path / "config.json").write_text(json.dumps(saved))
     ap = Command("prog", "doc", Medusa1Config, Recipe).build_parser()
-    cfg, resume, _ = cli.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path),
+    cfg, resume, _ = options.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path),
                                                           "--steps", "20"])
     assert (cfg.steps, cfg.lr, resume) == (20, 0.1, str(tmp_path))
     with pytest.raises(SystemExit):
-        cli.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path), "--lr", "0.2"])
+        options.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path), "--lr", "0.2"])
     assert "cannot change --lr when resuming" in capsys.readouterr().err
 
 
 def test_int_list_and_positive_int_reject_bad_values():
     import argparse
 
-    assert cli.int_list(1)("1,4,16") == [1, 4, 16]
+    assert options.int_list(1)("1,4,16") == [1, 4, 16]
     for bad in ("0,-3", "x", ""):
         with pytest.raises(argparse.ArgumentTypeError):
-            cli.int_list(1)(bad)
+            options.int_list(1)(bad)
     with pytest.raises(argparse.ArgumentTypeError, match=">= 1"):
-        cli.positive_int("0")
+        options.positive_int("0")
 
 
 def test_default_tree_and_heads_are_decided_in_one_place(tmp_path):

@@ -40,7 +40,7 @@ def test_distill_names_the_file_and_line_of_non_utf8_prompts(tmp_path):
 def test_breakdown_without_heads_is_one_line(tmp_path):
     import shutil
 
-    from medusa_jax import assets
+    from medusa_jax.runtime import assets
 
     model = shutil.copytree(assets.model_dir(), tmp_path / "model")  # not the embedded one
     with pytest.raises(SystemExit) as e:
@@ -49,7 +49,8 @@ def test_breakdown_without_heads_is_one_line(tmp_path):
 
 
 def test_a_dynamic_tree_deeper_than_the_heads_is_one_line(tmp_path, stories, capsys):
-    from medusa_jax.heads import HeadsConfig, init_heads, save_heads
+    from medusa_jax.drafters.formats import save_heads
+    from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 
     cfg, params, _ = stories
     heads = save_heads(tmp_path / "h", init_heads(cfg, params, HeadsConfig(num_heads=2)), cfg)
@@ -60,7 +61,7 @@ def test_a_dynamic_tree_deeper_than_the_heads_is_one_line(tmp_path, stories, cap
 
 
 def test_heads_cost_needs_random_weights_and_times_every_projection():
-    from medusa_jax.bench import heads_cost
+    from medusa_jax.tools.bench import heads_cost
 
     with pytest.raises(SystemExit) as e:
         bench.main(["--heads-cost"])
@@ -93,7 +94,7 @@ def test_generate_top_k_beyond_the_vocabulary_is_one_line(capsys):
 
 
 def test_search_tree_refuses_sizes_that_cannot_fit_the_context(monkeypatch, tmp_path, capsys):
-    from medusa_jax import tree_search
+    from medusa_jax.tools import tree_search
 
     def tripwire(*a, **k):
         raise AssertionError("measuring started before the sizes were checked")

@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from medusa_jax import data
-from medusa_jax.data import DataError
+from medusa_jax.text import data
+from medusa_jax.text.data import DataError
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import decode
-from medusa_jax.decode import medusa_generate, pad_prompts
-from medusa_jax.tree import DynamicTree, Tree
+from medusa_jax.decoding import decode
+from medusa_jax.decoding.decode import medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import DynamicTree, Tree
 from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_ok,
                              _exact_pair_distribution, _pair_counts, tiny)  # noqa: F401
 
@@ -88,7 +88,7 @@ def test_rejection_never_accepts_an_unverified_node():
     """A dynamic tree's unverified pool nodes have no logits of their own (their rows are
     stand-ins): rejection must never walk into one, however likely its token is. Here the
     root's distribution puts almost all mass on the token of an unverified child."""
-    from medusa_jax.acceptance import Sampling, rejection
+    from medusa_jax.decoding.acceptance import Sampling, rejection
 
     tree = TREE  # children of the root: nodes 1, 2, 3 (tokens below)
     rows = 512

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import assets
-from medusa_jax.acceptance import Sampling, log_probs
-from medusa_jax.backbone import KVCache, causal_mask, forward, standard_layout
-from medusa_jax.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
+from medusa_jax.runtime import assets
+from medusa_jax.decoding.acceptance import Sampling, log_probs
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, standard_layout
+from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
 from test_acceptance import _chi_square_ok  # noqa: F401 (test_serve imports it from here)
 
 # the server tests use the same engine shapes: their compiled programs come from the cache

@@ -13,14 +13,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from medusa_jax import api, medusa2, sharding
-from medusa_jax import train_step as ts
-from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import init_params
-from medusa_jax.config import ModelConfig
-from medusa_jax.decode import generate, medusa_generate
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.tree import Tree
+from medusa_jax import api
+from medusa_jax.training.recipes import medusa2
+from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.model.backbone import init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.decoding.decode import generate, medusa_generate
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.decoding.tree import Tree
 
 PLATFORMS = ("cuda", "tpu")
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,

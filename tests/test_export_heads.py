@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-from medusa_jax import heads_formats as hf
+from medusa_jax.drafters import formats as hf
 from medusa_jax.api import Medusa, default_heads_dir
-from medusa_jax.heads import load_heads, save_heads
-from medusa_jax.weights import default_model_dir, load_pretrained
+from medusa_jax.drafters.formats import load_heads, save_heads
+from medusa_jax.model.weights import default_model_dir, load_pretrained
 from train import export_heads
 
 SOURCE = str(default_heads_dir())
@@ -84,7 +84,7 @@ def test_written_files_get_the_permissions_of_other_files(tmp_path):
         cfg, params = load_pretrained()
         heads, _ = load_heads(default_heads_dir(), cfg)
         save_heads(tmp_path / "artifact", heads, cfg)
-        from medusa_jax.weights import save_pretrained
+        from medusa_jax.model.weights import save_pretrained
 
         save_pretrained(cfg, params, tmp_path / "model", source_dir=default_model_dir())
         files = [p for p in tmp_path.rglob("*") if p.is_file()]

@@ -14,7 +14,7 @@ import pytest
 COMMANDS = ["infer.generate", "infer.bench", "infer.tree", "infer.search_tree",
             "train.medusa1", "train.medusa2", "train.hydra", "train.distill", "train.enlarge",
             "train.export_heads", "train.make_openings"]
-HEAVY = ("jax", "flax", "transformers", "torch", "medusa_jax.backbone", "medusa_jax.decode")
+HEAVY = ("jax", "flax", "transformers", "torch", "medusa_jax.model.backbone", "medusa_jax.decoding.decode")
 
 PROBE = """
 import json, runpy, sys
@@ -70,7 +70,7 @@ def test_a_wrong_model_path_is_one_line_before_heavy_imports(module, argv):
 def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
     """transformers prints it through `warning_advice`, which this environment switch
     silences; `quiet.imports` sets it (unless the user chose otherwise)."""
-    from medusa_jax import quiet
+    from medusa_jax.runtime import quiet
 
     monkeypatch.delenv(quiet.ADVISORY, raising=False)
     quiet.imports()
@@ -94,7 +94,7 @@ def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
 
 
 def test_decoding_sets_the_switch_before_transformers_is_imported():
-    code = ("import os, sys\nfrom medusa_jax.startup import tokenizer_class\n"
+    code = ("import os, sys\nfrom medusa_jax.text.tokenizer import tokenizer_class\n"
             "from medusa_jax import assets\n"
             "os.environ.pop('TRANSFORMERS_NO_ADVISORY_WARNINGS', None)\n"
             "assert 'transformers' not in sys.modules\n"
@@ -130,10 +130,10 @@ def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys)
 
 
 def test_bench_reports_progress_per_compile_warm_up_and_repetition(stories):
-    from medusa_jax.bench import run_decoder
+    from medusa_jax.tools.bench import run_decoder
 
     cfg, params, tok = stories
-    from medusa_jax.backbone import decoding_layout
+    from medusa_jax.model.backbone import decoding_layout
 
     seen = []
     run_decoder(decoding_layout(cfg, params), cfg, [tok.encode("Lily")], batch_size=1,
@@ -166,6 +166,6 @@ def test_a_missing_prompts_file_is_one_line_before_heavy_imports(module, argv):
 
 def test_the_commands_modes_are_the_decoders():
     from medusa_jax import cli
-    from medusa_jax.acceptance import MODES
+    from medusa_jax.decoding.acceptance import MODES
 
     assert cli.DECODE_MODES == MODES

@@ -13,15 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
-from medusa_jax import api, sharding
-from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import (KVCache, causal_mask, decoding_layout, forward, layer_kinds,
+from medusa_jax import api
+from medusa_jax.runtime import sharding
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.model.backbone import (KVCache, causal_mask, decoding_layout, forward, layer_kinds,
                                  param_shapes)
-from medusa_jax.config import ModelConfig
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.heads import HeadsConfig, init_heads, load_heads, save_heads
-from medusa_jax.tree import Tree
-from medusa_jax.weights import WeightsError, load_pretrained
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.drafters.formats import load_heads, save_heads
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.model.weights import WeightsError, load_pretrained
 
 V, WINDOW, TOTAL = 97, 4, 13
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -189,7 +191,7 @@ def test_tree_verification_sees_each_layers_window(models, layout):
     """One tree pass after a prefix (Gemma 3, window 2 < the tree's depth): every node's
     logits are those of a plain causal pass over prefix + its root-to-node path. So the
     tree mask combines with each local layer's window by position (depth), not by slot."""
-    from medusa_jax.backbone import forward_scratch, tree_mask_after_prefix
+    from medusa_jax.model.backbone import forward_scratch, tree_mask_after_prefix
 
     _scratch = jax.jit(forward_scratch, static_argnums=(1,))
     cfg, params = _medusa_cfg(models, "gemma3_text")
@@ -425,7 +427,7 @@ def test_multimodal_gemma3_folder_loads_its_language_model(models, tmp_path):
 
 
 def test_heads_with_the_wrong_sizes_are_refused_for_a_gemma_backbone(models, tmp_path):
-    from medusa_jax import heads_formats
+    from medusa_jax.drafters import formats as heads_formats
 
     cfg, params = models["gemma2"][2:]
     heads = init_heads(cfg, params, HeadsConfig(num_heads=2))

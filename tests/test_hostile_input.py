@@ -8,12 +8,13 @@ import shutil
 import numpy as np
 import pytest
 
-from medusa_jax import api, data
+from medusa_jax import api
+from medusa_jax.text import data
 from medusa_jax.api import Medusa
-from medusa_jax.bench import read_prompt_file
-from medusa_jax.data import DataError
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.weights import WeightsError, default_model_dir
+from medusa_jax.tools.bench import read_prompt_file
+from medusa_jax.text.data import DataError
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.model.weights import WeightsError, default_model_dir
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Hugging Face hub ids wherever a model or heads folder is taken (`medusa_jax.hub`), tested
+"""Hugging Face hub ids wherever a model or heads folder is taken (`medusa_jax.runtime.hub`), tested
 offline against a cache folder laid out as huggingface_hub lays it out:
 
     $HF_HUB_CACHE/models--owner--name/blobs/<sha256>
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from medusa_jax import assets, cli, hub
-from medusa_jax.config import ModelConfig
+from medusa_jax.runtime import assets, hub
+from medusa_jax.model import paths
+from medusa_jax.model.config import ModelConfig
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -63,7 +64,7 @@ def test_a_model_id_is_found_in_the_cache_offline(cache):
     snapshot = lay_out(cache, "acme/stories", assets.model_dir())
     assert hub.local("acme/stories") == snapshot
     assert ModelConfig.from_dir("acme/stories") == ModelConfig.from_dir(assets.model_dir())
-    cli.check_model_paths("acme/stories", None)
+    paths.check_model_paths("acme/stories", None)
 
 
 def test_a_missing_id_offline_is_one_line_saying_so(cache):

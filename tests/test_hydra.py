@@ -6,12 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import decode, heads as heads_lib, heads_formats, hydra
-from medusa_jax.acceptance import Sampling, rejection
+from medusa_jax.decoding import decode
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.drafters.hydra.drafter import HydraDrafter
+from medusa_jax.decoding.acceptance import Sampling, rejection
 from medusa_jax.api import Medusa, default_hydra_heads_dir
-from medusa_jax.backbone import init_params
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.tree import DynamicTree, Tree
+from medusa_jax.model.backbone import init_params
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import DynamicTree, Tree
 from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_ok,
                              _exact_pair_distribution, _pair_counts)
 
@@ -57,7 +61,7 @@ def plain_rows(stories):
 def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree):
     cfg, params, _ = stories
     tokens, lengths = pad_prompts(PROMPTS)
-    trained, _ = heads_lib.load_heads(default_hydra_heads_dir(), cfg)
+    trained, _ = heads_formats.load_heads(default_hydra_heads_dir(), cfg)
     steps = []
     for heads in (story_heads, trained):  # same shapes: one compile
         out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0),
@@ -98,7 +102,7 @@ def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(tiny_hydra)
     rows, tree = 128, DynamicTree(TREE, 2)
     hidden = jax.random.normal(jax.random.key(5), (rows, CFG.hidden_size))
     root = jnp.full((rows,), 3, jnp.int32)
-    prop = jax.jit(lambda p, h, x, r: decode.HydraDrafter().propose(p, h, x, r, tree))(
+    prop = jax.jit(lambda p, h, x, r: HydraDrafter().propose(p, h, x, r, tree))(
         params, heads, hidden[None], root)
     valid = np.asarray(prop.valid)
     tokens = np.asarray(prop.tokens)
@@ -120,8 +124,8 @@ def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(tiny_hydra)
 
 def test_hydra_artifact_round_trip_and_strict_load(tmp_path, tiny_hydra):
     _, heads = tiny_hydra
-    file = heads_lib.save_heads(tmp_path / "h", heads, CFG)
-    loaded, meta = heads_lib.load_heads(tmp_path / "h", CFG)
+    file = heads_formats.save_heads(tmp_path / "h", heads, CFG)
+    loaded, meta = heads_formats.load_heads(tmp_path / "h", CFG)
     assert meta["kind"] == "hydra" and set(loaded) == set(hydra.NAMES)
     for n in hydra.NAMES:
         np.testing.assert_array_equal(np.asarray(loaded[n]), np.asarray(heads[n]))
@@ -129,21 +133,21 @@ def test_hydra_artifact_round_trip_and_strict_load(tmp_path, tiny_hydra):
     # another backbone: hidden size / vocabulary named with the tensor
     wrong = CFG.__class__(**{**CFG.__dict__, "vocab_size": V + 1})
     with pytest.raises(ValueError, match=r"tensor proj has shape .* vocab 9"):
-        heads_lib.load_heads(file, wrong)
+        heads_formats.load_heads(file, wrong)
     wrong = CFG.__class__(**{**CFG.__dict__, "hidden_size": 32, "head_dim": 16})
     with pytest.raises(ValueError, match=r"tensor in_w has shape .* hidden 32"):
-        heads_lib.load_heads(file, wrong)
+        heads_formats.load_heads(file, wrong)
     # a half-written file
     cut = tmp_path / "cut" / "medusa_heads.safetensors"
     cut.parent.mkdir()
     cut.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
     with pytest.raises(ValueError, match="corrupt or truncated"):
-        heads_lib.load_heads(cut, CFG)
+        heads_formats.load_heads(cut, CFG)
     # a head reading a slot it must not
     bad = dict(heads, in_w=heads["in_w"].at[0, 2].set(1.0))
-    heads_lib.save_heads(tmp_path / "bad", bad, CFG)
+    heads_formats.save_heads(tmp_path / "bad", bad, CFG)
     with pytest.raises(ValueError, match="non-zero weights in input slots"):
-        heads_lib.load_heads(tmp_path / "bad", CFG)
+        heads_formats.load_heads(tmp_path / "bad", CFG)
     # Medusa-only layouts refuse Hydra heads
     with pytest.raises(ValueError, match="Hydra heads; the vllm layout"):
         heads_formats.write(heads, "vllm", tmp_path / "v")
@@ -186,7 +190,7 @@ def test_zankner_hydra_layout_round_trip_and_strict_read(tmp_path, tiny_hydra):
                                                                    2 * CFG.hidden_size],
                                   heads["in_w"][1, 1].T)
     assert t["hydra_lm_head.0.bias"].shape == (V,)
-    loaded, meta = heads_lib.load_heads(tmp_path / "z", CFG)
+    loaded, meta = heads_formats.load_heads(tmp_path / "z", CFG)
     assert meta["format"] == "hydra" and meta["kind"] == "hydra"
     for n in hydra.NAMES:
         np.testing.assert_allclose(np.asarray(loaded[n]), heads[n])
@@ -199,11 +203,11 @@ def test_zankner_hydra_layout_round_trip_and_strict_read(tmp_path, tiny_hydra):
     (bad / "config.json").write_text((tmp_path / "z" / "config.json").read_text())
     save_file(t, str(bad / "hydra_lm_head.safetensors"))
     with pytest.raises(ValueError, match="missing tensor hydra_lm_head.1.bias"):
-        heads_lib.load_heads(bad, CFG)
+        heads_formats.load_heads(bad, CFG)
     (bad / "config.json").write_text('{"hydra_num_heads": 2, "hydra_num_layers": 2, '
                                      '"hydra_head_arch": "prefix-mlp"}')
     with pytest.raises(ValueError, match="prefix-mlp"):
-        heads_lib.load_heads(bad, CFG)
+        heads_formats.load_heads(bad, CFG)
     with pytest.raises(ValueError, match="these are Medusa heads"):
         heads_formats.write({"w": heads["w"], "b": heads["b"], "proj": heads["proj"]},
                             "hydra", tmp_path / "m")

@@ -8,12 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import decode, heads as heads_lib, hydra
-from medusa_jax import train_step as ts
-from medusa_jax.backbone import init_params
-from medusa_jax.config import ModelConfig
-from medusa_jax.hydra_train import HydraConfig, hydra_loss_fn
-from medusa_jax.tree import Tree
+from medusa_jax.decoding import decode
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.training import step as ts
+from medusa_jax.model.backbone import init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.training.recipes.hydra import HydraConfig, hydra_loss_fn
+from medusa_jax.decoding.tree import Tree
 from train import hydra as train_hydra
 
 CFG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
@@ -67,7 +70,7 @@ def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
     params, _ = tiny
     p = {"backbone": params, "heads": hydra.init_hydra(CFG, params, 3, 2)}
     cfg = HydraConfig(lr=3e-2, eval_prompts=0)
-    from medusa_jax.hydra_train import Hydra
+    from medusa_jax.training.recipes.hydra import Hydra
 
     method = Hydra.method(cfg, CFG, p, 30)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
@@ -94,7 +97,7 @@ def test_teacher_loss_is_the_soft_cross_entropy_against_the_base_model(tiny):
     against a direct computation for random heads."""
     params, heads = tiny
     batch = _batch(b=2, t=16, seed=4)
-    from medusa_jax.backbone import logits_from_hidden
+    from medusa_jax.model.backbone import logits_from_hidden
 
     @jax.jit
     def run(params, heads, batch):
@@ -147,6 +150,6 @@ def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories):
     assert summary["step"] == 4 and len(summary["heldout_top1"]) == 3
     bench = summary["benchmark"]
     assert bench["identical_outputs"] == 1 and bench["tokens_per_step"] >= 1.0
-    heads, meta = heads_lib.load_heads(run / "heads", stories[0])
+    heads, meta = heads_formats.load_heads(run / "heads", stories[0])
     assert meta["kind"] == "hydra" and hydra.config_of(heads) == (3, 2)
     assert json.loads((run / "config.json").read_text())["method"] == "hydra"

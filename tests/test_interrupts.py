@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_jax.rundir import RunDirBusy, RunLock
+from medusa_jax.runtime.rundir import RunDirBusy, RunLock
 
 ROOT = Path(__file__).resolve().parent.parent
 # tiny settings on a small user data file: no self-distillation, a step takes milliseconds
@@ -101,7 +101,7 @@ def test_a_second_run_on_the_same_directory_fails_at_once_naming_the_holder(
 
 def test_a_lock_left_by_a_killed_process_is_not_in_the_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from medusa_jax.rundir import RunLock; "
+        "import sys, time; from medusa_jax.runtime.rundir import RunLock; "
         f"RunLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)")],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
@@ -133,7 +133,7 @@ def test_two_signals_during_one_long_call_are_two(tmp_path):
     self-distillation) reach Python's handler once: the second must still stop at once."""
     import hashlib
 
-    from medusa_jax.rundir import StopNow, StopSignals
+    from medusa_jax.runtime.rundir import StopNow, StopSignals
 
     pid = os.getpid()
     with pytest.raises(StopNow) as e:
@@ -149,8 +149,8 @@ def test_two_signals_during_one_long_call_are_two(tmp_path):
 
 def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resume(
         tmp_path, monkeypatch, capsys):
-    from medusa_jax import trainer
-    from medusa_jax.rundir import StopNow
+    from medusa_jax.training import trainer
+    from medusa_jax.runtime.rundir import StopNow
     from train import medusa1
 
     def second_signal(*a, **k):  # as if during self-distillation
@@ -167,8 +167,8 @@ def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resum
 
 def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, monkeypatch,
                                                                     capsys):
-    from medusa_jax import trainer
-    from medusa_jax.rundir import StopNow
+    from medusa_jax.training import trainer
+    from medusa_jax.runtime.rundir import StopNow
     from train import medusa1
 
     run = tmp_path / "run"

@@ -107,14 +107,14 @@ def small_weights_too(monkeypatch):
 
 
 def test_small_weights_stay_with_xla(stories):
-    from medusa_jax.backbone import decoding_layout
+    from medusa_jax.model.backbone import decoding_layout
 
     cfg, params, _ = stories
     assert not kernels.active(decoding_layout(cfg, params))
 
 
 def test_backbone_is_wrapped_only_in_the_decoding_layout(stories, small_weights_too):
-    from medusa_jax.backbone import decoding_layout, standard_layout
+    from medusa_jax.model.backbone import decoding_layout, standard_layout
 
     cfg, params, _ = stories
     assert not kernels.active(params)  # the stacked (training) layout keeps XLA's products

@@ -11,10 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from medusa_jax import backbone, medusa2, sharding
-from medusa_jax import heads as heads_lib
-from medusa_jax import train_step as ts
-from medusa_jax.config import ModelConfig
+from medusa_jax.model import backbone
+from medusa_jax.training.recipes import medusa2
+from medusa_jax.runtime import sharding
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.training import step as ts
+from medusa_jax.model.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # every sharded dim (vocab 64, mlp 32, qkv 16/8, hidden 16) divides by fsdp=4
@@ -197,7 +200,7 @@ def test_exported_backbone_loads_in_transformers_with_equal_logits(ce_trainer, t
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from medusa_jax.weights import load_pretrained, save_pretrained
+    from medusa_jax.model.weights import load_pretrained, save_pretrained
 
     src = tmp_path / "src"
     LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -277,7 +280,7 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
     from infer import generate
 
     cfg, params, _ = stories
-    init = heads_lib.save_heads(tmp_path / "m1heads",
+    init = heads_formats.save_heads(tmp_path / "m1heads",
                                 heads_lib.init_heads(cfg, params, heads_lib.HeadsConfig(3)), cfg)
     openings = (ROOT / "medusa_jax/assets/prompts/train_openings.txt").read_text().splitlines()
     records = [{"conversations": [{"from": "human", "value": o},
@@ -307,8 +310,8 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
     summary = json.loads((run / "summary.json").read_text())
     assert summary["closeness"]["eval_text"]["tokens"] > 10
     # the single Medusa-2 folder (reference layout) holds the same backbone and heads
-    exported, _ = heads_lib.load_heads(run / "heads", cfg)
-    folded, _ = heads_lib.load_heads(run / "medusa2_model", cfg)
+    exported, _ = heads_formats.load_heads(run / "heads", cfg)
+    folded, _ = heads_formats.load_heads(run / "medusa2_model", cfg)
     for name in ("w", "b", "proj"):
         np.testing.assert_array_equal(np.asarray(exported[name]), np.asarray(folded[name]))
     # the exported model + heads load and decode through the user-facing CLI
@@ -317,8 +320,8 @@ def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_
                         "--tree", "mc_sim_7b_63:4", "--json"])
     assert rc == 0
     # a finished run refuses to start over in place (checked before any work is done)
-    from medusa_jax.checkpoint import CheckpointError
-    from medusa_jax.medusa2 import Medusa2Config
+    from medusa_jax.training.checkpoint import CheckpointError
+    from medusa_jax.training.recipes.medusa2 import Medusa2Config
     from train.medusa2 import command
 
     with pytest.raises(CheckpointError, match="already holds checkpoints; use --resume"):

@@ -14,12 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import assets, rundir, trainer
-from medusa_jax.checkpoint import Checkpointer
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.heads_formats import write_reference
-from medusa_jax.medusa1 import Medusa1Config
-from medusa_jax.train_step import TrainState
+from medusa_jax.runtime import assets, rundir
+from medusa_jax.training import trainer
+from medusa_jax.training.checkpoint import Checkpointer
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.drafters.formats import write_reference
+from medusa_jax.training.recipes.medusa1 import Medusa1Config
+from medusa_jax.training.step import TrainState
 from train import medusa1, medusa2
 
 
@@ -231,7 +232,7 @@ def test_run_dir_rule_is_the_library_s(tmp_path, model_copy):
 
 
 def test_each_method_resumes_its_own_runs_only(tmp_path, capsys, no_training):
-    from medusa_jax.medusa2 import Medusa2Config
+    from medusa_jax.training.recipes.medusa2 import Medusa2Config
 
     run = tmp_path / "R2"
     run.mkdir()

@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from medusa_jax import assets
+from medusa_jax.runtime import assets
 
 openai = pytest.importorskip("openai")
 
@@ -92,7 +92,7 @@ CHAT = SYSTEM + [{"role": "user", "content": "Tell me about a cat."}]
 def offline(model):
     """prompt ids -> `Medusa.generate`'s greedy result (NEW tokens) for PROMPTS and the
     chat prompt, decoded in one batch (one compile)."""
-    from medusa_jax.server import vicuna_prompt
+    from medusa_jax.serving.server import vicuna_prompt
 
     chat = vicuna_prompt([(m["role"], m["content"]) for m in CHAT], model.tokenizer)
     ids = [model.encode(p) for p in PROMPTS] + [chat]
@@ -139,7 +139,7 @@ def test_greedy_completions_match_offline_streamed_or_not(client, server, model,
 
 
 def test_chat_matches_offline_on_the_vicuna_template(client, model, offline):
-    from medusa_jax.server import vicuna_prompt
+    from medusa_jax.serving.server import vicuna_prompt
 
     msgs = CHAT
     ids = vicuna_prompt([(m["role"], m["content"]) for m in msgs], model.tokenizer)
@@ -206,7 +206,7 @@ def test_max_tokens_stop_strings_and_stop_tokens_inside_accepted_spans(client, m
 
 def test_utf8_text_is_never_split(model):
     """Multi-byte characters the tokenizer spells as byte tokens come out whole."""
-    from medusa_jax.server import Detokenizer
+    from medusa_jax.serving.server import Detokenizer
 
     tok = model.tokenizer
     prompt = tok.encode("Once")
@@ -231,7 +231,7 @@ def test_utf8_text_is_never_split(model):
 def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(server, model):
     from test_engine import _chi_square_ok, _exact_pairs
 
-    from medusa_jax.acceptance import Sampling
+    from medusa_jax.decoding.acceptance import Sampling
 
     url = server[1] + "/v1/completions"
     prompt = model.encode(PROMPTS[0])

@@ -268,9 +268,9 @@ def test_echo_returns_the_prompt_before_the_completion(client):
 
 
 def test_user_text_cannot_hold_control_tokens(url, client):
-    from medusa_jax.server import TextEncoder, vicuna_prompt
-    from medusa_jax.startup import load_tokenizer
-    from medusa_jax.assets import model_dir
+    from medusa_jax.serving.server import TextEncoder, vicuna_prompt
+    from medusa_jax.text.tokenizer import load_tokenizer
+    from medusa_jax.runtime.assets import model_dir
 
     tok = load_tokenizer(model_dir())
     enc = TextEncoder(tok)
@@ -292,9 +292,9 @@ def test_user_text_cannot_hold_control_tokens(url, client):
 
 def test_a_chat_template_keeps_its_own_control_tokens_only():
     """A template's control tokens are parsed; the same text in a message is text."""
-    from medusa_jax.server import TextEncoder, template_prompt
-    from medusa_jax.startup import load_tokenizer
-    from medusa_jax.assets import model_dir
+    from medusa_jax.serving.server import TextEncoder, template_prompt
+    from medusa_jax.text.tokenizer import load_tokenizer
+    from medusa_jax.runtime.assets import model_dir
 
     tok = load_tokenizer(model_dir()).full
     tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"
@@ -316,8 +316,8 @@ def test_a_chat_template_keeps_its_own_control_tokens_only():
 def test_the_server_app_for_the_embedded_model_imports_no_transformers():
     """Asking the embedded tokenizer for a chat template loaded transformers: a second of
     start-up before the port opened."""
-    code = ("import sys; from medusa_jax.api import Medusa; from medusa_jax.engine import "
-            "Engine; from medusa_jax.server import create_app; "
+    code = ("import sys; from medusa_jax.api import Medusa; from medusa_jax.serving.engine import "
+            "Engine; from medusa_jax.serving.server import create_app; "
             "m = Medusa.load(heads='default'); create_app(Engine(m, slots=1), 'x'); "
             "assert 'transformers' not in sys.modules and 'torch' not in sys.modules")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

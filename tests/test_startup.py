@@ -14,13 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import assets, compile_cache, startup, timing
+from medusa_jax.runtime import assets, compile_cache, timing
+from medusa_jax.text import tokenizer as startup
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # A JAX program compiled with the cache as a command turns it on (`compile_cache.enable`).
 SCRIPT = """
-from medusa_jax import compile_cache
+from medusa_jax.runtime import compile_cache
 print("cache:", compile_cache.enable())
 import jax, jax.numpy as jnp
 print("result:", int(jax.jit(lambda x: (x * 3 + 1).sum())(jnp.arange(5))))
@@ -217,7 +218,7 @@ def test_bfloat16_checkpoint_loads(tmp_path):
     from safetensors.flax import save_file
     from safetensors.numpy import load_file
 
-    from medusa_jax.weights import load_pretrained
+    from medusa_jax.model.weights import load_pretrained
 
     tensors = sorted(load_file(assets.model_dir() / "model.safetensors").items())
     bf16 = {n: jnp.asarray(a, jnp.bfloat16 if i % 2 else jnp.float32)

@@ -14,13 +14,14 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax import api, sharding
-from medusa_jax.acceptance import Sampling
-from medusa_jax.backbone import init_params
-from medusa_jax.config import ModelConfig
-from medusa_jax.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.heads import HeadsConfig, init_heads
-from medusa_jax.tree import Tree
+from medusa_jax import api
+from medusa_jax.runtime import sharding
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.model.backbone import init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+from medusa_jax.decoding.tree import Tree
 
 TREE = Tree.load("mc_sim_7b_63:8")
 NEW = 10

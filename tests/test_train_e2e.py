@@ -11,9 +11,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from medusa_jax import decode, heads as heads_lib
-from medusa_jax.acceptance import Sampling
-from medusa_jax.tree import Tree
+from medusa_jax.decoding import decode
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.decoding.tree import Tree
 from train import medusa1
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +55,7 @@ def test_train_stop_resume_and_use_the_heads(tmp_path, stories):
 
     # the artifact loads, matches the last checkpoint and decodes losslessly
     cfg, params, tok = stories
-    heads, meta = heads_lib.load_heads(run / "heads", cfg)
+    heads, meta = heads_formats.load_heads(run / "heads", cfg)
     assert heads_lib.heads_config_of(heads) == heads_lib.HeadsConfig(4, 2)  # default: 2 blocks
     assert meta["extra"]["step"] == 4
     saved = ocp.StandardCheckpointer().restore((run / "checkpoints" / "4" / "params").absolute())

@@ -9,10 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import backbone, sharding
-from medusa_jax import heads as heads_lib
-from medusa_jax import train_step as ts
-from medusa_jax.config import ModelConfig
+from medusa_jax.model import backbone
+from medusa_jax.runtime import sharding
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.training import step as ts
+from medusa_jax.model.config import ModelConfig
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -231,8 +232,8 @@ def test_frozen_backbone_in_passes_of_a_few_rows_equals_one_pass(monkeypatch):
 
 
 def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_path):
-    from medusa_jax import heads_formats
-    from medusa_jax.medusa1 import Medusa1, Medusa1Config
+    from medusa_jax.drafters import formats as heads_formats
+    from medusa_jax.training.recipes.medusa1 import Medusa1, Medusa1Config
 
     cfg = Medusa1Config(num_heads=K, num_layers=1, batch_size=8, seq_len=16, lr=1e-2,
                         shared_proj=True)
@@ -257,7 +258,7 @@ def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_
     heads_formats.write_vllm(heads, tmp_path / "vllm")
     conf = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert conf["original_lm_head"] is True
-    back, _ = heads_lib.load_heads(tmp_path / "vllm", CFG)
+    back, _ = heads_formats.load_heads(tmp_path / "vllm", CFG)
     for name in ("w", "b", "proj"):
         np.testing.assert_allclose(np.asarray(back[name]), heads[name], rtol=1e-6)
 
@@ -267,7 +268,7 @@ def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
 
     heads = heads_lib.init_heads(CFG, backbone.init_params(CFG, jax.random.key(0)),
                                  heads_lib.HeadsConfig(K, 1))
-    heads_lib.save_heads(tmp_path / "own", heads, CFG)
+    heads_formats.save_heads(tmp_path / "own", heads, CFG)
     with pytest.raises(SystemExit) as e:
         command.parse_args(["--init", str(tmp_path / "own"), "--shared-proj"])
     assert e.value.code == 2
@@ -325,7 +326,7 @@ def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not
 def test_reduced_vocabulary_run_writes_token_map_heads_that_decode_exactly(tmp_path):
     """train.medusa1 --reduced-vocab on the embedded model: the artifact holds token_index,
     exports to vLLM's token_map form, and greedy Medusa with it equals plain greedy."""
-    from medusa_jax import heads_formats
+    from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.api import Medusa
     from train.medusa1 import command
 
@@ -335,7 +336,7 @@ def test_reduced_vocabulary_run_writes_token_map_heads_that_decode_exactly(tmp_p
                               "--distill-max-new-tokens", "48", "--eval-prompts", "0",
                               "--num-layers", "1", "--output-dir", str(run)])
     command.run(cfg)
-    heads, _ = heads_lib.load_heads(run / "heads", Medusa.load().cfg)
+    heads, _ = heads_formats.load_heads(run / "heads", Medusa.load().cfg)
     assert heads["proj"].shape[-1] == 128 and heads["token_index"].shape == (1, 512)
     index = np.asarray(heads["token_index"][0])
     assert (index >= 0).sum() == 128 and sorted(index[index >= 0]) == list(range(128))
@@ -356,7 +357,7 @@ def test_reduced_vocabulary_errors_before_any_work(capsys):
     with pytest.raises(SystemExit) as e:
         command.parse_args(["--reduced-vocab", "-1"])
     assert e.value.code == 2 and "--reduced-vocab must be >= 0" in capsys.readouterr().err
-    from medusa_jax.medusa1 import Medusa1Config, check_reduced_vocab
+    from medusa_jax.training.recipes.medusa1 import Medusa1Config, check_reduced_vocab
 
     with pytest.raises(ValueError, match="--reduced-vocab 512 is not below the model's "
                                          "vocabulary of 512 tokens"):
@@ -372,7 +373,7 @@ def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     token_map = np.arange(0, 512, 2, dtype=np.int32)
     heads = dict(ts.reduce_heads(heads, token_map),
                  token_index=ts.reduced_token_index(token_map, 512))
-    heads_lib.save_heads(tmp_path / "reduced", heads, m.cfg)
+    heads_formats.save_heads(tmp_path / "reduced", heads, m.cfg)
     with pytest.raises(SystemExit) as e:
         command.main(["--init", str(tmp_path / "reduced"), "--output-dir", str(tmp_path / "run"),
                       "--eval-prompts", "0"])
@@ -395,7 +396,7 @@ def test_remat_gives_the_same_backbone_gradients():
 
 
 def test_medusa2_accumulation_equals_one_batch_and_bfloat16_keeps_float32_state():
-    from medusa_jax import medusa2
+    from medusa_jax.training.recipes import medusa2
 
     bb, heads = trained_heads(layers=1)
     cfg16 = CFG.replace(param_dtype="float32", compute_dtype="bfloat16")

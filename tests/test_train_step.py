@@ -7,10 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax import backbone, sharding
-from medusa_jax import heads as heads_lib
-from medusa_jax import train_step as ts
-from medusa_jax.config import ModelConfig
+from medusa_jax.model import backbone
+from medusa_jax.runtime import sharding
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.training import step as ts
+from medusa_jax.model.config import ModelConfig
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,

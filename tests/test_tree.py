@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from medusa_jax.tree import Tree, chain_tree, published_trees
+from medusa_jax.decoding.tree import Tree, chain_tree, published_trees
 
 
 def test_mc_sim_7b_63_buffers():

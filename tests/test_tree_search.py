@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 
-from medusa_jax.tree import Tree
-from medusa_jax.tree_search import expected_tokens_per_step, grow_tree
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.tools.tree_search import expected_tokens_per_step, grow_tree
 
 ACC = np.array([[0.6, 0.2, 0.1, 0.05],
                 [0.4, 0.2, 0.1, 0.05],

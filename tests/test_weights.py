@@ -10,7 +10,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from medusa_jax.weights import WeightsError, default_model_dir, load_pretrained, save_pretrained
+from medusa_jax.model.weights import WeightsError, default_model_dir, load_pretrained, save_pretrained
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_wrong_shape_of_a_matrix_is_reported_as_stored(small_model_dir, tmp_path
 
 
 def test_load_tokenizer(small_model_dir, tmp_path):
-    from medusa_jax.weights import load_tokenizer
+    from medusa_jax.model.weights import load_tokenizer
 
     assert load_tokenizer().encode("Lily")  # the embedded model's
     d = _copy(small_model_dir, tmp_path / "m")  # weights and config, no tokenizer files
@@ -210,7 +210,7 @@ def test_one_nan_is_named_with_its_tensor(small_model_dir, tmp_path):
 def test_a_tokenizer_that_adds_no_bos_gets_the_models_bos(tmp_path, stories):
     """Without tokenizer_config.json nothing says whether to add BOS: config.json's
     bos_token_id decides, so prompts encode as the model was trained ("Lily" -> [1, 317])."""
-    from medusa_jax.weights import load_tokenizer
+    from medusa_jax.model.weights import load_tokenizer
 
     _, _, reference = stories
     d = tmp_path / "m"
@@ -225,7 +225,7 @@ def test_a_tokenizer_that_adds_no_bos_gets_the_models_bos(tmp_path, stories):
 
 
 def test_a_sentencepiece_model_alone_loads_with_bos_or_is_one_line(tmp_path):
-    from medusa_jax.weights import load_tokenizer
+    from medusa_jax.model.weights import load_tokenizer
 
     d = tmp_path / "m"
     d.mkdir()

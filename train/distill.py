@@ -3,7 +3,7 @@
     python -m train.distill --prompts FILE --output OUT.jsonl [--num-samples N]
         [--temperature 0.3] [--max-new-tokens 256] [--batch-size 64] [--model DIR]
 
-The backbone answers each prompt (see `medusa_jax.distill`); temperature 0 decodes greedily.
+The backbone answers each prompt (see `medusa_jax.training.distill`); temperature 0 decodes greedily.
 """
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medusa_jax import cli, compile_cache, data
+from medusa_jax.model import paths
+from medusa_jax.runtime import options
+from medusa_jax.runtime import compile_cache
+from medusa_jax.text import data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,11 +24,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--output", required=True, help="output JSONL path")
     ap.add_argument("--model", default=None, help="HF model dir or hub id (default: embedded stories260K)")
     ap.add_argument("--template", default="auto", choices=data.TEMPLATES)
-    ap.add_argument("--num-samples", type=cli.positive_int, default=None,
+    ap.add_argument("--num-samples", type=options.positive_int, default=None,
                     help="answers to generate (default: one per prompt)")
     ap.add_argument("--temperature", type=float, default=0.3, help="0 = greedy")
-    ap.add_argument("--max-new-tokens", type=cli.positive_int, default=256)
-    ap.add_argument("--batch-size", type=cli.positive_int, default=64)
+    ap.add_argument("--max-new-tokens", type=options.positive_int, default=256)
+    ap.add_argument("--batch-size", type=options.positive_int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     compile_cache.add_flag(ap)
     return ap
@@ -42,13 +45,15 @@ def main(argv=None):
     if out.parent.exists() and not out.parent.is_dir():
         ap.error(f"--output {out}: {out.parent} is not a directory")
     try:  # --model: a path or hub id, config.json and the weights' headers, before JAX
-        cli.check_model_paths(args.model)
+        paths.check_model_paths(args.model)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     compile_cache.enable_from_args(args)
-    from medusa_jax import distill, timing, weights
+    from medusa_jax.training import distill
+    from medusa_jax.runtime import timing
+    from medusa_jax.model import weights
 
-    with cli.errors_to_exit():  # DataError, WeightsError: ValueErrors
+    with options.errors_to_exit():  # DataError, WeightsError: ValueErrors
         prompts = distill.read_prompts(args.prompts)
         cfg, params = weights.load_pretrained(args.model)
         tokenizer = weights.load_tokenizer(args.model)

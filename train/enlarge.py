@@ -11,7 +11,7 @@ The output is a Hugging Face model folder of the target shape (config, model.saf
 tokenizer) that computes the source's function, and with heads, their enlarged copy in
 OUTPUT/heads. It reads as many bytes per token as a real model of that shape, so decoding it
 is bound by memory bandwidth as a real model's is, with the source's acceptance. The
-vocabulary stays the source's. See `medusa_jax.enlarge` for the construction; `--rotate
+vocabulary stays the source's. See `medusa_jax.tools.enlarge` for the construction; `--rotate
 SEED` also turns the residual stream by a random orthogonal matrix, so the embedding and
 every projection's residual-stream side are dense, not zero-padded (the heads cannot follow
 a rotation: none are written then).
@@ -27,13 +27,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from medusa_jax import cli
+from medusa_jax.model import paths
+from medusa_jax.runtime import options
 
 NOTE = """# Enlarged model
 
 Written by `python -m train.enlarge {args}` from `{source}`: the source's function in the
 {shape} shape (hidden {hidden}, MLP {mlp}, {layers} layers, {heads} query / {kv} KV heads,
-head_dim {head_dim}), zero-padded Net2Net-style (see `medusa_jax/enlarge.py`){rotated}. A
+head_dim {head_dim}), zero-padded Net2Net-style (see `medusa_jax/tools/enlarge.py`){rotated}. A
 benchmark model: its predictions are the source's. The source's license applies.
 """
 
@@ -51,9 +52,9 @@ def build_parser():
                    "Medusa heads for the embedded model, none for another model); 'default' "
                    "/ 'hydra': the embedded model's shipped Medusa / Hydra heads; 'none' for "
                    "no heads")
-    p.add_argument("--layers", type=cli.positive_int, default=None,
+    p.add_argument("--layers", type=options.positive_int, default=None,
                    help="layer count instead of the shape's (extra layers are identities)")
-    p.add_argument("--rotate", type=cli.nonnegative_int, default=None, metavar="SEED",
+    p.add_argument("--rotate", type=options.nonnegative_int, default=None, metavar="SEED",
                    help="fold the RMSNorm scales into the projections and rotate the "
                         "residual stream by a random orthogonal matrix (no heads then)")
     return p
@@ -70,30 +71,30 @@ def check_output(out: Path) -> None:
                              f"folder")
     if out.parent.exists() and not out.parent.is_dir():
         raise SystemExit(f"error: --output {out}: {out.parent} is not a folder")
-    from medusa_jax import assets
+    from medusa_jax.runtime import assets
 
     if assets.inside_package(out):
         raise SystemExit(f"error: --output {out}: inside the installed package's assets "
                          f"({assets.root()}); write somewhere else (runs/, say)")
     try:  # a read-only or pseudo filesystem (/proc), before any work
-        cli.writable_output("--output", str(out), folder=True)
+        options.writable_output("--output", str(out), folder=True)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from medusa_jax import assets
-    from medusa_jax.shapes import SHAPES
+    from medusa_jax.runtime import assets
+    from medusa_jax.model.shapes import SHAPES
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: --shape {args.shape!r} is unknown; known: "
                          f"{', '.join(SHAPES)}")
     out = Path(args.output)
     check_output(out)
-    with cli.errors_to_exit():  # paths, hub ids, config.json and the weights' headers
-        cli.check_model_paths(args.model, args.heads if args.heads != "none" else None)
-    from medusa_jax import hub
+    with options.errors_to_exit():  # paths, hub ids, config.json and the weights' headers
+        paths.check_model_paths(args.model, args.heads if args.heads != "none" else None)
+    from medusa_jax.runtime import hub
 
     source = Path(hub.local(args.model, "--model")) if args.model else assets.model_dir()
     if args.heads in ("default", "hydra") and args.model:
@@ -117,12 +118,14 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from medusa_jax import enlarge, heads as heads_mod, weights
-    from medusa_jax.config import ModelConfig
+    from medusa_jax.tools import enlarge
+    from medusa_jax.drafters.medusa import heads as heads_mod
+    from medusa_jax.model import weights
+    from medusa_jax.model.config import ModelConfig
 
     shape = dict(SHAPES[args.shape])
     shape["num_layers"] = args.layers or shape["num_layers"]
-    with cli.errors_to_exit():
+    with options.errors_to_exit():
         cfg = ModelConfig.from_dir(source)
         dst = enlarge.target_config(cfg, shape)  # an impossible shape fails before reading
         if dst.num_layers > cfg.num_layers:

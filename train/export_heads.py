@@ -7,7 +7,7 @@
         --format medusa_jax --output heads/vicuna-7b
 
 SOURCE: a train.medusa1 / train.medusa2 run directory (with heads/), a medusa_jax heads
-artifact, or heads in any layout `heads.load_heads` reads (the reference's, a Medusa-2 model
+artifact, or heads in any layout `load_heads` reads (the reference's, a Medusa-2 model
 folder, vLLM's). Formats written: `reference` (config.json + medusa_lm_head.safetensors, and
 medusa_lm_head.pt when PyTorch is installed), `vllm` (config.json + model.safetensors),
 `medusa_jax` (medusa_heads.safetensors), `medusa2` (one model folder: backbone + heads).
@@ -59,7 +59,7 @@ def _run_model(run_dir: Path) -> tuple[bool, str | None]:
 
 def resolve_model(source: Path, found, meta: dict, given: str | None) -> Path | None:
     """The backbone folder the heads belong to, or None (shapes from the files alone)."""
-    from medusa_jax.weights import default_model_dir
+    from medusa_jax.model.weights import default_model_dir
 
     if given:
         return Path(given)
@@ -107,7 +107,7 @@ def earlier_export(fmt: str):
     def check(folder: Path) -> str | None:
         import fnmatch
 
-        from medusa_jax import heads_formats as hf
+        from medusa_jax.drafters import formats as hf
 
         try:
             found = hf.detect(folder)
@@ -129,9 +129,9 @@ def earlier_export(fmt: str):
 
 
 def export(args: argparse.Namespace) -> list[Path]:
-    from medusa_jax import assets, hub
-    from medusa_jax.config import ModelConfig
-    from medusa_jax.rundir import check_new_folder
+    from medusa_jax.runtime import assets, hub
+    from medusa_jax.model.config import ModelConfig
+    from medusa_jax.runtime.rundir import check_new_folder
 
     out = Path(args.output)
     if assets.inside_package(out):
@@ -152,7 +152,7 @@ def export(args: argparse.Namespace) -> list[Path]:
         if not Path(args.model).is_dir():
             raise FileNotFoundError(f"--model {args.model}: no such model folder")
         ModelConfig.from_dir(args.model)  # its config.json's fields, named
-    from medusa_jax import heads_formats as hf
+    from medusa_jax.drafters import formats as hf
 
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
@@ -163,7 +163,7 @@ def export(args: argparse.Namespace) -> list[Path]:
         heads, meta = hf.read(found, cfg, base_model=model)
     base = args.base_model or hf.base_model_of(meta) or (str(model.resolve()) if model else None)
     if args.format == "medusa2":
-        from medusa_jax.weights import load_pretrained
+        from medusa_jax.model.weights import load_pretrained
 
         if model is None:
             raise ValueError("--format medusa2 bundles the backbone: pass --model DIR")

@@ -10,14 +10,14 @@ heads/, accuracy.png) and the final report are train.medusa1's: held-out per-hea
 (head i's conditional on the true path above it), then greedy decoding with the Hydra heads
 against plain greedy decoding on held-out prompts (batch 1, compile time excluded): tokens per
 step, wall-clock speedup and whether the outputs are identical.
-The loop is `medusa_jax.trainer`; the method `medusa_jax.hydra_train`.
+The loop is `medusa_jax.training.trainer`; the method `medusa_jax.training.recipes.hydra`.
 """
 
-from medusa_jax.train_cli import Command
-from medusa_jax.train_config import HydraConfig
+from medusa_jax.training.command import Command
+from medusa_jax.training.config import HydraConfig
 
 # the recipe is imported when work starts: --help and flag errors import no JAX
-command = Command("python -m train.hydra", __doc__, HydraConfig, "medusa_jax.hydra_train:Hydra")
+command = Command("python -m train.hydra", __doc__, HydraConfig, "medusa_jax.training.recipes.hydra:Hydra")
 
 if __name__ == "__main__":
     command.main()

@@ -28,8 +28,8 @@ import hashlib
 import re
 from pathlib import Path
 
-from medusa_jax import assets
-from medusa_jax.data import DataError, read_text
+from medusa_jax.runtime import assets
+from medusa_jax.text.data import DataError, read_text
 
 DEFAULT_SOURCE = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
                      / "train_head.txt")  # ../shared next to the project

@@ -10,17 +10,17 @@ greedy continuations of the held-out openings are the held-out set. With --data,
 seeded fraction of the records is held out instead.
 
 The run directory gets config.json, metrics.jsonl, checkpoints/ (Orbax, last --keep steps),
-heads/ (the artifact `heads.load_heads` reads), accuracy.png and a final report: held-out
+heads/ (the artifact `load_heads` reads), accuracy.png and a final report: held-out
 per-head accuracy, then Medusa greedy decoding against plain greedy decoding on held-out
 prompts (batch 1, compile time excluded): tokens per step and wall-clock speedup.
-The loop is `medusa_jax.trainer`; the method `medusa_jax.medusa1`.
+The loop is `medusa_jax.training.trainer`; the method `medusa_jax.training.recipes.medusa1`.
 """
 
-from medusa_jax.train_cli import Command
-from medusa_jax.train_config import Medusa1Config
+from medusa_jax.training.command import Command
+from medusa_jax.training.config import Medusa1Config
 
 # the recipe is imported when work starts: --help and flag errors import no JAX
-command = Command("python -m train.medusa1", __doc__, Medusa1Config, "medusa_jax.medusa1:Medusa1")
+command = Command("python -m train.medusa1", __doc__, Medusa1Config, "medusa_jax.training.recipes.medusa1:Medusa1")
 
 if __name__ == "__main__":
     command.main()

@@ -30,14 +30,14 @@ greedy decoding. Then:
 
     python -m infer.bench --model <run>/model --heads <run>/heads
 
-The loop is `medusa_jax.trainer`; the method `medusa_jax.medusa2`.
+The loop is `medusa_jax.training.trainer`; the method `medusa_jax.training.recipes.medusa2`.
 """
 
-from medusa_jax.train_cli import Command
-from medusa_jax.train_config import Medusa2Config
+from medusa_jax.training.command import Command
+from medusa_jax.training.config import Medusa2Config
 
 # the recipe is imported when work starts: --help and flag errors import no JAX
-command = Command("python -m train.medusa2", __doc__, Medusa2Config, "medusa_jax.medusa2:Medusa2")
+command = Command("python -m train.medusa2", __doc__, Medusa2Config, "medusa_jax.training.recipes.medusa2:Medusa2")
 
 if __name__ == "__main__":
     command.main()

@@ -1,0 +1,218 @@
+"""Which tree path to keep: greedy, typical and lossless rejection acceptance.
+
+Every function takes the verification pass's logits for all tree nodes and returns, per row,
+the chosen root-to-leaf path (index into `tree.paths`), how many non-root nodes of it were
+accepted, and the next root token (the "bonus" token the model emits after the accepted
+ones, which is fed at the start of the next step).
+
+Shapes: logits [B, T, V] (T = tree.num_nodes), tokens [B, T] (each node's candidate token).
+`valid` [B, T] (optional) marks the nodes each row verified, for dynamic trees: a row's tree
+is then the prefix-closed subset of `tree` it selected, and paths stop at its edge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.decoding.tree import Tree
+
+MODES = ("greedy", "typical", "rejection")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. Hashable: a static argument of the jitted decoders.
+
+    mode: "greedy" (argmax; lossless), "typical" (the paper's typical acceptance; lossy),
+    "rejection" (lossless speculative sampling from the temperature/top-k/top-p distribution).
+    """
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    epsilon: float = 0.09  # typical: hard threshold
+    delta: float = 0.3  # typical: entropy-scaled threshold (the paper's alpha)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode != "greedy" and not self.temperature > 0:
+            raise ValueError(f"mode {self.mode!r} needs temperature > 0, got {self.temperature}")
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got {self.top_k}, {self.top_p}")
+
+
+def log_probs(logits: jax.Array, s: Sampling) -> jax.Array:
+    """The distribution plain sampling draws from: temperature, then top-k, then top-p."""
+    x = logits.astype(jnp.float32) / s.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if s.top_k > 0:
+        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, neg, x)
+    if s.top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep = (cum - jax.nn.softmax(sorted_x, axis=-1)) < s.top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, neg, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
+    """Plain next-token choice: argmax in greedy mode, else a draw from `log_probs`.
+
+    (Plain decoding has no tree, so "typical" and "rejection" both mean plain sampling there.)
+    logits [..., V]."""
+    if s.mode != "greedy":
+        return jax.random.categorical(key, log_probs(logits, s)).astype(jnp.int32)
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def _path_tokens(tree: Tree, tokens):
+    paths = jnp.asarray(tree.paths)
+    return tokens[:, paths], paths  # [B, P, D+1]
+
+
+def _path_valid(tree: Tree, valid):
+    """[P, D] (static tree) or [B, P, D]: which non-root path entries are real nodes."""
+    static = jnp.asarray(tree.path_valid[:, 1:])
+    if valid is None:
+        return static
+    return static[None] & valid[:, jnp.asarray(tree.paths[:, 1:])]
+
+
+def node_rows(x: jax.Array, slot: jax.Array | None) -> jax.Array:
+    """Values per verified token x [B, F, ...] as values per tree node [B, T, ...]: node i
+    of row b was verified as token slot[b, i] (None: node i is token i)."""
+    if slot is None:
+        return x
+    return jnp.take_along_axis(x, slot.reshape(slot.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def greedy(logits, tokens, tree: Tree, valid=None, slot=None):
+    """The longest path whose every token equals the model's argmax at its parent."""
+    # the argmax of the verified rows only, then spread to the nodes: a dynamic tree verifies
+    # a few of its pool's nodes, and gathering [B, T, V] logits for all of them costs more
+    pred = node_rows(jnp.argmax(logits, axis=-1).astype(jnp.int32), slot)  # [B, T]
+    path_tok, paths = _path_tokens(tree, tokens)
+    parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
+    match = (path_tok[:, :, 1:] == parent_pred) & _path_valid(tree, valid)
+    acc = jnp.sum(jnp.cumprod(match, axis=-1), axis=-1)  # [B, P]
+    best = jnp.argmax(acc, axis=-1)
+    acc_len = jnp.take_along_axis(acc, best[:, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(paths[best], acc_len[:, None], axis=1)[:, 0]
+    next_root = jnp.take_along_axis(pred, last[:, None], axis=1)[:, 0]
+    return best, acc_len, next_root
+
+
+def typical(logits, tokens, tree: Tree, s: Sampling, valid=None):
+    """Accept a candidate while p(token) > min(epsilon, delta * exp(-H(p))) at its parent;
+    the longest path wins, ties broken by its log-likelihood; the next root is greedy."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / s.temperature, axis=-1)  # [B, T, V]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, T]
+    threshold = jnp.minimum(s.epsilon, s.delta * jnp.exp(-entropy))
+    path_tok, paths = _path_tokens(tree, tokens)
+    parents = paths[:, :-1]  # [P, D]
+    b_idx = jnp.arange(logits.shape[0])[:, None, None]
+    tok_logp = logp[b_idx, parents[None], path_tok[:, :, 1:]]  # [B, P, D]
+    ok = (jnp.exp(tok_logp) > threshold[:, parents]) & _path_valid(tree, valid)
+    run = jnp.cumprod(ok, axis=-1)
+    acc = jnp.sum(run, axis=-1)
+    likelihood = jnp.sum(jnp.where(run > 0, tok_logp, 0.0), axis=-1)
+    # lexicographic (length, likelihood): length dominates because likelihood is finite
+    score = jnp.where(acc == jnp.max(acc, axis=-1, keepdims=True), likelihood, -jnp.inf)
+    best = jnp.argmax(score, axis=-1)
+    acc_len = jnp.take_along_axis(acc, best[:, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(paths[best], acc_len[:, None], axis=1)[:, 0]
+    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    next_root = jnp.take_along_axis(pred, last[:, None], axis=1)[:, 0]
+    return best, acc_len, next_root
+
+
+def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
+    """Lossless recursive rejection sampling over the tree (one key per row).
+
+    At the current node with target distribution p, its children's tokens are tried in rank
+    order: token x is accepted with probability p(x); on rejection p <- p without x,
+    renormalised. The draft is deterministic (a head's top-k), so this is exactly sampling
+    from p. When every child is rejected (or the node is a leaf) the bonus token is drawn
+    from what is left of p. The result is distributed exactly as plain sampling.
+    """
+    logp = log_probs(logits, s)  # [B, T, V]
+    children = jnp.asarray(tree.children)
+    paths = jnp.asarray(tree.paths)
+    if valid is None:
+        valid = jnp.ones(tokens.shape, bool)
+
+    def one_row(logp_row, tok_row, key, valid_row):
+        probs = jnp.exp(logp_row)  # [T, V]
+        child_valid = jnp.asarray(tree.child_valid) & valid_row[children]
+
+        def try_children(node, key):
+            def body(carry, c):
+                residual, chosen, key = carry
+                key, sub = jax.random.split(key)
+                child = children[node, c]
+                tok = tok_row[child]
+                p = residual[tok] / jnp.maximum(jnp.sum(residual), 1e-30)
+                live = child_valid[node, c] & (chosen < 0)
+                accept = live & (jax.random.uniform(sub) < p)
+                chosen = jnp.where(accept, child, chosen)
+                residual = jnp.where(live & ~accept, residual.at[tok].set(0.0), residual)
+                return (residual, chosen, key), None
+
+            (residual, chosen, key), _ = jax.lax.scan(
+                body, (probs[node], jnp.int32(-1), key), jnp.arange(children.shape[1]))
+            return residual, chosen, key
+
+        node = jnp.int32(0)
+        acc_len = jnp.int32(0)
+        active = jnp.bool_(True)
+        final = probs[0]
+        visited = [node]
+        for _ in range(tree.depth):
+            residual, chosen, key = try_children(node, key)
+            stop_here = active & (chosen < 0)
+            final = jnp.where(stop_here, residual, final)
+            go = active & (chosen >= 0)
+            node = jnp.where(go, chosen, node)
+            acc_len = acc_len + go
+            active = go
+            visited.append(node)
+        final = jnp.where(active, probs[node], final)
+        key, sub = jax.random.split(key)
+        bonus = jax.random.categorical(sub, jnp.log(jnp.maximum(final, 0.0)))
+        # the chosen path: the leaf-path row whose prefix equals the visited nodes
+        visited = jnp.stack(visited)  # [D+1]
+        steps = jnp.arange(tree.depth + 1)
+        agrees = jnp.all((paths == visited[None]) | (steps[None] > acc_len), axis=-1)
+        best = jnp.argmax(agrees)
+        return best, acc_len, bonus.astype(jnp.int32)
+
+    return jax.vmap(one_row)(logp, tokens, keys, valid)
+
+
+# Every rule as (logits, tokens, tree, sampling, keys, valid, slot) -> (best path, accepted
+# length, next root), looked up by `Sampling.mode`.
+RULES = {
+    "greedy": lambda logits, tokens, tree, s, keys, valid, slot: greedy(logits, tokens, tree,
+                                                                        valid, slot),
+    "typical": lambda logits, tokens, tree, s, keys, valid, slot: typical(
+        node_rows(logits, slot), tokens, tree, s, valid),
+    "rejection": lambda logits, tokens, tree, s, keys, valid, slot: rejection(
+        node_rows(logits, slot), tokens, tree, s, keys, valid),
+}
+assert set(RULES) == set(MODES)
+
+
+def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None, slot=None):
+    """The acceptance rule of `s.mode`: (best path [B], accepted non-root nodes [B],
+    next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only);
+    valid [B, T]: the nodes each row verified (dynamic trees), default all; slot [B, T]:
+    which row of `logits` [B, F, V] each node was verified as (default: node i is row i)."""
+    return RULES[s.mode](logits, tokens, tree, s, keys, valid, slot)

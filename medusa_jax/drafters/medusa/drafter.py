@@ -1,0 +1,54 @@
+"""Medusa heads as a drafter (`decoding.drafter.Drafter`): every head reads the same hidden
+state; the carry is their logits [K, B, V], and the tree is filled from their top-k."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from medusa_jax import kernels
+from medusa_jax.decoding.decode import Proposal, propose_candidates
+from medusa_jax.drafters.hydra.heads import is_hydra
+from medusa_jax.drafters.medusa.heads import apply_heads
+from medusa_jax.model.backbone import Params
+
+
+def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The head function of Medusa: hidden [B, H] -> logits [K, B, V] (lengths unused)."""
+    del lengths
+    return apply_heads(heads, hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+    """`head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]`: tests plug in oracle
+    heads here."""
+
+    head_fn: object = standard_heads
+    kind = "medusa"
+
+    @classmethod
+    def matches(cls, heads: Params) -> bool:
+        return not is_hydra(heads)
+
+    @classmethod
+    def from_head_fn(cls, head_fn) -> "MedusaDrafter":
+        return cls(head_fn or standard_heads)
+
+    def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
+        """Heads deeper than the tree never propose and are not run; on the CPU kernel, the
+        heads' products too."""
+        if self.head_fn is not standard_heads:
+            return heads
+        heads = jax.tree.map(lambda x: x[:tree.depth], heads)
+        return kernels.wrap_heads(heads) if cpu_kernels else heads
+
+    def start(self, params, heads, hidden, lengths):
+        return self.head_fn(heads, hidden, lengths)  # [K, B, V]
+
+    def num_heads(self, heads, carry) -> int:
+        return carry.shape[0]
+
+    def propose(self, params, heads, carry, root, tree) -> Proposal:
+        return propose_candidates(root, carry, tree)

@@ -1,0 +1,724 @@
+"""The Llama-family decoder (Llama 2/3, Vicuna, Mistral, Qwen2, Qwen3, Gemma 1/2/3) as pure
+functions.
+
+Parameters are a plain dict pytree with the layers stacked on a leading axis, so the forward
+pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
+
+    embed        [V, H]
+    layers/
+      attn_norm  [L, H]          wq [L, H, NH*D]   wk, wv [L, H, KVH*D]   wo [L, NH*D, H]
+      bq         [L, NH*D]       bk, bv [L, KVH*D]        (only with attention_bias)
+      q_norm, k_norm [L, D]                               (only with qk_norm)
+      mlp_norm   [L, H]          w_gate, w_up [L, H, F]   w_down [L, F, H]
+      post_attn_norm, post_mlp_norm [L, H]                (only with sandwich_norms)
+    final_norm   [H]
+    lm_head      [H, V]                                   (absent with tied embeddings)
+
+Decoding on one device uses `decoding_layout` (a tuple of per-layer dicts run as a straight
+line, fused q/k/v and gate/up); `forward` takes either layout.
+
+The caller passes explicit positions and an explicit boolean attention mask over the cache
+slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
+attention code: a tree mask is just another mask.
+
+Gemma's differences are static choices read from the config (no runtime branch on the hot
+path): GeGLU, RMSNorm by (1 + weight), scaled embeddings, soft-capping, sandwich norms. Its
+sliding-window layers keep the one KV-cache layout of every layer (all slots, as global
+layers): a local layer ANDs the caller's mask with p_query - p_key < window, from the
+positions the forward pass already has (`window_masks`), so in a Medusa step the tree mask
+combines with each layer's own window.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from medusa_jax.runtime import pytree as struct  # flax.struct without importing Flax
+
+from medusa_jax import kernels
+from medusa_jax.runtime import sharding
+from medusa_jax.model.config import ModelConfig, as_dtype
+
+Params = dict
+
+
+@struct.dataclass
+class KVCache:
+    """Preallocated keys/values, one fill length per batch row.
+
+    k, v:    [L, B, KVH, S, D]  slot s of row b holds the token at position s
+                                (heads before slots: attention is then a plain batched matmul)
+             or tuples of L [B*KVH, S, D] buffers (`per_layer`, for the decoding layout: a
+             batch row's KV heads are rows b*KVH .. (b+1)*KVH - 1)
+    lengths: [B] int32          slots [0, lengths[b]) are the row's committed context
+
+    `forward` writes the new tokens at slots lengths[b] ... lengths[b] + T - 1 and leaves
+    `lengths` alone: the caller decides how many of them to keep (speculative decoding keeps
+    a different number per row) and calls `advance`.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[3]
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None, *,
+             per_layer: bool = False) -> "KVCache":
+        """`per_layer=True`: k and v are tuples of L buffers [B*KVH, S, D], for the
+        decoding layout on one device (each layer writes its own buffer in place)."""
+        dtype = as_dtype(dtype or cfg.compute_dtype)
+        if per_layer:
+            shape = (batch * cfg.num_kv_heads, capacity, cfg.head_dim)
+            return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+        # under `jax.set_mesh`: rows over the batch axes, KV heads over "model"
+        k, v = sharding.constrain_cache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                                        cfg.num_kv_heads)
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
+
+    def advance(self, n: jax.Array) -> "KVCache":
+        return self.replace(lengths=self.lengths + n.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def causal_mask(lengths: jax.Array, num_new: int, capacity: int) -> jax.Array:
+    """[B, T, S] mask for T new tokens appended after `lengths[b]` committed ones."""
+    query = lengths[:, None] + jnp.arange(num_new)[None, :]  # [B, T] slot of each query
+    return jnp.arange(capacity)[None, None, :] <= query[:, :, None]
+
+
+def tree_mask_after_prefix(lengths: jax.Array, tree_mask: jax.Array, capacity: int) -> jax.Array:
+    """[B, T, S]: every tree node sees the whole prefix, and the tree nodes it `tree_mask`s.
+
+    tree_mask: [T, T] (one tree) or [B, T, T] (a tree per row) boolean, node i may attend
+    node j (its ancestors and itself).
+    """
+    t = tree_mask.shape[-1]
+    rel = jnp.arange(capacity)[None, :] - lengths[:, None]  # [B, S] slot relative to prefix end
+    in_tree = (rel >= 0) & (rel < t)
+    if tree_mask.ndim == 2:
+        tree_part = jnp.transpose(tree_mask[:, jnp.clip(rel, 0, t - 1)], (1, 0, 2))  # [B, T, S]
+    else:
+        tree_part = jnp.take_along_axis(tree_mask, jnp.clip(rel, 0, t - 1)[:, None, :], axis=2)
+    return (rel < 0)[:, None, :] | (tree_part & in_tree[:, None, :])
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm in float32, scaled by (offset + weight): Gemma stores weight - 1 (offset 1)."""
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    w = weight.astype(jnp.float32)
+    if offset:  # static: the Llama family never adds
+        w = w + offset
+    return (x * w).astype(dtype)
+
+
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
+    """[D/2] inverse frequencies, with 'linear' or 'llama3' scaling applied. `local`: those
+    of the sliding-window layers (Gemma 3's `rope_local_base_freq`, when the config has one)."""
+    d = cfg.head_dim
+    theta, scaling = cfg.rope_theta, cfg.rope_scaling
+    if local and cfg.local_rope_theta is not None:
+        theta, scaling = cfg.local_rope_theta, cfg.local_rope_scaling
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    kind = scaling[0]
+    if kind == "linear":
+        inv_freq = inv_freq / scaling[1]
+    elif kind == "llama3":
+        _, factor, low_ff, high_ff, old_ctx = scaling
+        low_wavelen = old_ctx / low_ff
+        high_wavelen = old_ctx / high_ff
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def layer_kinds(cfg: ModelConfig) -> tuple:
+    """Each layer's sliding window (None: global attention), from `cfg.layer_windows`."""
+    return cfg.layer_windows or (None,) * cfg.num_layers
+
+
+def window_masks(kinds: tuple, q_pos: jax.Array, k_pos: jax.Array, mask: jax.Array) -> dict:
+    """{window: mask}: the caller's mask [B, T, S] for a global layer (window None), and that
+    mask restricted to keys whose position is within `window` of the query's (p_q - p_k <
+    window, transformers' sliding window) for each local window in `kinds`. q_pos [B, T],
+    k_pos [B or 1, S] (the position each key slot holds). A tree mask stays a tree mask."""
+    out = {None: mask}
+    for w in set(kinds) - {None}:
+        out[w] = mask & (q_pos[:, :, None] - k_pos[:, None, :] < w)
+    return out
+
+
+def _scale_q(cfg: ModelConfig, q: jax.Array) -> jax.Array:
+    if cfg.query_scale is None:
+        return q / math.sqrt(q.shape[-1])
+    return q * cfg.query_scale  # Gemma 2/3: query_pre_attn_scalar ** -0.5
+
+
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping); x unchanged when cap is None."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] -> [B, T, H] in the compute dtype. Gemma scales by sqrt(H), the factor
+    rounded to the weights' dtype first (as transformers does: 55.4256 is 55.5 in bfloat16)."""
+    x = params["embed"][tokens]
+    if cfg.embed_scale:
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    return x.astype(as_dtype(cfg.compute_dtype))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Half-split (Hugging Face layout) rotary embedding. x: [B, T, N, D], positions: [B, T]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+# Batch rows written one in-place update each (up to this many; see `_write_rows`).
+MAX_UNROLLED_ROWS = 16
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b].
+
+    One in-place update per row (B is static): a `vmap` over the row axis would move it
+    to the front and back, which XLA does by copying the whole cache at every step. Past
+    `MAX_UNROLLED_ROWS` rows (sampling tests, big offline batches) the vmap it is: a copy
+    per step is cheaper there than thousands of updates to trace and compile."""
+    if cache.shape[1] > MAX_UNROLLED_ROWS:
+        def one(c, n, s):  # c [L, KVH, S, D]
+            return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2)
+
+        return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(cache, new, starts)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(cache.shape[1]):
+        start = (zero, jnp.asarray(b, jnp.int32), zero, starts[b].astype(jnp.int32), zero)
+        cache = jax.lax.dynamic_update_slice(cache, new[:, b:b + 1], start)
+    return cache
+
+
+def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask, new_mask):
+    """Attention over the committed cache plus the T new tokens.
+
+    q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
+    only: the new tokens are written once after all layers); prefix_mask [B, T, S];
+    new_mask [B, T, T]. k_cache None: an empty cache. Returns [B, T, NH*D].
+    """
+    b, t, _, d = q.shape
+    kvh, g = cfg.num_kv_heads, cfg.q_per_kv
+    neg = jnp.finfo(jnp.float32).min
+    # [B, KVH, G*T, D]: the query heads sharing a KV head form one batched matmul
+    q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+    q = _scale_q(cfg, q)
+
+    def scores(keys, mask):
+        s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32)
+        s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
+        return jnp.where(mask[:, None, None], s, neg)
+
+    if k_cache is None:  # empty cache (prefill, training): the new tokens only
+        probs = jax.nn.softmax(scores(k_new, new_mask), axis=-1)
+        probs = probs.astype(v_new.dtype).reshape(b, kvh, g * t, -1)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v_new)
+    else:
+        s = jnp.concatenate([scores(k_cache, prefix_mask), scores(k_new, new_mask)], axis=-1)
+        probs = jax.nn.softmax(s, axis=-1).astype(v_new.dtype).reshape(b, kvh, g * t, -1)
+        cap = k_cache.shape[2]
+        out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :cap], v_cache)
+               + jnp.einsum("bkqs,bksd->bkqd", probs[..., cap:], v_new))  # [B, KVH, G*T, D]
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
+
+
+def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask):
+    """Attention over a per-layer cache that already holds the new tokens.
+
+    q [B, T, NH, D]; k_cache, v_cache [B*KVH, W, D]; mask [B, T, W]. Returns [B, T, NH*D].
+    The cache's own [B*KVH, W, D] shape is the products' batch layout, so XLA reads the
+    buffer as it is (a reshape would make it fuse the cache update into each reader)."""
+    b, t, _, d = q.shape
+    kvh, g = cfg.num_kv_heads, cfg.q_per_kv
+    q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    s = jnp.einsum("kqd,ksd->kqs", _scale_q(cfg, q), k_cache,
+                   preferred_element_type=jnp.float32)
+    s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(s, axis=-1).astype(v_cache.dtype).reshape(b * kvh, g * t, -1)
+    out = jnp.einsum("kqs,ksd->kqd", probs, v_cache)  # [B*KVH, G*T, D]
+    return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
+
+
+def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
+    """The attention block's input half. x [B, T, H] -> (q [B, T, NH, D] after rope, k, v
+    [B, KVH, T, D] in `kv_dtype`, k after rope)."""
+    b, t, _ = x.shape
+    dt = x.dtype
+    h = _norm(cfg, x, layer["attn_norm"])
+    if "wqkv" in layer:  # `decoding_layout`: one product for q, k and v
+        qkv = kernels.matmul(h, layer["wqkv"])
+        if cfg.attention_bias:
+            qkv = qkv + layer["bqkv"].astype(dt)
+        qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = jnp.split(qkv, [qd, qd + kvd], axis=-1)
+    else:
+        q = kernels.matmul(h, layer["wq"])
+        k = kernels.matmul(h, layer["wk"])
+        v = kernels.matmul(h, layer["wv"])
+        if cfg.attention_bias:
+            q = q + layer["bq"].astype(dt)
+            k = k + layer["bk"].astype(dt)
+            v = v + layer["bv"].astype(dt)
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = _norm(cfg, q, layer["q_norm"])
+        k = _norm(cfg, k, layer["k_norm"])
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(kv_dtype)
+    v = v.transpose(0, 2, 1, 3).astype(kv_dtype)
+    return q, k, v
+
+
+_ACTIVATIONS = {"silu": jax.nn.silu,
+                "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # gelu_pytorch_tanh
+                "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
+
+
+def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
+    """The output projection of attention [B, T, NH*D] into the residual stream, then the
+    MLP block (gated: silu for Llama, GeGLU for Gemma). Gemma 2/3 also normalise each
+    block's output before adding it (`sandwich_norms`)."""
+    a = kernels.matmul(attn, layer["wo"])
+    if cfg.sandwich_norms:
+        a = _norm(cfg, a, layer["post_attn_norm"])
+    x = x + a
+    h = _norm(cfg, x, layer["mlp_norm"])
+    if "w_gate_up" in layer:  # `decoding_layout`
+        gate, up = jnp.split(kernels.matmul(h, layer["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = kernels.matmul(h, layer["w_gate"]), kernels.matmul(h, layer["w_up"])
+    m = kernels.matmul(_ACTIVATIONS[cfg.hidden_act](gate) * up, layer["w_down"])
+    if cfg.sandwich_norms:
+        m = _norm(cfg, m, layer["post_mlp_norm"])
+    return x + m
+
+
+def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
+           inv_freq):
+    """One decoder layer over a cache it only reads. x [B, T, H]; k_cache, v_cache
+    [B, KVH, S, D] or None (empty). Returns (x, this layer's new keys and values
+    [B, KVH, T, D])."""
+    dt = x.dtype
+    kv_dtype = dt if k_cache is None else k_cache.dtype
+    q, k, v = _qkv(cfg, x, layer, positions, inv_freq, kv_dtype)
+    if k_cache is not None:
+        k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
+    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
+                      new_mask)
+    return _residual_and_mlp(cfg, x, attn, layer), k, v
+
+
+def _write_layer(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B*KVH, S, D], new [B, KVH, T, D]: row b's entries go to slot starts[b], one
+    in-place update per row."""
+    kvh = new.shape[1]
+    if new.shape[0] > MAX_UNROLLED_ROWS:  # see `_write_rows`
+        rows = cache.reshape(new.shape[0], kvh, *cache.shape[1:])
+        rows = jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, axis=1)
+                        )(rows, new, starts)
+        return rows.reshape(cache.shape)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(new.shape[0]):
+        cache = jax.lax.dynamic_update_slice(
+            cache, new[b], (jnp.asarray(b * kvh, jnp.int32), starts[b], zero))
+    return cache
+
+
+def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq):
+    """The decoding layout over a per-layer cache (`KVCache.init(..., per_layer=True)`):
+    each layer first writes its new keys/values into its own cache buffer, at slots
+    lengths .. lengths + T - 1, then attends over the first W slots of that buffer with
+    the caller's mask [B, T, W]. Writing before reading lets XLA update the buffers in
+    place (no copy of the cache per step). Returns (x, new keys, new values, cache)."""
+    if not is_decoding_layout(params):
+        raise ValueError("a per-layer KV cache goes with the decoding layout "
+                         "(backbone.decoding_layout)")
+    window = mask.shape[-1]
+    t = positions.shape[1]
+    kinds = layer_kinds(cfg)  # static per layer: a sliding window or None
+    if empty_cache:  # [B, T, T]: how the new tokens see each other
+        new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
+        new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)
+        masks = window_masks(kinds, positions, positions, new_mask)
+    elif any(w is not None for w in kinds):
+        # the position each slot holds: its index in the committed part, the new tokens'
+        # positions in theirs (a tree node's depth, not its slot)
+        slots = jnp.arange(window)[None, :]
+        rel = slots - cache.lengths[:, None]  # [B, W]
+        k_pos = jnp.where(rel < 0, slots, jnp.take_along_axis(
+            positions, jnp.clip(rel, 0, t - 1), axis=1))
+        masks = window_masks(kinds, positions, k_pos, mask)
+    else:
+        masks = {None: mask}
+    freqs = {w: inv_freq if w is None else rope_frequencies(cfg, local=True)
+             for w in set(kinds)}
+    ks, vs, new_k, new_v = [], [], [], []
+    for i, layer in enumerate(params["layers"]):
+        dt = x.dtype
+        kc, vc = cache.k[i], cache.v[i]
+        q, k, v = _qkv(cfg, x, layer, positions, freqs[kinds[i]], kc.dtype)
+        kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
+        ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
+        if empty_cache:  # prefill: the new tokens attend each other only
+            attn = _attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None,
+                              masks[kinds[i]])
+        else:
+            kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
+            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]])
+        x = _residual_and_mlp(cfg, x, attn, layer)
+    return x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs))
+
+
+def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
+    """[H, V]: the lm_head, or the transposed embedding when tied."""
+    if cfg.tie_word_embeddings:
+        return params["embed"].T
+    return kernels.unwrap(params["lm_head"])
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
+    """Final-norm hidden states [..., H] -> float32 logits [..., V]."""
+    if kernels.active(params) and hidden.dtype == jnp.float32:  # the CPU kernel's product
+        w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+        if cfg.tie_word_embeddings and kernels.wants(w):
+            w = kernels.output_weight(w)
+        if kernels.is_kernel_weight(w):
+            return _softcap(kernels.matmul(hidden, w), cfg.final_softcap)
+    w = output_projection(cfg, params)
+    logits = jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
+                        preferred_element_type=jnp.float32)
+    return _softcap(logits, cfg.final_softcap)
+
+
+def forward_uncommitted(
+    params: Params,
+    cfg: ModelConfig,
+    tokens: jax.Array,  # [B, T] int32
+    positions: jax.Array,  # [B, T] int32
+    mask: jax.Array,  # [B, T, W] bool: query t may attend cache slot s (W <= S)
+    cache: KVCache,
+    *,
+    return_logits: bool = True,
+    empty_cache: bool = False,
+    unroll: int = 1,
+    remat: bool = False,
+) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
+    """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
+    values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
+    just the accepted path).
+
+    A mask over the first W < S slots only attends those: the decoding loops pass one just
+    wide enough for the filled part of the cache (`decode.cache_phases`), so attention does
+    not read the empty slots; the new tokens' slots lengths .. lengths+T-1 must be < W.
+
+    `empty_cache=True` promises every row's cache is empty (prefill, training): attention
+    then skips the cache entirely, which is cheaper and avoids XLA constant-folding a
+    fully masked block. `unroll`: layers per iteration of the scan over stacked layers (the
+    decoding layout has no scan: see `decoding_layout`). `remat=True` (training the
+    backbone) wraps each layer in `jax.checkpoint` saving nothing inside it: the backward
+    pass keeps only the layers' inputs and recomputes each layer (attention scores included)
+    instead of holding every layer's intermediates."""
+    if isinstance(cache.k, tuple):  # a per-layer cache is written as it is read
+        logits, hidden, new_kv, _ = forward_scratch(
+            params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+            empty_cache=empty_cache)
+        return logits, hidden, new_kv
+    x = embed_tokens(cfg, params, tokens)
+    t = tokens.shape[1]
+    # Split the caller's mask: committed slots come from the cache, the T new tokens (which
+    # would occupy slots lengths .. lengths+T-1) attend each other directly. The cache is
+    # only read inside the layers: no per-layer copies of it.
+    window = mask.shape[-1]
+    slots = jnp.arange(window)
+    prefix_mask = mask & (slots[None, None, :] < cache.lengths[:, None, None])
+    new_slots = jnp.minimum(cache.lengths[:, None] + jnp.arange(t)[None], window - 1)
+    new_mask = jnp.take_along_axis(mask, new_slots[:, None, :], axis=2)  # [B, T, T]
+    # Per-layer attention kinds (Gemma 2/3): each window's masks and rotary frequencies once
+    kinds = layer_kinds(cfg)
+    prefix_masks = window_masks(kinds, positions, slots[None, :], prefix_mask)
+    new_masks = window_masks(kinds, positions, positions, new_mask)
+    freqs = {w: rope_frequencies(cfg, local=w is not None) for w in set(kinds)}
+
+    def one_layer(x, layer, kc, vc, pm, nm, inv_freq):
+        if kc is not None and window < kc.shape[2]:
+            kc, vc = kc[:, :, :window], vc[:, :, :window]
+        x, k, v = _layer(cfg, x, layer, kc, vc, positions, pm, nm, inv_freq)
+        return x, (k, v)
+
+    if remat:
+        one_layer = jax.checkpoint(one_layer, policy=jax.checkpoint_policies.nothing_saveable,
+                                   prevent_cse=False)
+    if is_decoding_layout(params):  # a straight line, each layer's weights read in place
+        outs = []
+        for i, layer in enumerate(params["layers"]):
+            kc, vc = (None, None) if empty_cache else (cache.k[i], cache.v[i])
+            w = kinds[i]  # static
+            x, kv = one_layer(x, layer, kc, vc, prefix_masks[w], new_masks[w], freqs[w])
+            outs.append(kv)
+        new_kv = (jnp.stack([k for k, _ in outs]), jnp.stack([v for _, v in outs]))
+    else:
+        uniq = sorted(set(kinds), key=lambda w: -1 if w is None else w)
+        if len(uniq) == 1:  # every layer alike (the Llama family): nothing to select
+            def body(x, xs):
+                layer, kc, vc = xs if not empty_cache else (xs, None, None)
+                w = uniq[0]
+                return one_layer(x, layer, kc, vc, prefix_masks[w], new_masks[w], freqs[w])
+
+            xs = params["layers"] if empty_cache else (params["layers"], cache.k, cache.v)
+        else:  # the scanned layer picks its kind's masks and frequencies by index
+            stack = lambda d: jnp.stack([d[w] for w in uniq])  # noqa: E731
+            pms, nms, fs = stack(prefix_masks), stack(new_masks), stack(freqs)
+            kind = jnp.asarray([uniq.index(w) for w in kinds], jnp.int32)  # [L]
+
+            def body(x, xs):
+                layer, kc, vc, i = xs if not empty_cache else (xs[0], None, None, xs[1])
+                return one_layer(x, layer, kc, vc, pms[i], nms[i], fs[i])
+
+            xs = ((params["layers"], kind) if empty_cache
+                  else (params["layers"], cache.k, cache.v, kind))
+        x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
+    hidden = _norm(cfg, x, params["final_norm"])
+    logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
+    return logits, hidden, new_kv
+
+
+def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
+    """Write [L, B, KVH, T, D] keys/values at slots lengths[b] ... (lengths unchanged)."""
+    if isinstance(cache.k, tuple):
+        return cache.replace(
+            k=tuple(_write_layer(c, k_new[i], cache.lengths) for i, c in enumerate(cache.k)),
+            v=tuple(_write_layer(c, v_new[i], cache.lengths) for i, c in enumerate(cache.v)))
+    return cache.replace(k=_write_rows(cache.k, k_new, cache.lengths),
+                         v=_write_rows(cache.v, v_new, cache.lengths))
+
+
+def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                    mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
+                    empty_cache: bool = False, unroll: int = 1, remat: bool = False):
+    """`forward_uncommitted` that also returns the cache with the new tokens' keys/values
+    written at slots lengths .. lengths + T - 1 (`lengths` unchanged): scratch slots past
+    the committed context, which Medusa overwrites with the accepted path (`write_kv`).
+    Returns (logits or None, hidden, (new keys, new values) [L, B, KVH, T, D], cache).
+
+    With a per-layer cache each layer writes before it reads (in place); with a stacked
+    one the new entries are written after all layers."""
+    if isinstance(cache.k, tuple):
+        x = embed_tokens(cfg, params, tokens)
+        x, k_new, v_new, cache = _forward_per_layer_cache(
+            params, cfg, x, positions, mask, cache, empty_cache, rope_frequencies(cfg))
+        hidden = _norm(cfg, x, params["final_norm"])
+        logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
+        return logits, hidden, (k_new, v_new), cache
+    logits, hidden, (k_new, v_new) = forward_uncommitted(
+        params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+        empty_cache=empty_cache, unroll=unroll, remat=remat)
+    return logits, hidden, (k_new, v_new), write_kv(cache, k_new, v_new)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
+            empty_cache: bool = False, unroll: int = 1, remat: bool = False
+            ) -> tuple[jax.Array | None, jax.Array, KVCache]:
+    """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
+
+    Slot s of the mask is cache slot s (the mask may cover only the first W slots: see
+    `forward_uncommitted`); the new tokens occupy slots lengths[b] ...
+    lengths[b] + T - 1, so a causal mask, a tree mask or any other pattern is just a mask.
+    Returns (logits [B, T, V] float32 or None, hidden [B, T, H] after the final norm, cache
+    with the new keys/values written at those slots; `lengths` is left to the caller).
+    """
+    logits, hidden, _, cache = forward_scratch(
+        params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
+        empty_cache=empty_cache, unroll=unroll, remat=remat)
+    return logits, hidden, cache
+
+
+class ParamSpec(NamedTuple):
+    """A parameter's shape and the logical name of each dimension (what `sharding.RULES`
+    maps to mesh axes)."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str, ...]
+
+
+# Projections that read the same input, fused into one product each in the decoding layout:
+# fused name -> (the parameters concatenated along their output axis, in order).
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"),
+         "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_layer(layer: dict, concatenate=jnp.concatenate) -> dict:
+    """One layer's parameters (no layer axis) with the `FUSED` projections concatenated.
+    `concatenate=np.concatenate` fuses host arrays (loading builds the layout that way)."""
+    layer = dict(layer)
+    for fused, parts in FUSED.items():
+        if all(p in layer for p in parts):
+            layer[fused] = concatenate([layer.pop(p) for p in parts], axis=-1)
+    return layer
+
+
+def is_decoding_layout(params: Params) -> bool:
+    return isinstance(params["layers"], (tuple, list))
+
+
+def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None = None
+                    ) -> Params:
+    """The layout decoding runs fastest with, on one device, for a backbone of any depth
+    (tensor-parallel weights keep the stacked layout: fused projections would mix
+    differently sharded heads):
+
+    - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line:
+      each layer's weights are read in place. In a `lax.scan` over stacked weights, slicing
+      layer i out of a stacked array inside the decoding `while_loop` copies every weight of
+      every layer at every step (llama-110m shape, 2-core CPU: 2.0-2.7 ms per layer scanned
+      against 1.2-1.5 ms unrolled);
+    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer (on
+      stories260K, 2-core CPU: Medusa +10%, plain +6% tokens/s in one alternating run).
+
+    Converting stacked arrays holds a second copy of each stacked weight while its layers
+    are sliced out; `weights.load_pretrained(..., decoding_layout=True)` builds this layout
+    straight from the checkpoint instead (what `api.Medusa.load` does). `forward` takes this
+    layout and the standard one; `standard_layout` undoes it. Done once, outside jit.
+
+    On the CPU the products' weights come wrapped for the few-row kernel
+    (`kernels.use_cpu_kernels`; `cpu_kernels=False`, --no-cpu-kernels or
+    MEDUSA_JAX_CPU_KERNELS=0 keep XLA's products)."""
+    layers = params["layers"]
+    if is_decoding_layout(params) or any(k in FUSED for k in layers):
+        return kernels.use_cpu_kernels(params, cpu_kernels)  # already in the decoding layout
+    layers = dict(layers)
+    per_layer = [{} for _ in range(cfg.num_layers)]
+    for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
+        stacked = layers.pop(key)
+        for i in range(cfg.num_layers):
+            per_layer[i][key] = stacked[i]
+        del stacked
+    return kernels.use_cpu_kernels(
+        dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels)
+
+
+def standard_layout(cfg: ModelConfig, params: Params) -> Params:
+    """Undo `decoding_layout`: layers stacked, every projection on its own (`param_specs`)."""
+    params = kernels.unwrap(params)
+    layers = params["layers"]
+    if isinstance(layers, (tuple, list)):
+        layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    layers = dict(layers)
+    specs = param_specs(cfg)["layers"]
+    for fused, parts in FUSED.items():
+        if fused in layers:
+            sizes = [specs[p].shape[-1] for p in parts]
+            split = jnp.split(layers.pop(fused), list(itertools.accumulate(sizes))[:-1], axis=-1)
+            layers.update(zip(parts, split))
+    return dict(params, layers=layers)
+
+
+def param_specs(cfg: ModelConfig) -> dict:
+    """The backbone's parameter tree as {name: ParamSpec}: the single source of truth for
+    initialisation, loading and sharding. Layers are stacked on a leading "layers" axis."""
+    h, f, lyr = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    qd, kvd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    S = ParamSpec
+    layers = {
+        "attn_norm": S((lyr, h), ("layers", "norm")),
+        "wq": S((lyr, h, qd), ("layers", "embed", "q_heads")),
+        "wk": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
+        "wv": S((lyr, h, kvd), ("layers", "embed", "kv_heads")),
+        "wo": S((lyr, qd, h), ("layers", "q_heads", "embed")),
+        "mlp_norm": S((lyr, h), ("layers", "norm")),  # before the MLP (Gemma 2/3: pre_feedforward)
+        "w_gate": S((lyr, h, f), ("layers", "embed", "mlp")),
+        "w_up": S((lyr, h, f), ("layers", "embed", "mlp")),
+        "w_down": S((lyr, f, h), ("layers", "mlp", "embed")),
+    }
+    if cfg.attention_bias:
+        layers.update(bq=S((lyr, qd), ("layers", "q_heads")),
+                      bk=S((lyr, kvd), ("layers", "kv_heads")),
+                      bv=S((lyr, kvd), ("layers", "kv_heads")))
+    if cfg.sandwich_norms:  # Gemma 2/3: after attention and after the MLP
+        layers.update(post_attn_norm=S((lyr, h), ("layers", "norm")),
+                      post_mlp_norm=S((lyr, h), ("layers", "norm")))
+    if cfg.qk_norm:
+        layers.update(q_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")),
+                      k_norm=S((lyr, cfg.head_dim), ("layers", "head_dim")))
+    specs = {"embed": S((cfg.vocab_size, h), ("vocab", "embed")), "layers": layers,
+             "final_norm": S((h,), ("norm",))}
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = S((h, cfg.vocab_size), ("embed", "vocab"))
+    return specs
+
+
+def head_units(cfg: ModelConfig) -> dict:
+    """How many whole heads the "q_heads"/"kv_heads" dims hold: tensor parallelism splits
+    them only where the head count divides the `model` axis (see `sharding.spec_for`)."""
+    return {"q_heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """{name: shape} of `param_specs`."""
+    return jax.tree.map(lambda s: s.shape, param_specs(cfg), is_leaf=_is_spec)
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """{name: logical axes} of `param_specs`."""
+    return jax.tree.map(lambda s: s.axes, param_specs(cfg), is_leaf=_is_spec)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random backbone (norms at one: weights 1, or 0 with Gemma's 1 + weight), for tests
+    and random-weight benchmarks."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda s: isinstance(s, tuple))[0]]
+    keys = jax.random.split(key, len(leaves))
+    dtype = as_dtype(cfg.param_dtype)
+    out = []
+    for path, shape, k in zip(paths, leaves, keys):
+        if "norm" in path:
+            out.append(jnp.full(shape, 1.0 - cfg.norm_offset, dtype))
+        else:
+            out.append((std * jax.random.normal(k, shape)).astype(dtype))
+    return jax.tree.unflatten(treedef, out)

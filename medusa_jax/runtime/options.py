@@ -1,0 +1,258 @@
+"""Command-line options shared by the entry points in train/ and infer/ (stdlib only).
+
+- `add_config_flags` turns a config dataclass into flags: one `--flag-name` per field, its
+  type from the annotation, its help and choices from the field's metadata (`option`; a
+  subclass rewords inherited help in its `HELP` class attribute).
+  Defaults stay None on the command line, so "given" means typed by the user.
+- `parse_config` builds the config from the flags, or from a run's saved config.json
+  plus the flags allowed to change on `--resume`.
+- `int_list` parses "1,4,16"; `errors_to_exit` turns the library's errors into one line;
+  `writable_output` and `mesh_spec` check an output path and a mesh spec before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+
+
+def option(default, help: str, **flag):
+    """A config field with its command-line help (`{default}` is filled in) and any extra
+    argparse keywords (choices, metavar)."""
+    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+
+
+def _base_type(annotation):
+    """int for `int`, `int | None`; str for `tuple[str, ...]` (an appendable flag)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _base_type(args[0])
+    if origin is tuple:
+        return typing.get_args(annotation)[0]
+    return annotation
+
+
+def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()):
+    """One flag per field of the dataclass `cls` (fields without `option` metadata and those
+    in `skip` get none)."""
+    hints = typing.get_type_hints(cls)
+    helps = getattr(cls, "HELP", {})  # a subclass's own wording for an inherited field
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        typ = _base_type(hints[f.name])
+        kw = dict(f.metadata["flag"])
+        kw["help"] = helps.get(f.name, f.metadata["help"]).format(default=f.default)
+        flag = "--" + f.name.replace("_", "-")
+        if typing.get_origin(hints[f.name]) is tuple:
+            ap.add_argument(flag, action="append", default=None, **kw)
+        elif typ is bool:
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **kw)
+        else:
+            if "choices" not in kw:
+                kw.setdefault("metavar", typ.__name__.upper())
+            ap.add_argument(flag, type=typ, default=None, **kw)
+
+
+def add_run_flags(ap: argparse.ArgumentParser):
+    """--resume, --stop-after, --no-compile-cache and --no-cpu-kernels (the closing
+    benchmark's decoding), which every training command takes."""
+    from medusa_jax.runtime import compile_cache
+    from medusa_jax.kernels import flags as kernel_flags
+
+    ap.add_argument("--resume", metavar="RUN_DIR",
+                    help="continue the run in RUN_DIR from its last checkpoint")
+    ap.add_argument("--stop-after", type=int, metavar="N",
+                    help="stop after N steps in this invocation (as if preempted; resume later)")
+    compile_cache.add_flag(ap)
+    kernel_flags.add_flag(ap)
+
+
+def parse_config(ap: argparse.ArgumentParser, cls, argv=None):
+    """(config, --resume, --stop-after) from the command line. With --resume the run's saved
+    config.json is the base and only the fields in `cls.RESUMABLE` may change; the config
+    is validated; every problem is an `ap.error` (one line, exit 2). Then the persistent
+    compilation cache is turned on, unless --no-compile-cache (`compile_cache.enable`)."""
+    args = vars(ap.parse_args(argv))
+    resume, stop_after = args.pop("resume"), args.pop("stop_after")
+    no_compile_cache = args.pop("no_compile_cache", None)  # None: a parser without the flag
+    if args.pop("no_cpu_kernels", False):
+        from medusa_jax.kernels import flags as kernel_flags
+
+        kernel_flags.apply_flag(argparse.Namespace(no_cpu_kernels=True))
+    given = {k: (tuple(v) if isinstance(v, list) else v) for k, v in args.items()
+             if v is not None}
+    if stop_after is not None and stop_after < 1:
+        ap.error("--stop-after must be >= 1")
+    try:
+        cfg = _resumed(cls, given, resume) if resume is not None else cls(**given)
+        cfg = cfg.validate()
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
+    if no_compile_cache is not None:
+        from medusa_jax.runtime import compile_cache
+
+        compile_cache.enable(off=no_compile_cache)
+    return cfg, resume, stop_after
+
+
+def _resumed(cls, given: dict, resume: str):
+    from medusa_jax.runtime import rundir
+
+    run_dir = Path(resume)
+    saved = run_dir / rundir.CONFIG_FILE
+    if not saved.is_file():
+        raise ValueError(f"--resume {resume}: not a training run (no config.json there)")
+    try:
+        raw = json.loads(saved.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--resume {resume}: unreadable config.json ({e})") from None
+    if rundir.run_config(run_dir) is None:
+        raise ValueError(f"--resume {resume}: not a training run (its config.json is not a "
+                         f"run's: a model or heads folder?)")
+    method = rundir.run_method(run_dir)
+    if method != cls.RUN_PREFIX:
+        raise ValueError(f"--resume {resume}: a {method} run; continue it with "
+                         f"python -m train.{method} --resume {resume}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - fields - {"method"})
+    if unknown:
+        raise ValueError(f"--resume {resume}: config.json has unknown field"
+                         f"{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}")
+    try:
+        base = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()
+                      if k in fields})
+    except TypeError as e:
+        raise ValueError(f"--resume {resume}: unreadable config.json ({e})") from None
+    changed = sorted(k for k, v in given.items()
+                     if k not in cls.RESUMABLE and k != "output_dir" and v != getattr(base, k))
+    if changed:
+        raise ValueError(f"cannot change {', '.join('--' + c.replace('_', '-') for c in changed)}"
+                         f" when resuming (only {', '.join(sorted(cls.RESUMABLE))})")
+    # --steps and --epochs replace each other (a saved run has one of them)
+    given = dict(given, output_dir=str(run_dir))
+    if "steps" in given and "epochs" not in given:
+        given["epochs"] = None
+    elif "epochs" in given and "steps" not in given:
+        given["steps"] = None
+    return dataclasses.replace(base, **given)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0 (a seed numpy's generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1, got {value}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a PRNG seed (what jax.random.key takes)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -2**63 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in -2**63..2**63-1, got {value}")
+    return value
+
+
+def name_list(text: str) -> str:
+    """argparse type: comma-separated names without empty entries (kept as the string)."""
+    if any(not x.strip() for x in text.split(",")):
+        raise argparse.ArgumentTypeError(f"{text!r} has an empty entry")
+    return text
+
+
+def int_list(minimum: int | None = None):
+    """argparse type: comma-separated integers, each >= `minimum` when given."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected at least one integer, got {text!r}")
+        bad = [v for v in values if minimum is not None and v < minimum]
+        if bad:
+            raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {bad[0]}")
+        return values
+
+    return parse
+
+
+@contextlib.contextmanager
+def errors_to_exit():
+    """The library's input errors (bad files, configs, checkpoints) as `error: ...` and
+    exit status 1, without a traceback."""
+    from medusa_jax.runtime.rundir import RunDirBusy
+
+    try:
+        yield
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError, RunDirBusy) as e:
+        sys.exit(f"error: {e}")
+
+
+def writable_output(flag: str, path: str, folder: bool = False) -> Path:
+    """An output path checked before any work: a file (`folder=False`) must not be an
+    existing folder and its parent must exist and be writable; a folder must be a folder or
+    creatable. Raises ValueError naming the flag."""
+    import os
+
+    p = Path(path)
+    if not folder and (p.is_dir() or path.endswith(("/", os.sep))):
+        raise ValueError(f"{flag} {path}: is a folder; give a file name")
+    if not folder and p.exists() and not os.access(p, os.W_OK):
+        raise ValueError(f"{flag} {path}: the file is read-only")
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{flag} {path}: exists and is not a folder")
+    parent = p if folder and p.exists() else p.parent
+    while folder and not parent.exists() and parent != parent.parent:
+        parent = parent.parent  # a folder is created with its parents
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: its folder {parent} does not exist")
+    import tempfile
+
+    try:  # os.access says yes to root on read-only and pseudo filesystems (/proc, /sys)
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".medusa-write-check-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write into {parent} "
+                         f"({e.strerror or type(e).__name__})") from None
+    return p
+
+
+def mesh_spec(text: str) -> str:
+    """argparse type: a mesh spec that parses (see `sharding.parse_mesh_spec`)."""
+    from medusa_jax.runtime.sharding import parse_mesh_spec
+
+    try:
+        parse_mesh_spec(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

@@ -1,0 +1,885 @@
+"""Serving engine: continuous batching over S static slots, Medusa (or plain) steps inside.
+
+The serving loop of JetStream / jax-llm-examples, three jitted programs, each compiled once
+per shape it uses (all before serving, or in the background while the first requests are
+served with the first shapes compiled, or each when first needed: `Engine.start`'s warmup):
+  - `prefill` (one request, its prompt right-padded to a bucket): fills a one-row KV cache,
+    picks the first token with the request's own sampling, runs the heads;
+  - `insert` (the decode state donated): puts a prefilled request into slot b;
+  - `step`: K decoding steps for all S slots in one call, each slot at its own length;
+    returns a fixed [S, K*(D+1)] token buffer and per-slot counts.
+Plain decoding is the same engine with a 1-token step (no heads, no tree).
+
+Sampling is per row (arrays in the state, not static arguments): temperature (0: greedy),
+top_k, top_p, a PRNG stream, max_tokens and stop tokens. A greedy row accepts with
+`acceptance.greedy` (identical to plain greedy); a sampled row with `acceptance.rejection`
+over its own filtered distribution (lossless). A token is emitted as soon as it is chosen:
+the first one by prefill, then per step the accepted nodes and the next root (which the
+next step verifies), so the stream is the offline decoders' stream.
+
+`Engine` is the host side: one thread dispatches step N+1, then reads step N's tokens
+(`copy_to_host_async`), hands them to their requests, and admits waiting requests into
+freed slots. Each dispatched step records which request held each slot; tokens go only to
+that request, and only while it is live, so a reused slot never receives stale tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.decoding import acceptance
+from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.runtime import pytree as struct
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, is_decoding_layout
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.drafters.medusa.drafter import standard_heads
+from medusa_jax.decoding.decode import (MIN_BUCKET, commit, propose_candidates,
+                               verify)
+from medusa_jax.decoding.tree import DynamicTree, Tree
+
+MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
+WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
+# the background warm-up waits while requests run (compiling competes with them for the
+# CPU and the GIL), but no longer than this per program under a steady load
+BACKGROUND_YIELD_S = 2.0
+
+
+# ----------------------------------------------------------------------------- per-row sampling
+
+
+@struct.dataclass
+class RowParams:
+    """Per-slot sampling and limits (S rows)."""
+
+    temperature: jax.Array  # [S] float32; 0 = greedy
+    top_k: jax.Array  # [S] int32; 0 = off
+    top_p: jax.Array  # [S] float32; 1 = off
+    max_tokens: jax.Array  # [S] int32
+    stop: jax.Array  # [S, MAX_STOP] int32, -1 = none
+
+
+def row_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+    """`acceptance.log_probs` with per-row parameters: logits [B, ..., V], the rest [B].
+    Temperature, then top-k, then top-p, as plain sampling does."""
+    v = logits.shape[-1]
+    shape = (-1,) + (1,) * (logits.ndim - 1)
+    t = jnp.where(temperature > 0, temperature, 1.0).reshape(shape)
+    k, p = top_k.reshape(shape), top_p.reshape(shape)
+    x = logits.astype(jnp.float32) / t
+    neg = jnp.finfo(jnp.float32).min
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), sorted_x.shape[:-1] + (1,))
+    kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
+    use_k = k > 0
+    x = jnp.where(use_k & (x < kth), neg, x)
+    sorted_x = jnp.where(use_k & (sorted_x < kth), neg, sorted_x)  # still sorted
+    sm = jax.nn.softmax(sorted_x, axis=-1)
+    keep = (jnp.cumsum(sm, axis=-1) - sm) < p  # the smallest prefix reaching top_p
+    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((p < 1.0) & (x < cutoff), neg, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def pick_rows(keys: jax.Array, logits: jax.Array, rp: RowParams) -> jax.Array:
+    """Plain next-token choice per row: logits [B, V] -> [B] (argmax where temperature 0)."""
+    logp = row_log_probs(logits, rp.temperature, rp.top_k, rp.top_p)
+    drawn = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    return jnp.where(rp.temperature > 0, drawn,
+                     jnp.argmax(logits, axis=-1).astype(jnp.int32))
+
+
+def _split_rows(keys):
+    both = jax.vmap(jax.random.split)(keys)
+    return both[:, 0], both[:, 1]
+
+
+# ----------------------------------------------------------------------------- device state
+
+
+@struct.dataclass
+class DecodeState:
+    """The S slots. A slot is live while `done` is False; the host decides which request
+    it belongs to."""
+
+    cache: KVCache  # S rows
+    root: jax.Array  # [S] int32: the last emitted token, not yet fed
+    head_logits: jax.Array | None  # [K, S, V]: the heads' guesses after the root (Medusa)
+    count: jax.Array  # [S] int32: tokens emitted to the slot's request
+    done: jax.Array  # [S] bool
+    keys: jax.Array  # [S] PRNG keys
+    rows: RowParams
+
+
+@struct.dataclass
+class Prefix:
+    """`prefill`'s result for one request (one row)."""
+
+    cache: KVCache  # 1 row, bucket slots
+    root: jax.Array  # [1] int32: the first token
+    head_logits: jax.Array | None  # [K, 1, V]
+    keys: jax.Array  # [1]
+
+
+@struct.dataclass
+class StepOut:
+    tokens: jax.Array  # [S, K*(D+1)] int32: tokens[b, :counts[b]] are slot b's new tokens
+    counts: jax.Array  # [S] int32
+    steps: jax.Array  # [S] int32: steps slot b was live for
+    lengths: jax.Array  # [S] int32: cache lengths after the call
+    done: jax.Array  # [S] bool
+
+
+def init_state(cfg: ModelConfig, params, slots: int, capacity: int,
+               head_logits_shape: tuple[int, ...] | None) -> DecodeState:
+    zeros = jnp.zeros((slots,), jnp.int32)
+    return DecodeState(
+        cache=KVCache.init(cfg, slots, capacity, per_layer=is_decoding_layout(params)),
+        root=zeros,
+        head_logits=None if head_logits_shape is None else jnp.zeros(head_logits_shape,
+                                                                     jnp.float32),
+        count=zeros, done=jnp.ones((slots,), bool),
+        keys=jax.random.split(jax.random.key(0), slots),
+        rows=RowParams(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
+                       top_p=jnp.ones((slots,), jnp.float32), max_tokens=zeros,
+                       stop=jnp.full((slots, MAX_STOP), -1, jnp.int32)))
+
+
+def prefill(params, heads, cfg: ModelConfig, tree, tokens: jax.Array, length: jax.Array,
+            key: jax.Array, rows: RowParams) -> Prefix:
+    """tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32), rows: one row.
+    Heads None: plain."""
+    key = jax.random.wrap_key_data(key)
+    _, p = tokens.shape
+    cache = KVCache.init(cfg, 1, p, per_layer=is_decoding_layout(params))
+    positions = jnp.arange(p, dtype=jnp.int32)[None]
+    logits, hidden, cache = forward(params, cfg, tokens, positions,
+                                    causal_mask(cache.lengths, p, p), cache, empty_cache=True)
+    last = length - 1
+    keys, sub = _split_rows(key)
+    root = pick_rows(sub, logits[jnp.arange(1), last], rows)
+    head_logits = None
+    if heads is not None:
+        depth = _static(tree).depth
+        head_logits = standard_heads(jax.tree.map(lambda x: x[:depth], heads),
+                                     hidden[jnp.arange(1), last], length)
+    return Prefix(cache=cache.replace(lengths=length), root=root, head_logits=head_logits,
+                  keys=keys)
+
+
+def insert(state: DecodeState, pre: Prefix, slot: jax.Array, rows: RowParams) -> DecodeState:
+    """Put a prefilled request into slot `slot` (int32 scalar); `rows` is its one row. The
+    slot's first token (pre.root) counts as emitted."""
+    c, pc = state.cache, pre.cache
+    if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]; row b's heads at b*KVH ..
+        kvh = pc.k[0].shape[0]
+        at = (slot * kvh, jnp.int32(0), jnp.int32(0))
+        k = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.k, pc.k))
+        v = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.v, pc.v))
+    else:  # [L, S, KVH, C, D]
+        z = jnp.int32(0)
+        k = jax.lax.dynamic_update_slice(c.k, pc.k, (z, slot, z, z, z))
+        v = jax.lax.dynamic_update_slice(c.v, pc.v, (z, slot, z, z, z))
+    cache = c.replace(k=k, v=v, lengths=c.lengths.at[slot].set(pc.lengths[0]))
+    set_row = lambda a, b: a.at[slot].set(b[0])  # noqa: E731
+    head_logits = state.head_logits
+    if head_logits is not None:
+        head_logits = head_logits.at[:, slot].set(pre.head_logits[:, 0])
+    # a first token that ends the request leaves the slot idle
+    ended = jnp.any(pre.root[0] == rows.stop[0]) | (rows.max_tokens[0] <= 1)
+    return DecodeState(cache=cache, root=set_row(state.root, pre.root), head_logits=head_logits,
+                       count=state.count.at[slot].set(1), done=state.done.at[slot].set(ended),
+                       keys=set_row(state.keys, pre.keys),
+                       rows=jax.tree.map(set_row, state.rows, rows))
+
+
+def _emit(s: DecodeState, chunk: jax.Array, n_valid: jax.Array):
+    """chunk [S, C] of which the first n_valid [S] are new tokens: cut each live row at its
+    first stop token (kept) and at its max_tokens. Returns (tokens kept [S], count, done)."""
+    live = ~s.done
+    j = jnp.arange(chunk.shape[1])[None]
+    is_stop = jnp.any(chunk[:, :, None] == s.rows.stop[:, None, :], axis=-1) & (j < n_valid[:, None])
+    first = jnp.argmax(is_stop, axis=1)
+    n = jnp.where(jnp.any(is_stop, axis=1), first + 1, n_valid)
+    n = jnp.where(live, jnp.minimum(n, s.rows.max_tokens - s.count), 0)
+    stopped = jnp.any(is_stop, axis=1) & (first < n)
+    count = s.count + n
+    done = s.done | (live & (stopped | (count >= s.rows.max_tokens)))
+    return n, count, done
+
+
+def _static(tree):
+    return tree.pool if isinstance(tree, DynamicTree) else tree
+
+
+def medusa_step(params, heads, cfg: ModelConfig, tree: Tree | DynamicTree, s: DecodeState,
+                window: int):
+    """One Medusa step for every slot. Returns (state, chunk [S, D+1], kept [S])."""
+    static = _static(tree)
+    rows = jnp.arange(s.root.shape[0])
+    live = ~s.done
+    prop = propose_candidates(s.root, s.head_logits, tree)
+    logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)
+    keys, sub = _split_rows(s.keys)
+    greedy = acceptance.greedy(logits, prop.tokens, static, prop.valid, prop.slot)
+    sampled = s.rows.temperature > 0
+
+    def with_rejection(_):
+        # each row's own distribution, handed to the shared rule as temperature-1 logits
+        logp = row_log_probs(acceptance.node_rows(logits, prop.slot), s.rows.temperature,
+                             s.rows.top_k, s.rows.top_p)
+        rej = acceptance.rejection(logp, prop.tokens, static, Sampling("rejection"), sub,
+                                   prop.valid)
+        return tuple(jnp.where(sampled, r, g) for r, g in zip(rej, greedy))
+
+    best, acc_len, next_root = jax.lax.cond(jnp.any(sampled & live), with_rejection,
+                                            lambda _: greedy, None)
+    path = jnp.asarray(static.paths)[best]  # [S, D+1] node indices, root first
+    path_tok = jnp.take_along_axis(prop.tokens, path, axis=1)
+    # emitted now: the accepted nodes, then the next root (the root went out last step)
+    shifted = jnp.concatenate([path_tok[:, 1:], jnp.zeros_like(path_tok[:, :1])], axis=1)
+    chunk = jnp.where(jnp.arange(static.depth + 1)[None] == acc_len[:, None],
+                      next_root[:, None], shifted)
+    n, count, done = _emit(s, chunk, acc_len + 1)
+    fed_path = prop.fed_index(path)
+    cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
+    head_logits = standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], cache.lengths)
+    s = s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
+                  head_logits=jnp.where(live[None, :, None], head_logits, s.head_logits),
+                  count=count, done=done, keys=keys)
+    return s, chunk, n
+
+
+def plain_step(params, cfg: ModelConfig, s: DecodeState, window: int):
+    """One plain step: feed the root, choose and emit the next token."""
+    live = ~s.done
+    logits, _, cache = forward(params, cfg, s.root[:, None], s.cache.lengths[:, None],
+                               causal_mask(s.cache.lengths, 1, window), s.cache)
+    keys, sub = _split_rows(s.keys)
+    new = pick_rows(sub, logits[:, 0], s.rows)
+    n, count, done = _emit(s, new[:, None], jnp.ones_like(s.count))
+    s = s.replace(cache=cache.advance(live), root=jnp.where(live, new, s.root), count=count,
+                  done=done, keys=keys)
+    return s, new[:, None], n
+
+
+def multi_step(one_step, k: int, width: int, s: DecodeState) -> tuple[DecodeState, StepOut]:
+    """`k` steps of `one_step` (s -> (s, chunk [S, width], kept [S])) in one call."""
+    b = s.root.shape[0]
+
+    def body(_, carry):
+        s, buf, counts, steps = carry
+        live = ~s.done
+        s, chunk, n = one_step(s)
+        buf = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(
+            buf, chunk, counts)
+        return s, buf, counts + n, steps + live
+
+    zeros = jnp.zeros((b,), jnp.int32)
+    s, buf, counts, steps = jax.lax.fori_loop(
+        0, k, body, (s, jnp.zeros((b, k * width), jnp.int32), zeros, zeros))
+    return s, StepOut(tokens=buf, counts=counts, steps=steps, lengths=s.cache.lengths,
+                      done=s.done)
+
+
+def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, tree, k: int,
+                window: int) -> tuple[DecodeState, StepOut]:
+    """`k` Medusa steps (heads given; tree) or plain steps (heads None) for every slot,
+    attending over the first `window` cache slots."""
+    if heads is not None:
+        one = functools.partial(medusa_step, params, heads, cfg, tree, window=window)
+        width = _static(tree).depth + 1
+    else:
+        one, width = functools.partial(plain_step, params, cfg, window=window), 1
+    return multi_step(one, k, width, s)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+class QueueFull(Exception):
+    """The engine's waiting queue is at its bound."""
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One generation. `on_event(tokens, finish_reason, error)` is called from the engine
+    thread: new tokens (a list), then finish_reason "stop" / "length" once, or an error
+    message (finish_reason "error") when the engine stops."""
+
+    prompt: list[int]
+    max_tokens: int
+    on_event: Callable[[list[int], str | None, str | None], None]
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()  # beyond the model's EOS
+    # filled in by the engine
+    id: int = -1
+    cancelled: bool = False
+    emitted: int = 0
+    t_submit: float = 0.0
+    t_first: float | None = None
+    finished: bool = False
+
+
+@dataclasses.dataclass
+class _Slot:
+    req: Request | None = None
+    known_len: int = 0  # cache length at the last read
+    unread: int = 0  # steps dispatched since then
+    limit: int = 0  # prompt + max_tokens: the length never exceeds it while live
+
+
+class Metrics:
+    """Counters the server's /metrics reports (updated by the engine thread)."""
+
+    def __init__(self):
+        self.requests = collections.Counter()  # finish reason -> count
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.slot_steps = 0  # live slot-steps
+        self.step_tokens = 0  # tokens those steps emitted (after the first)
+        self.calls = 0
+        self.ttft = []  # seconds, recent
+        self.ttft_sum = 0.0
+        self.ttft_count = 0
+
+
+class Engine:
+    """Continuous batching over `slots` slots of `model` (a `medusa_jax.api.Medusa`).
+
+    medusa: use the heads and `tree` (default: with heads). steps_per_call: K steps per
+    `step` call. max_context: the KV cache's length per slot (default: the model's
+    context). window_block: attention windows are compiled in multiples of this.
+    max_queue: waiting requests past which `submit` raises QueueFull. buckets: the prompt
+    lengths prefill is compiled for (default: powers of two from 16, and the context); a
+    prompt is padded to the smallest that holds it."""
+
+    def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
+                 steps_per_call: int = 4, max_context: int | None = None,
+                 window_block: int = 128, max_queue: int = 64,
+                 buckets: tuple[int, ...] | None = None,
+                 log: Callable[[str], None] | None = None):
+        if slots < 1 or steps_per_call < 1 or window_block < 1 or max_queue < 0:
+            raise ValueError(f"need slots, steps_per_call, window_block >= 1 and max_queue >= 0,"
+                             f" got {slots}, {steps_per_call}, {window_block}, {max_queue}")
+        self.model, self.cfg = model, model.cfg
+        use_medusa = model.heads is not None if medusa is None else bool(medusa)
+        if use_medusa and model.heads is None:
+            raise ValueError("a Medusa engine needs heads (load the model with heads)")
+        if use_medusa and hydra.is_hydra(model.heads):
+            raise ValueError("the serving engine drafts with Medusa heads; these are Hydra "
+                             "heads (decode them with Medusa.generate, or serve Medusa heads "
+                             "or plain decoding)")
+        self.tree = model.tree(tree) if use_medusa else None
+        self.medusa = use_medusa
+        self.slots, self.k, self.max_queue = slots, steps_per_call, max_queue
+        model_context = self.cfg.max_position_embeddings
+        if max_context is not None and max_context > model_context:
+            raise ValueError(f"max_context {max_context} is longer than the model's context "
+                             f"({model_context} tokens, max_position_embeddings)")
+        self.capacity = max_context or model_context
+        static = _static(self.tree) if use_medusa else None
+        self.width = static.depth + 1 if use_medusa else 1  # tokens a step emits at most
+        self.fed = self.tree.num_nodes if use_medusa else 1  # tokens a step feeds
+        if self.capacity < MIN_BUCKET + self.fed + 1:
+            raise ValueError(f"max_context {self.capacity} is too small (need at least "
+                             f"{MIN_BUCKET + self.fed + 1})")
+        self.eos = tuple(model.eos)
+        self.windows = sorted({min(w, self.capacity)
+                               for w in range(window_block, self.capacity + window_block,
+                                              window_block)})
+        if buckets is None:
+            buckets, b = [self.capacity], MIN_BUCKET
+            while b < self.capacity:
+                buckets.append(b)
+                b *= 2
+        if not buckets or any(not 1 <= b <= self.capacity for b in buckets):
+            raise ValueError(f"prefill buckets must be in 1..{self.capacity} (the context), "
+                             f"got {list(buckets)}")
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.metrics = Metrics()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cv = threading.Condition()
+        self._slots = [_Slot() for _ in range(slots)]
+        self._ids = itertools.count()
+        self._stop_reason: str | None = None
+        self._thread: threading.Thread | None = None
+        self._warm_thread: threading.Thread | None = None
+        self.compile_seconds = 0.0  # summed over the programs compiled so far
+        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        # compiled programs by (kind, size): ("prefill" | "insert", bucket), ("step", window)
+        self._programs: dict[tuple[str, int], object] = {}
+        self._compile_lock = threading.RLock()  # one compile at a time
+        self._demand_cv = threading.Condition()
+        self._demand = 0  # requests' compiles waiting for the lock
+        self._finish_lock = threading.Lock()
+        self._unfinished = 0  # requests submitted and not finished
+        self._held = 0  # requests the caller is handling (`hold`)
+        self._jits = None  # the jitted functions and abstract state, once `_setup` ran
+        self._ready = threading.Event()  # the first requests' programs are compiled
+        self._all_compiled = threading.Event()
+        self.compiling: tuple[str, int] | None = None  # the program being compiled now
+        self.log = log
+
+    # --- limits and compile
+
+    def check(self, prompt_len: int, max_tokens: int):
+        """Raise ValueError when a request cannot fit a slot."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if prompt_len < 1:
+            raise ValueError("the prompt is empty")
+        if prompt_len > self.buckets[-1]:
+            raise ValueError(f"the prompt ({prompt_len} tokens) is longer than the longest "
+                             f"prompt this server prefills ({self.buckets[-1]} tokens)")
+        tree = self.fed if self.medusa else 0
+        need = prompt_len + max_tokens + tree
+        if need > self.capacity:
+            extra = f" + tree ({tree} tokens)" if tree else ""
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}){extra} "
+                             f"= {need} exceeds the context of {self.capacity} tokens; "
+                             f"shorten the prompt or lower max_tokens")
+
+    def _rows(self, n: int, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=()):
+        stop_arr = np.full((n, MAX_STOP), -1, np.int32)
+        stop_arr[:, :len(stop)] = stop
+        return RowParams(temperature=np.full((n,), temperature, np.float32),
+                         top_k=np.full((n,), top_k, np.int32),
+                         top_p=np.full((n,), top_p, np.float32),
+                         max_tokens=np.full((n,), max_tokens, np.int32), stop=stop_arr)
+
+    # --- compile: each program once, when it is first needed or ahead of time
+
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program the engine can use, in the order a warm-up compiles them: what a
+        first short request needs (`first_programs`), then what serves any request (the
+        longest bucket, the widest window), then the rest from small to large."""
+        b, w = self.buckets, self.windows
+        cover = [("step", w[-1]), ("prefill", b[-1]), ("insert", b[-1])]
+        rest = [(k, x) for x in b[1:-1] for k in ("prefill", "insert")] + \
+            [("step", x) for x in w[1:-1]]
+        return list(dict.fromkeys(self.first_programs() + cover + rest))
+
+    def first_programs(self) -> list[tuple[str, int]]:
+        """The programs a request with a short prompt needs: the smallest prefill bucket,
+        its insert, the narrowest step window."""
+        return [("prefill", self.buckets[0]), ("insert", self.buckets[0]),
+                ("step", self.windows[0])]
+
+    def status(self) -> dict:
+        """Compile progress: ready (the first requests' programs are compiled), compiled /
+        programs (counts), compiling (the program being compiled, or None)."""
+        now = self.compiling
+        return {"ready": self._ready.is_set(), "compiled": len(self._programs),
+                "programs": len(self.programs()),
+                "compiling": None if now is None else f"{now[0]} {now[1]}"}
+
+    def _setup(self):
+        """The decode state and the jitted functions (under the compile lock)."""
+        if self._jits is not None:
+            return
+        t0 = time.perf_counter()
+        m, cfg = self.model, self.cfg
+        hl_shape = None
+        if self.medusa:
+            hl_shape = (_static(self.tree).depth, self.slots, cfg.vocab_size)
+        with m.under_mesh():
+            state = jax.jit(init_state, static_argnums=(0, 2, 3, 4))(
+                cfg, m.params, self.slots, self.capacity, hl_shape)
+        # the programs are lowered against the state's shapes, never the live (donated) state
+        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), state)
+        self._state = state
+        heads_d = None
+        if self.medusa:
+            depth = _static(self.tree).depth
+            heads_d = jax.tree.map(lambda x: x[:depth], self.model.heads)
+        self._heads_d = heads_d
+        self._jits = dict(
+            state=spec, pre_info={},
+            prefill=jax.jit(functools.partial(prefill, cfg=cfg, tree=self.tree)),
+            insert=jax.jit(insert, donate_argnums=(0,)),
+            step=jax.jit(engine_step, static_argnames=("cfg", "tree", "k", "window"),
+                         donate_argnums=(2,)))
+        self.compile_seconds += time.perf_counter() - t0
+
+    def _program(self, kind: str, size: int, background: bool = False):
+        """The compiled program (kind, size), compiled now if it is not yet. A request's
+        need goes first: the background warm-up waits between its programs while one is
+        pending (the lock alone would let it take every turn)."""
+        prog = self._programs.get((kind, size))
+        if prog is not None:
+            return prog
+        with self._demand_cv:
+            if background:  # after requests' compiles, and not while requests run
+                deadline = time.perf_counter() + BACKGROUND_YIELD_S
+                while self._demand or (self._busy() and time.perf_counter() < deadline
+                                       and self._stop_reason is None):
+                    self._demand_cv.wait(0.02)
+            else:
+                self._demand += 1
+        try:
+            with self._compile_lock:
+                prog = self._programs.get((kind, size))
+                if prog is None:
+                    prog = self._build(kind, size)
+        finally:
+            if not background:
+                with self._demand_cv:
+                    self._demand -= 1
+                    self._demand_cv.notify_all()
+        return prog
+
+    def _build(self, kind: str, size: int):
+        self._setup()
+        j, m = self._jits, self.model
+        if kind == "insert" and size not in j["pre_info"]:
+            self._program("prefill", size)  # insert is lowered against prefill's output
+        self.compiling = (kind, size)
+        t0 = time.perf_counter()
+        heads = m.heads if self.medusa else None
+        row1 = self._rows(1)
+        try:
+            if kind == "prefill":
+                lowered = j["prefill"].lower(
+                    m.params, heads, tokens=np.zeros((1, size), np.int32),
+                    length=np.ones((1,), np.int32), key=self._key_data(0), rows=row1)
+                prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
+            elif kind == "insert":
+                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0),
+                                         row1).compile()
+            elif kind == "step":
+                prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
+                                       tree=self.tree, k=self.k, window=size).compile()
+            else:
+                raise ValueError(f"no program {kind!r}")
+        finally:
+            self.compiling = None
+        seconds = time.perf_counter() - t0
+        self.compile_seconds += seconds
+        self._programs[(kind, size)] = prog
+        if self.log is not None:
+            what = "window" if kind == "step" else "bucket"
+            self.log(f"compiled {kind} ({what} {size}) in {seconds:.1f} s "
+                     f"[{len(self._programs)}/{len(self.programs())}]")
+        if all(p in self._programs for p in self.first_programs()):
+            self._ready.set()
+        if len(self._programs) == len(self.programs()):
+            self._all_compiled.set()
+        return prog
+
+    def compile(self, programs: list[tuple[str, int]] | None = None,
+                background: bool = False):
+        """Compile `programs` (default: all of them) now; each is compiled once."""
+        with self._compile_lock:
+            self._setup()
+        for kind, size in (self.programs() if programs is None else programs):
+            if self._stop_reason is not None:
+                return
+            self._program(kind, size, background=background)
+
+    def _warm(self, warmup: str):
+        """The background warm-up: every program in `programs` order ("background"), or
+        only the decode state ("lazy")."""
+        try:
+            if warmup == "lazy":
+                with self._compile_lock:
+                    self._setup()
+                self._ready.set()
+                return
+            self.compile(background=True)
+        except Exception as e:  # noqa: BLE001 - every request hears about it
+            self.stop(f"compiling failed: {e!r}", timeout=0)
+            if self.log is not None:
+                self.log(f"error: compiling failed: {e!r}")
+
+    def _busy(self) -> bool:
+        """Requests submitted and not finished (waiting, being admitted, or running), or
+        held by the caller (`hold`: a server still reading or answering one)."""
+        return self._unfinished > 0 or self._held > 0
+
+    def hold(self):
+        """Count a request the caller is handling outside the engine (reading, tokenizing,
+        sending the answer): the background warm-up waits for it as for a running one
+        (its tracing would slow the caller's thread by holding the GIL). `release` ends it."""
+        with self._finish_lock:
+            self._held += 1
+
+    def release(self):
+        with self._finish_lock:
+            self._held = max(0, self._held - 1)
+
+    def _bucket(self, n: int) -> int:
+        """The bucket a prompt of n tokens is prefilled in: the smallest compiled one that
+        holds it, else the smallest that does (compiled now)."""
+        fits = [b for b in self.buckets if b >= n]
+        return next((b for b in fits if ("insert", b) in self._programs), fits[0])
+
+    # --- public
+
+    def start(self, warmup: str = "all"):
+        """Start the engine thread. warmup "all": compile every program first (returns
+        when done); "background": return at once, a second thread compiles the programs
+        (`first_programs` first; `status()["ready"]` says when they are in); "lazy": compile
+        each program when a request first needs it. A request that needs a program not yet
+        compiled waits for it, whatever the warm-up."""
+        if warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
+        if warmup == "all":
+            self.compile()
+        else:
+            self._warm_thread = threading.Thread(target=self._warm, args=(warmup,),
+                                                 name="medusa-compile", daemon=True)
+            self._warm_thread.start()
+        self._thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, req: Request) -> Request:
+        """Queue a request (checked first: ValueError; QueueFull past the bound)."""
+        self.check(len(req.prompt), req.max_tokens)
+        if len(set(self.eos) | set(req.stop_ids)) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP - len(self.eos)} stop token ids")
+        with self._cv:
+            if self._stop_reason is not None:
+                raise RuntimeError(f"the engine has stopped: {self._stop_reason}")
+            if len(self._waiting) >= self.max_queue + self._free_slots():
+                raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+            req.id, req.t_submit = next(self._ids), time.perf_counter()
+            with self._finish_lock:
+                self._unfinished += 1
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: Request):
+        """Stop a request (a client went away): its slot is freed at the next iteration."""
+        req.cancelled = True
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, reason: str = "the server is shutting down", timeout: float = 10.0):
+        """End the loop; every waiting or running request gets an error event."""
+        with self._cv:
+            if self._stop_reason is None:
+                self._stop_reason = reason
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # inside a device call or a compile: tell them now
+                with self._cv:
+                    waiting, self._waiting = list(self._waiting), collections.deque()
+                for req in waiting + [s.req for s in self._slots if s.req is not None]:
+                    self._finish(req, "error", error=self._stop_reason)
+
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def slots_in_use(self) -> int:
+        return sum(s.req is not None for s in self._slots)
+
+    def _free_slots(self) -> int:
+        return sum(s.req is None for s in self._slots)
+
+    # --- the loop (engine thread only)
+
+    def _finish(self, req: Request, reason: str, error: str | None = None, tokens=()):
+        with self._finish_lock:  # `stop` may finish requests from another thread
+            if req.finished:
+                return
+            req.finished = True
+            self._unfinished -= 1
+        self.metrics.requests[reason] += 1
+        try:
+            req.on_event(list(tokens), reason, error)
+        except Exception:  # a callback must not stop the engine
+            pass
+
+    def _deliver(self, req: Request, tokens: list[int]) -> bool:
+        """Hand tokens to a live request; True when it has finished."""
+        stops = set(self.eos) | set(req.stop_ids)
+        out, reason = [], None
+        for t in tokens:
+            out.append(t)
+            req.emitted += 1
+            if t in stops:
+                reason = "stop"
+                break
+            if req.emitted >= req.max_tokens:
+                reason = "length"
+                break
+        self.metrics.generation_tokens += len(out)
+        if req.t_first is None:
+            req.t_first = time.perf_counter()
+            ttft = req.t_first - req.t_submit
+            self.metrics.ttft_sum += ttft
+            self.metrics.ttft_count += 1
+            self.metrics.ttft = (self.metrics.ttft + [ttft])[-1000:]
+        if reason is not None:
+            self._finish(req, reason, tokens=out)
+            return True
+        try:
+            req.on_event(out, None, None)
+        except Exception:
+            req.cancelled = True
+        return False
+
+    def _key_data(self, seed: int | None) -> np.ndarray:
+        """[1, ...] uint32 key data of a request's PRNG stream (all 64 bits of the seed)."""
+        if seed is None:
+            seed = int(np.random.randint(2**63))
+        if self._key_shape == (2,):  # threefry: the seed's high and low words
+            seed &= 2**64 - 1
+            return np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
+        return np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
+
+    def _admit(self) -> list[tuple[Request, int, jax.Array]]:
+        """Prefill and insert waiting requests into free slots. Returns (request, slot, its
+        first token on the device) for each: `_first_tokens` hands them out."""
+        admitted = []
+        while True:
+            with self._cv:
+                free = [i for i, s in enumerate(self._slots) if s.req is None]
+                if not free or not self._waiting:
+                    return admitted
+                req = self._waiting.popleft()
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                continue
+            i = free[0]
+            n = len(req.prompt)
+            bucket = self._bucket(n)
+            tokens = np.zeros((1, bucket), np.int32)
+            tokens[0, :n] = req.prompt
+            stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
+            rows = self._rows(1, req.temperature if req.temperature > 0 else 0.0, req.top_k,
+                              req.top_p, req.max_tokens, stop)
+            heads = self.model.heads if self.medusa else None
+            pre = self._program("prefill", bucket)(self.model.params, heads, tokens=tokens,
+                                        length=np.array([n], np.int32),
+                                        key=self._key_data(req.seed), rows=rows)
+            pre.root.copy_to_host_async()
+            self._state = self._program("insert", bucket)(self._state, pre, np.int32(i), rows)
+            self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens)
+            self.metrics.prompt_tokens += n
+            admitted.append((req, i, pre.root))
+
+    def _first_tokens(self, admitted):
+        for req, i, root in admitted:
+            if self._slots[i].req is not req:
+                continue
+            if req.cancelled:
+                self._finish(req, "cancelled")
+                self._slots[i] = _Slot()
+            elif self._deliver(req, [int(np.asarray(root)[0])]):
+                self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
+
+    def _window(self) -> int:
+        need = 0
+        per_call = self.k * self.width
+        for s in self._slots:
+            if s.req is not None:
+                start = min(s.known_len + s.unread * per_call, s.limit)
+                need = max(need, min(start + (self.k - 1) * self.width, s.limit) + self.fed)
+        fits = [w for w in self.windows if w >= need] or self.windows[-1:]
+        return next((w for w in fits if ("step", w) in self._programs), fits[0])
+
+    def _process(self, out, owners: list[Request | None]):
+        tokens, counts, steps, lengths = (np.asarray(x) for x in
+                                          (out.tokens, out.counts, out.steps, out.lengths))
+        for i, req in enumerate(owners):
+            slot = self._slots[i]
+            if req is None or slot.req is not req:
+                continue  # the slot changed hands: these tokens belong to nobody now
+            slot.known_len, slot.unread = int(lengths[i]), slot.unread - 1
+            if req.cancelled:
+                self._slots[i] = _Slot()
+                self._finish(req, "cancelled")
+                continue
+            n = int(counts[i])
+            self.metrics.slot_steps += int(steps[i])
+            self.metrics.step_tokens += n
+            if n and self._deliver(req, [int(t) for t in tokens[i, :n]]):
+                self._slots[i] = _Slot()
+
+    def _loop(self):
+        pending = None
+        try:
+            while True:
+                with self._cv:
+                    if self._stop_reason is not None:
+                        break
+                    idle = (pending is None and not self._waiting
+                            and all(s.req is None for s in self._slots))
+                    if idle:
+                        self._cv.wait(0.5)
+                        continue
+                for i, s in enumerate(self._slots):  # cancelled while running
+                    if s.req is not None and s.req.cancelled:
+                        self._finish(s.req, "cancelled")
+                        self._slots[i] = _Slot()
+                admitted = self._admit()
+                nxt = None
+                if any(s.req is not None for s in self._slots):
+                    owners = [s.req for s in self._slots]
+                    step = self._program("step", self._window())
+                    self._state, out = step(self.model.params, self._heads_d, self._state)
+                    for x in (out.tokens, out.counts, out.steps, out.lengths):
+                        x.copy_to_host_async()
+                    for s in self._slots:
+                        if s.req is not None:
+                            s.unread += 1
+                    self.metrics.calls += 1
+                    nxt = (out, owners)
+                self._first_tokens(admitted)  # while the step runs
+                if pending is not None:
+                    self._process(*pending)
+                pending = nxt
+        except Exception as e:  # noqa: BLE001 - every request hears about it
+            with self._cv:
+                self._stop_reason = self._stop_reason or f"engine error: {e!r}"
+            raise
+        finally:
+            reason = self._stop_reason or "stopped"
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), collections.deque()
+            for req in waiting + [s.req for s in self._slots if s.req is not None]:
+                self._finish(req, "error", error=reason)
+            self._slots = [_Slot() for _ in range(self.slots)]
+
+
+def generate_offline(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                     **sampling) -> list[list[int]]:
+    """Run prompts through a started engine and wait: each prompt's tokens (a helper for
+    tests and checks)."""
+    results = [[] for _ in prompts]
+    done = threading.Semaphore(0)
+    reasons = [None] * len(prompts)
+
+    def cb(i):
+        def on_event(tokens, finish, error):
+            results[i].extend(tokens)
+            if finish is not None:
+                reasons[i] = error or finish
+                done.release()
+        return on_event
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(prompt=list(p), max_tokens=max_tokens, on_event=cb(i), **sampling))
+    for _ in prompts:
+        done.acquire()
+    return results

@@ -1,0 +1,857 @@
+"""An OpenAI-compatible HTTP API over `engine.Engine` (FastAPI; `python -m infer.serve`).
+
+POST /v1/completions, POST /v1/chat/completions (streamed or not), GET /v1/models,
+GET /health, GET /metrics (Prometheus text). Errors have OpenAI's shape
+{"error": {"message", "type", "param", "code"}}: 400 for bad fields (and for parameters this
+server does not implement: never accepted and ignored), 404 for an unknown model, 413 for a
+body past the size limit, 429 when the request queue is full, 503 once the engine has
+stopped. /health answers 503 {"status": "starting"} until the programs the first requests
+need are compiled (requests sent meanwhile wait for them).
+
+One request cannot stall the others: the body is read up to a limit (413 past it), a prompt
+longer than the longest prefill is refused by its length in characters or ids before any
+tokenizing, and tokenizing runs off the event loop. User text is tokenized as text: a
+"</s>" in a prompt or a message is those characters, not EOS; only a chat template's own
+text holds control tokens.
+
+Text is decoded incrementally (`Detokenizer`): the prompt and the new tokens are decoded
+together, as `Medusa.generate` does, a trailing incomplete UTF-8 sequence is held back, and
+so is any tail that could still become a stop string.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import math
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from medusa_jax.text.data import VICUNA_SYSTEM
+from medusa_jax.serving.engine import Engine, QueueFull, Request
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+# The fields each endpoint takes; any other is refused by name (as OpenAI does), so nothing
+# is accepted and ignored. Metadata that changes nothing about the answer is allowed.
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
+           "stream_options", "stop", "seed", "stop_token_ids", "return_token_ids", "logprobs",
+           "presence_penalty", "frequency_penalty", "logit_bias", "user"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                         "tool_choice", "parallel_tool_calls", "functions", "function_call",
+                         "response_format", "metadata", "store", "service_tier", "modalities",
+                         "audio", "prediction"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = (
+            status, message, param, type_, code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
+                            status_code=self.status)
+
+
+def error_body(message, type_="invalid_request_error", param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# ----------------------------------------------------------------------------- fields
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool)
+            and math.isfinite(x))
+
+
+def _field(body: dict, name: str, check, what: str, default=None):
+    if name not in body or body[name] is None:
+        return default
+    value = body[name]
+    if not check(value):
+        raise APIError(400, f"{name} must be {what}, got {json.dumps(value)[:60]}", name)
+    return value
+
+
+def _refuse(name: str, why: str = "is not supported by this server"):
+    raise APIError(400, f"{name} {why}", name)
+
+
+def unsupported_fields(body: dict, chat: bool):
+    """Refuse what the server does not implement (400 naming the field), after checking it
+    as OpenAI would: never accept a parameter and ignore it."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"unrecognized request argument: {str(name)[:60]}", str(name)[:60])
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _field(body, name, lambda x: _is_num(x) and -2 <= x <= 2,
+                       "a number in [-2, 2]", 0)
+        if value != 0:
+            _refuse(name, "is not supported by this server (only 0)")
+    bias = _field(body, "logit_bias", lambda x: isinstance(x, dict), "an object mapping token "
+                  "ids to numbers in [-100, 100]", {})
+    if bias:
+        _refuse("logit_bias")
+    if chat:
+        if body.get("logprobs") not in (None, False):
+            _refuse("logprobs")
+        if body.get("top_logprobs") not in (None, 0):
+            _refuse("top_logprobs")
+        for name in ("tools", "functions"):
+            value = _field(body, name, lambda x: isinstance(x, list), "a list", [])
+            if value:
+                _refuse(name, "are not supported by this server (no function calling)")
+        for name in ("tool_choice", "function_call"):
+            if body.get(name) not in (None, "none"):
+                _refuse(name, "is not supported by this server (no function calling)")
+        fmt = _field(body, "response_format", lambda x: isinstance(x, dict)
+                     and isinstance(x.get("type"), str), 'an object with a "type"', None)
+        if fmt is not None and fmt["type"] != "text":
+            _refuse("response_format", f"type {json.dumps(fmt['type'])[:40]} is not supported "
+                                       f"by this server (only \"text\")")
+        if body.get("modalities") not in (None, ["text"]):
+            _refuse("modalities", 'is not supported by this server (only ["text"])')
+        for name in ("audio", "prediction"):
+            if body.get(name) is not None:
+                _refuse(name)
+    else:
+        if body.get("best_of") not in (None, 1):
+            _refuse("best_of")
+        if body.get("logprobs") not in (None, 0):
+            _refuse("logprobs")
+        suffix = _field(body, "suffix", lambda x: isinstance(x, str), "a string", "")
+        if suffix:
+            _refuse("suffix", "is not supported by this server (no insertion)")
+
+
+def sampling_fields(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
+    """The generation fields both endpoints share, checked."""
+    n = _field(body, "n", _is_int, "an integer", 1)
+    if n != 1:
+        raise APIError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
+    max_tokens = None
+    for name in max_tokens_names:
+        value = _field(body, name, lambda x: _is_int(x) and x >= 1, "an integer >= 1")
+        max_tokens = value if value is not None else max_tokens
+    temperature = _field(body, "temperature", lambda x: _is_num(x) and 0 <= x <= 2,
+                         "a number in [0, 2]", 1.0)
+    top_p = _field(body, "top_p", lambda x: _is_num(x) and 0 < x <= 1, "a number in (0, 1]", 1.0)
+    top_k = _field(body, "top_k", lambda x: _is_int(x) and x >= -1,
+                   "an integer >= 1, or 0 or -1 for no top-k", 0)
+    seed = _field(body, "seed", lambda x: _is_int(x) and -2**63 <= x < 2**63,
+                  "a 64-bit integer")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+        raise APIError(400, "stop must be a string or a list of strings", "stop")
+    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
+        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    stop_ids = _field(body, "stop_token_ids",
+                      lambda x: isinstance(x, list) and all(_is_int(t) for t in x),
+                      "a list of integers", [])
+    stream = _field(body, "stream", lambda x: isinstance(x, bool), "a boolean", False)
+    opts = _field(body, "stream_options", lambda x: isinstance(x, dict), "an object", {})
+    include_usage = bool(opts.get("include_usage", False))
+    token_ids = _field(body, "return_token_ids", lambda x: isinstance(x, bool), "a boolean",
+                       False)
+    echo = _field(body, "echo", lambda x: isinstance(x, bool), "a boolean", False)
+    return dict(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                top_k=max(0, top_k), seed=seed, stop=stop, stop_ids=tuple(stop_ids),
+                stream=stream, include_usage=include_usage, return_token_ids=token_ids,
+                echo=echo)
+
+
+# ----------------------------------------------------------------------------- text
+
+
+class Detokenizer:
+    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped)."""
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
+        self.tok, self.prompt, self.stops = tokenizer, list(prompt_ids), stops
+        self.ids: list[int] = []
+        self.head = self._dec(self.prompt)
+        self.sent = 0  # characters of the text already handed out
+        self.text = ""
+
+    def _dec(self, ids):
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def _full(self) -> str:
+        full = self._dec(self.prompt + self.ids)
+        return full[len(self.head):] if full.startswith(self.head) else self._dec(self.ids)
+
+    def add(self, token: int) -> tuple[str, bool]:
+        self.ids.append(token)
+        self.text = text = self._full()
+        start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
+        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:  # the text ends before the stop string
+            self.text = text = text[:min(hits)]
+            return self._take(len(text)), True
+        safe = len(text)
+        while safe > self.sent and text[safe - 1] == "\ufffd":  # an incomplete character
+            safe -= 1
+        hold = 0
+        for s in self.stops:  # a tail that may still grow into a stop string
+            for k in range(min(len(s) - 1, safe), hold, -1):
+                if text[safe - k:safe] == s[:k]:
+                    hold = k
+                    break
+        return self._take(safe - hold), False
+
+    def flush(self) -> str:
+        return self._take(len(self.text))
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out = self.text[self.sent:upto]
+        self.sent = upto
+        return out
+
+
+class TextEncoder:
+    """User text -> token ids with no special tokens parsed ("</s>" is four characters),
+    from a copy of the tokenizer's `tokenizers` backend (`encode_special_tokens`); chat
+    templates' own text is split at the control tokens it holds (`template`).
+
+    `max_token_chars` bounds the characters one token covers (the longest vocabulary
+    entry), so a text longer than `max_token_chars * n` cannot fit in n tokens: the length
+    check that runs before tokenizing."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        backend = _backend(tokenizer)
+        self.plain = None
+        self.specials: dict[str, object] = {}
+        if backend is not None:
+            from tokenizers import Tokenizer
+
+            self.plain = Tokenizer.from_str(backend.to_str())
+            self.plain.encode_special_tokens = True  # text is text
+            self.specials = {t.content: (i, t) for i, t in
+                             backend.get_added_tokens_decoder().items()}
+            vocab = backend.get_vocab(with_added_tokens=False)
+            self.max_token_chars = max((len(p) for p in vocab), default=1)
+        else:  # a tokenizer without a `tokenizers` backend
+            self.specials = {t: (i, None) for t, i in
+                             getattr(tokenizer, "get_added_vocab", dict)().items()}
+            self.max_token_chars = max((len(p) for p in tokenizer.get_vocab()), default=1)
+        self._special_re = re.compile("|".join(
+            re.escape(t) for t in sorted(self.specials, key=len, reverse=True))) \
+            if self.specials else None
+
+    def prompt(self, text: str) -> list[int]:
+        """A completion prompt: the tokenizer's own additions (BOS) and the text as text."""
+        if self.plain is not None:
+            return list(self.plain.encode(text, add_special_tokens=True).ids)
+        return list(self.tok(text, split_special_tokens=True)["input_ids"])
+
+    def text(self, text: str) -> list[int]:
+        """Text alone (no BOS), as text."""
+        if not text:
+            return []
+        if self.plain is not None:
+            return list(self.plain.encode(text, add_special_tokens=False).ids)
+        return list(self.tok(text, add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"])
+
+    def template(self, parts: list[tuple[str, bool]]) -> list[int]:
+        """A rendered chat template as (text, is_template) parts: control tokens are found
+        in the template's parts only; the text between them (template text and user text
+        alike) is tokenized in one piece, as the tokenizer splits a text at its control
+        tokens."""
+        ids, buf = [], ""
+        for text, is_template in parts:
+            if not is_template or self._special_re is None:
+                buf += text
+                continue
+            pos = 0
+            for m in self._special_re.finditer(text):
+                i, tok = self.specials[m.group()]
+                before = text[pos:m.start()]
+                buf += before.rstrip() if getattr(tok, "lstrip", False) else before
+                ids += self.text(buf)
+                buf = ""
+                ids.append(int(i))
+                pos = m.end()
+                if getattr(tok, "rstrip", False):
+                    while pos < len(text) and text[pos].isspace():
+                        pos += 1
+            buf += text[pos:]
+        return ids + self.text(buf)
+
+
+def _backend(tokenizer):
+    """The `tokenizers.Tokenizer` behind `tokenizer`, or None."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    for name in ("_tokenizer", "backend_tokenizer"):
+        inner = tokenizer.__dict__.get(name) if name == "_tokenizer" else \
+            getattr(tokenizer, name, None)
+        if isinstance(inner, Tokenizer):
+            return inner
+    return None
+
+
+def _chat_template(tokenizer) -> str | None:
+    """The tokenizer's chat template, if any. The embedded model's tokenizer
+    (`startup.EmbeddedTokenizer`) is asked through its tokenizer_config.json: asking the
+    object would load transformers (a second of start-up) to say it has none."""
+    if tokenizer is None:
+        return None
+    from medusa_jax.text.tokenizer import EmbeddedTokenizer
+
+    if isinstance(tokenizer, EmbeddedTokenizer):
+        try:
+            config = json.loads((tokenizer.path / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        if not (isinstance(config, dict) and config.get("chat_template")) and \
+                not (tokenizer.path / "chat_template.jinja").is_file():
+            return None
+    return getattr(tokenizer, "chat_template", None)
+
+
+def vicuna_prompt(messages: list[tuple[str, str]], tokenizer,
+                  encoder: TextEncoder | None = None) -> list[int]:
+    """Token ids of a conversation in the Vicuna template, as training renders it
+    (`data`), ending with "ASSISTANT:" for the answer to come. The template has no control
+    tokens but BOS and the EOS after each answer; the text is tokenized as text."""
+    enc = (encoder or TextEncoder(tokenizer)).text
+    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    system = " ".join(t for r, t in messages if r == "system") or VICUNA_SYSTEM
+    pending = system + " "
+    for role, text in messages:
+        if role == "system":
+            continue
+        if role == "user":
+            pending += f"USER: {text} ASSISTANT:"
+            continue
+        ids += enc(pending) + enc(" " + text) + eos
+        pending = ""
+    return ids + enc(pending)
+
+
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def template_prompt(messages: list[tuple[str, str]], tokenizer, encoder: TextEncoder,
+                    ) -> list[int]:
+    """Token ids of a conversation in the tokenizer's chat template. When a message holds
+    the text of a control token, the template is rendered with a marker in place of each
+    message's content, so the template's text and the users' text are told apart
+    (`TextEncoder.template`: the user's "</s>" stays text); otherwise the rendered text is
+    tokenized whole, exactly as the tokenizer does."""
+    render = lambda contents: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": r, "content": c} for (r, _), c in zip(messages, contents)], tokenize=False,
+        add_generation_prompt=True)
+    find = encoder._special_re
+    if find is None or not any(find.search(c) for _, c in messages):
+        return list(tokenizer(render([c for _, c in messages]),
+                              add_special_tokens=False)["input_ids"])
+    text = render([f"\ue000{i}\ue001" for i in range(len(messages))])
+    found = [int(m.group(1)) for m in _MARK.finditer(text)]
+    if sorted(found) == list(range(len(messages))):
+        parts, pos = [], 0
+        for m in _MARK.finditer(text):
+            parts += [(text[pos:m.start()], True), (messages[int(m.group(1))][1], False)]
+            pos = m.end()
+        return encoder.template(parts + [(text[pos:], True)])
+    # a template that rewrites its contents: the whole text, refused if a message holds a
+    # control token (it could not be told from the template's own)
+    for i, (_, content) in enumerate(messages):
+        hit = encoder._special_re.search(content) if encoder._special_re else None
+        if hit:
+            raise APIError(400, f"messages[{i}].content holds the control token "
+                                f"{hit.group()!r}, which this model's chat template cannot "
+                                f"keep apart from its own", f"messages[{i}].content")
+    return encoder.template([(render([c for _, c in messages]), True)])
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class ServerMetrics:
+    """/metrics, with prometheus_client's Counter, Gauge and Histogram objects in a registry
+    of this server's own. Each finished request is counted once under the finish_reason
+    its response reported ("cancelled": its client left first, which also counts as a
+    disconnect); the engine's step counters are brought up to date at each scrape."""
+
+    def __init__(self, engine: Engine):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.engine = e = engine
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("medusa_requests", "Finished requests by the finish_reason "
+                                "their response reported (cancelled: the client left first)",
+                                ["finish"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish=reason)
+        self.disconnects = Counter("medusa_disconnects", "Clients that left before their "
+                                   "request finished", registry=r)
+        self.prompt_tokens = Counter("medusa_prompt_tokens", "Prompt tokens of the requests "
+                                     "queued", registry=r)
+        self.generation_tokens = Counter("medusa_generation_tokens", "Tokens generated for "
+                                         "the requests", registry=r)
+        self._engine_counters = {
+            "slot_steps": Counter("medusa_slot_steps", "Decoding steps of live slots",
+                                  registry=r),
+            "step_tokens": Counter("medusa_step_tokens", "Tokens those steps emitted",
+                                   registry=r),
+            "calls": Counter("medusa_step_calls", "Engine step calls", registry=r)}
+        self._synced = dict.fromkeys(self._engine_counters, 0)
+        m = e.metrics
+        Gauge("medusa_tokens_per_step", "Tokens per live slot step (accepted length + 1)",
+              registry=r).set_function(lambda: m.step_tokens / max(m.slot_steps, 1))
+        Gauge("medusa_queue_depth", "Waiting requests", registry=r).set_function(
+            e.queue_depth)
+        Gauge("medusa_slots_in_use", "Slots holding a request", registry=r).set_function(
+            e.slots_in_use)
+        Gauge("medusa_slots", "Slots", registry=r).set(e.slots)
+        Gauge("medusa_compiled_programs", "Engine programs compiled so far",
+              registry=r).set_function(lambda: e.status()["compiled"])
+        latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.ttft = Histogram("medusa_time_to_first_token_seconds", "From the request's "
+                              "arrival to its first token", buckets=latency, registry=r)
+        self.latency = Histogram("medusa_request_seconds", "From the request's arrival to "
+                                 "its end", buckets=latency, registry=r)
+
+    def text(self) -> str:
+        from prometheus_client import generate_latest
+
+        m = self.engine.metrics
+        for name, counter in self._engine_counters.items():
+            now = getattr(m, name)
+            if now > self._synced[name]:
+                counter.inc(now - self._synced[name])
+                self._synced[name] = now
+        return generate_latest(self.registry).decode()
+
+
+# ----------------------------------------------------------------------------- app
+
+
+class Server:
+    """The request handling around one engine."""
+
+    def __init__(self, engine: Engine, model_name: str,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+        self.engine, self.name = engine, model_name
+        self.model = engine.model
+        self.tokenizer = self.model.tokenizer
+        self.created = int(time.time())
+        self.max_request_bytes = max_request_bytes
+        self.chat_template = _chat_template(self.tokenizer)
+        self.encoder = TextEncoder(self.tokenizer) if self.tokenizer is not None else None
+        tree = engine.fed if engine.medusa else 0
+        # the longest prompt any request can have, and (x2 for normalizers that shrink
+        # text) the characters beyond which a text cannot fit in it
+        self.max_prompt_tokens = max(1, min(engine.buckets[-1], engine.capacity - tree - 1))
+        self.max_prompt_chars = 2 * self.max_prompt_tokens * (
+            self.encoder.max_token_chars if self.encoder is not None else 1)
+        self.metrics = ServerMetrics(engine)
+        # tokenizing and big JSON bodies: off the event loop
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="medusa-text")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def read_body(self, http: HTTPRequest) -> dict:
+        """The JSON body, read up to `max_request_bytes` (413 past it, before reading on)."""
+        limit = self.max_request_bytes
+        too_big = lambda n: APIError(  # noqa: E731
+            413, f"the request body ({n} bytes) is larger than this server takes ({limit} "
+                 f"bytes, --max-request-bytes)", code="request_too_large")
+        declared = http.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big(int(declared))
+        chunks, size = [], 0
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big(f"over {limit}")
+            chunks.append(chunk)
+        data = b"".join(chunks)
+        try:
+            body = json.loads(data) if size < 1 << 16 else await self._off_loop(json.loads,
+                                                                                data)
+        except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON, nesting too deep
+            raise APIError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        return body
+
+    def _check_model(self, body: dict):
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise APIError(400, "model must be a string naming a model of GET /v1/models",
+                           "model")
+        if model != self.name:
+            raise APIError(404, f"The model `{model[:80]}` does not exist (this server has "
+                                f"`{self.name}`)", "model", code="model_not_found")
+
+    def _too_long(self, what: str, param: str):
+        return APIError(400, f"{what}: longer than the longest prompt this server takes "
+                             f"({self.max_prompt_tokens} tokens)", param,
+                        code="context_length_exceeded")
+
+    def _check_prompt(self, prompt):
+        """The prompt's shape and length, before any tokenizing: returns it as text or as
+        token ids (checked against the vocabulary)."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt is empty", "prompt")
+            if self.tokenizer is None:
+                raise APIError(400, "this model has no tokenizer: give token ids", "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                raise self._too_long(f"prompt of {len(prompt)} characters", "prompt")
+            return prompt
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) > self.max_prompt_tokens:
+                raise self._too_long(f"prompt of {len(prompt)} token ids", "prompt")
+            vocab = self.model.cfg.vocab_size
+            for j, t in enumerate(prompt):
+                if not _is_int(t):
+                    raise APIError(400, f"prompt[{j}] must be an integer token id, got "
+                                        f"{json.dumps(t)[:40]}", "prompt")
+                if not 0 <= t < vocab:
+                    raise APIError(400, f"prompt[{j}] = {t} is not a token id of this model "
+                                        f"(0..{vocab - 1})", "prompt")
+            return [int(t) for t in prompt]
+        if isinstance(prompt, list) and len(prompt) > 1 and all(
+                isinstance(p, (str, list)) for p in prompt):
+            raise APIError(400, "prompt: one prompt per request (a batch is not supported)",
+                           "prompt")
+        raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+
+    def _check_chat(self, messages) -> list[tuple[str, str]]:
+        if not isinstance(messages, list) or not messages:
+            raise APIError(400, "messages must be a non-empty list", "messages")
+        if len(messages) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(messages)} messages", "messages")
+        conv, chars = [], 0
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
+                                                                 "assistant"):
+                raise APIError(400, f"messages[{i}] must be an object with role system, user "
+                                    f"or assistant", f"messages[{i}].role")
+            content = m.get("content")
+            if isinstance(content, list):  # text parts
+                if not all(isinstance(p, dict) and p.get("type") == "text"
+                           and isinstance(p.get("text"), str) for p in content):
+                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                                   f"messages[{i}].content")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise APIError(400, f"messages[{i}].content must be a string",
+                               f"messages[{i}].content")
+            chars += len(content)
+            if chars > self.max_prompt_chars:
+                raise self._too_long(f"messages of over {chars} characters", "messages")
+            role = "system" if m["role"] == "developer" else m["role"]
+            conv.append((role, content))
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: chat is not available", "messages")
+        return conv
+
+    def _encode_chat(self, conv: list[tuple[str, str]]) -> list[int]:
+        if self.chat_template:
+            return template_prompt(conv, self.tokenizer, self.encoder)
+        return vicuna_prompt(conv, self.tokenizer, self.encoder)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    async def run(self, http: HTTPRequest, chat: bool):
+        """One request, held in the engine (`Engine.hold`) until its answer is sent: a
+        stream releases it when it ends."""
+        self.engine.hold()
+        held = True
+        try:
+            out = await self._run(http, chat)
+            held = not isinstance(out, StreamingResponse)
+            return out
+        finally:
+            if held:
+                self.engine.release()
+
+    async def _run(self, http: HTTPRequest, chat: bool):
+        t_arrive = time.perf_counter()
+        body = await self.read_body(http)
+        self._check_model(body)
+        unsupported_fields(body, chat)
+        f = sampling_fields(body, ("max_tokens", "max_completion_tokens") if chat
+                            else ("max_tokens",))
+        echo_text = ""
+        if chat:
+            conv = self._check_chat(body.get("messages"))
+            prompt = await self._off_loop(self._encode_chat, conv)
+        else:
+            if "prompt" not in body:
+                raise APIError(400, "prompt is required", "prompt")
+            given = self._check_prompt(body["prompt"])
+            prompt = await self._off_loop(self.encoder.prompt, given) \
+                if isinstance(given, str) else given
+            if not prompt:
+                raise APIError(400, "prompt encodes to no tokens", "prompt")
+            if f["echo"]:
+                echo_text = given if isinstance(given, str) else (
+                    self.tokenizer.decode(given, skip_special_tokens=True)
+                    if self.tokenizer is not None else "")
+        max_tokens = f["max_tokens"]
+        if max_tokens is None:  # OpenAI: 16 for completions; chat: what fits
+            max_tokens = 16 if not chat else max(1, self.engine.capacity - len(prompt)
+                                                 - (self.engine.fed if self.engine.medusa
+                                                    else 0))
+        try:
+            self.engine.check(len(prompt), max_tokens)
+        except ValueError as e:
+            too_long = (len(prompt) > self.engine.buckets[-1]
+                        or len(prompt) + self.engine.fed >= self.engine.capacity)
+            raise APIError(400, str(e), ("messages" if chat else "prompt") if too_long
+                           else "max_tokens", code="context_length_exceeded") from None
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in f["stop_ids"]):
+            raise APIError(400, f"stop_token_ids must be token ids (0..{vocab - 1})",
+                           "stop_token_ids")
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(tokens, finish, error):
+            loop.call_soon_threadsafe(events.put_nowait, (tokens, finish, error))
+
+        req = Request(prompt=prompt, max_tokens=max_tokens, on_event=on_event,
+                      temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
+                      seed=f["seed"], stop_ids=f["stop_ids"])
+        try:
+            self.engine.submit(req)
+        except QueueFull as e:
+            raise APIError(429, str(e), type_="rate_limit_error",
+                           code="rate_limit_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type_="server_error") from None
+        self.metrics.prompt_tokens.inc(len(prompt))
+
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        detok = Detokenizer(self.tokenizer, prompt, f["stop"]) if self.tokenizer else None
+        metrics = self.metrics
+        settled = []
+
+        def settle(reason: str):
+            """Count the request once, under the finish reason its response reports."""
+            if settled:
+                return
+            settled.append(reason)
+            metrics.requests.labels(finish=reason).inc()
+            if reason == "cancelled":
+                metrics.disconnects.inc()
+            metrics.latency.observe(time.perf_counter() - t_arrive)
+
+        async def pieces():
+            """(text, new token ids, finish_reason or None, error or None), until finished."""
+            done, first = False, True
+            try:
+                while not done:
+                    tokens, finish, error = await events.get()
+                    if error is not None:
+                        done = True
+                        settle("error")
+                        yield "", [], "error", error
+                        return
+                    if tokens and first:
+                        first = False
+                        metrics.ttft.observe(time.perf_counter() - t_arrive)
+                    text, used = "", []
+                    for t in tokens:
+                        used.append(t)
+                        if detok is not None:
+                            delta, stopped = detok.add(t)
+                            text += delta
+                            if stopped:
+                                finish = "stop"
+                                self.engine.cancel(req)
+                                break
+                    if finish is not None and detok is not None:
+                        text += detok.flush()
+                    metrics.generation_tokens.inc(len(used))
+                    done = finish is not None
+                    if done:
+                        settle(finish)  # "cancelled": the watcher saw the client leave
+                    yield text, used, finish, None
+            finally:
+                if not done:  # the client went away
+                    self.engine.cancel(req)
+                    settle("cancelled")
+
+        created = int(time.time())
+        if f["stream"]:
+            return StreamingResponse(self._stream(rid, created, chat, pieces(), len(prompt), f,
+                                                  http, req, echo_text),
+                                     media_type="text/event-stream")
+        text, ids, finish = echo_text, [], None
+        gen = pieces()
+
+        watcher = asyncio.create_task(self._watch(http, req))
+        try:
+            async for t, used, fin, error in gen:
+                if error is not None:
+                    raise APIError(503, error, type_="server_error")
+                text += t
+                ids += used
+                finish = fin
+        finally:
+            watcher.cancel()
+            await gen.aclose()
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if f["return_token_ids"]:
+            choice["token_ids"] = ids
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": self.name, "choices": [choice],
+                "usage": self.usage(len(prompt), len(ids))}
+
+    async def _watch(self, http: HTTPRequest, req: Request):
+        """Cancel `req` when its client goes away (uvicorn drops what is sent to a closed
+        connection without an error, so the response alone would not notice); the engine
+        then ends it as "cancelled"."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(0.1)
+        if not req.finished:
+            self.engine.cancel(req)
+
+    async def _stream(self, rid, created, chat, pieces, prompt_tokens, f, http, req,
+                      echo_text=""):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_field = {"usage": None} if f["include_usage"] else {}
+
+        def chunk(delta_text, ids, finish, first=False):
+            if chat:
+                delta = {"role": "assistant", "content": ""} if first else (
+                    {"content": delta_text} if delta_text or finish is None else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None,
+                          "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text, "logprobs": None,
+                          "finish_reason": finish}
+            if f["return_token_ids"] and not first:
+                choice["token_ids"] = ids
+            return "data: " + json.dumps({"id": rid, "object": obj, "created": created,
+                                          "model": self.name, "choices": [choice],
+                                          **usage_field}) + "\n\n"
+
+        completion = 0
+        watcher = asyncio.create_task(self._watch(http, req))
+        try:
+            if chat:
+                yield chunk("", [], None, first=True)
+            if echo_text:
+                yield chunk(echo_text, [], None)
+            async for text, ids, finish, error in pieces:
+                if error is not None:
+                    yield "data: " + json.dumps(error_body(error, "server_error")) + "\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                completion += len(ids)
+                if text or ids or finish:
+                    yield chunk(text, ids, finish)
+            if f["include_usage"]:
+                yield "data: " + json.dumps({
+                    "id": rid, "object": obj, "created": created, "model": self.name,
+                    "choices": [], "usage": self.usage(prompt_tokens, completion)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            watcher.cancel()
+            await pieces.aclose()
+            self.engine.release()
+
+
+def create_app(engine: Engine, model_name: str,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI app around a started engine (its programs may still be compiling)."""
+    srv = Server(engine, model_name, max_request_bytes)
+    app = FastAPI(title="medusa_jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = srv
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, exc: APIError):
+        return exc.response()
+
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, exc: HTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, exc):
+        return JSONResponse(error_body(str(exc)), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        return await srv.run(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        return await srv.run(http, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": srv.name, "object": "model",
+                                            "created": srv.created, "owned_by": "medusa_jax"}]}
+
+    @app.get("/health")
+    async def health():
+        if engine._stop_reason is not None:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        st = engine.status()
+        compiled = {"compiled": st["compiled"], "programs": st["programs"],
+                    "compiling": st["compiling"]}
+        if not st["ready"]:
+            return JSONResponse({"status": "starting", **compiled}, status_code=503)
+        return {"status": "ok", "slots": engine.slots, "slots_in_use": engine.slots_in_use(),
+                "queue_depth": engine.queue_depth(),
+                "decoding": f"medusa {engine.tree.name}" if engine.medusa else "plain",
+                **compiled}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(srv.metrics.text(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

@@ -1,0 +1,805 @@
+"""Benchmark building blocks: timed decoding runs, the transformers baseline, step-time curves.
+
+Everything is measured in one process on the same prompts; compile and warm-up are excluded
+(each timed function runs once before the clock starts) and the median of several repetitions
+is reported; the decoders' compile is timed on its own (`RunResult.compile`). Speed claims
+are ratios against a baseline measured in the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.runtime import timing
+from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
+from medusa_jax.model.config import ModelConfig, as_dtype
+from medusa_jax.decoding.decode import generate, medusa_capacity, medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import DynamicTree, Tree
+from medusa_jax.drafters.medusa.drafter import standard_heads
+
+from medusa_jax.model.shapes import SHAPES  # noqa: E402 - the named shapes (no JAX there)
+
+
+def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    cfg = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
+    return cfg, init_params(cfg, jax.random.key(seed))
+
+
+from medusa_jax.text.prompt_files import read_prompt_file  # noqa: E402,F401 - re-exported
+
+
+def _median_time(fn, reps: int, progress=None) -> tuple[float, object]:
+    """Median wall time of `reps` calls after a warm-up call. `progress(text)`, when given,
+    hears of the warm-up and of each repetition as it ends ("rep 2/3: 0.213 s")."""
+    t0 = time.perf_counter()
+    result = jax.block_until_ready(fn())  # compile + warm-up, not timed
+    if progress is not None:
+        progress(f"warm-up {time.perf_counter() - t0:.3f} s")
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        result = jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"rep {i + 1}/{reps}: {times[-1]:.3f} s")
+    return statistics.median(times), result
+
+
+@dataclasses.dataclass
+class RunResult:
+    name: str
+    batch_size: int
+    seconds: float  # median wall time over all prompts
+    new_tokens: int
+    steps: int  # decoding steps, summed over rows
+    rows: list[list[int]]  # new tokens per prompt
+    per_row_steps: list[int]
+    loop_steps: int = 0  # iterations of the decode loops (a batch runs until its slowest row)
+    compile: timing.Compile = dataclasses.field(default_factory=timing.Compile)
+
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / max(self.loop_steps, 1)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / max(self.steps, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds
+
+
+def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_size: int,
+                max_new_tokens: int, eos: tuple[int, ...], sampling: Sampling = Sampling(),
+                heads=None, tree: Tree | None = None, reps: int = 3, seed: int = 0,
+                name: str = "", max_cache_phases: int | None = None,
+                progress=None) -> RunResult:
+    """Time plain (heads=None) or Medusa decoding of all prompts in fixed-size batches
+    (`max_cache_phases`: see `decode.cache_phases`; default the decoders' own).
+    `progress(text)`: told of the compile, the warm-up and each repetition as they end."""
+    phases = {} if max_cache_phases is None else {"max_cache_phases": max_cache_phases}
+    batches = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = prompts[s:s + batch_size]
+        batches.append((len(chunk), *pad_prompts(chunk + [chunk[-1]] * (batch_size - len(chunk)))))
+    key = jax.random.key(seed)
+
+    def run(call=lambda fn, *args, **kw: fn(*args, **kw)):
+        outs = []
+        for _, tokens, lengths in batches:
+            if heads is None:
+                outs.append(call(generate, params, cfg, tokens, lengths, key, sampling=sampling,
+                                 max_new_tokens=max_new_tokens, eos=eos, **phases))
+            else:
+                outs.append(call(medusa_generate, params, heads, cfg, tokens, lengths, key,
+                                 tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
+                                 eos=eos, **phases))
+        return outs
+
+    compiled = sum(run(timing.precompile), timing.Compile())  # the compile, timed apart
+    if progress is not None:
+        progress(f"compiled in {timing.fmt_seconds(compiled.seconds)}"
+                 f"{' (from the compilation cache)' if compiled.cached else ''}")
+    seconds, outs = _median_time(run, reps, progress)
+    rows, steps, loop_steps = [], [], 0
+    for (n, _, _), out in zip(batches, outs):
+        out = jax.device_get(out)
+        loop_steps += int(out.steps.max())
+        for i in range(n):
+            rows.append(out.tokens[i, : out.num_new[i]].tolist())
+            steps.append(int(out.steps[i]))
+    return RunResult(name, batch_size, seconds, sum(map(len, rows)), sum(steps), rows, steps,
+                     loop_steps, compiled)
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Plain vs Medusa decoding of the same prompts, timed in the same process."""
+
+    plain: RunResult
+    medusa: RunResult
+    tree: Tree
+    mode: str
+    max_new_tokens: int
+
+    @property
+    def identical_rows(self) -> int:
+        """Prompts whose Medusa output equals the plain output token for token."""
+        return sum(a == b for a, b in zip(self.plain.rows, self.medusa.rows))
+
+    @property
+    def speedup(self) -> float:
+        return self.medusa.tokens_per_second / self.plain.tokens_per_second
+
+    @property
+    def step_overhead(self) -> float:
+        """Seconds of a Medusa step over seconds of a plain step."""
+        return self.medusa.step_seconds / self.plain.step_seconds
+
+    def to_json(self) -> dict:
+        p, m = self.plain, self.medusa
+        return {"prompts": len(m.rows), "tree": self.tree.name, "mode": self.mode,
+                "batch_size": m.batch_size, "max_new_tokens": self.max_new_tokens,
+                "new_tokens": m.new_tokens, "medusa_steps": m.steps,
+                "tokens_per_step": m.tokens_per_step, "plain_s": p.seconds, "medusa_s": m.seconds,
+                "speedup": self.speedup, "step_overhead": self.step_overhead,
+                "plain_ms_per_step": 1e3 * p.step_seconds,
+                "medusa_ms_per_step": 1e3 * m.step_seconds,
+                "identical_outputs": self.identical_rows,
+                "plain_tok_s": p.tokens_per_second, "medusa_tok_s": m.tokens_per_second,
+                "plain_compile_s": p.compile.seconds, "medusa_compile_s": m.compile.seconds}
+
+
+def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], tree: Tree, *,
+                     max_new_tokens: int, eos: tuple[int, ...], batch_size: int = 1,
+                     sampling: Sampling = Sampling(), reps: int = 1,
+                     plain: RunResult | None = None,
+                     max_cache_phases: int | None = None, progress=None) -> Comparison:
+    """Time Medusa decoding against plain decoding (`plain`, or timed here with the same
+    sampling) of the same prompts. The one plain-vs-Medusa comparison of the project: the
+    training commands, `infer.bench` and `infer.tree` all report through it."""
+    common = dict(batch_size=batch_size, max_new_tokens=max_new_tokens, eos=eos,
+                  sampling=sampling, reps=reps, max_cache_phases=max_cache_phases)
+    if plain is None:
+        plain = run_decoder(params, cfg, prompts, name="plain", **common)
+    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa",
+                         progress=progress, **common)
+    return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
+
+
+def print_comparison(c: Comparison, title: str):
+    """The comparison as the training commands print it."""
+    p, m = c.plain, c.medusa
+    print(f"\n{title}, {len(m.rows)} held-out prompts, batch {m.batch_size}, up to "
+          f"{c.max_new_tokens} new tokens, tree {c.tree.name} (decoding timed after a "
+          f"warm-up run):")
+    print(f"  plain : {timing.speed_line(p.compile, p.new_tokens, p.seconds)}; 1.00 tokens/step, "
+          f"{1e3 * p.step_seconds:.2f} ms/step")
+    print(f"  medusa: {timing.speed_line(m.compile, m.new_tokens, m.seconds)}; "
+          f"{m.tokens_per_step:.2f} tokens/step, {1e3 * m.step_seconds:.2f} ms/step "
+          f"({c.tree.num_nodes} tokens verified per step)")
+    print(f"  speedup {c.speedup:.2f}x; outputs identical to plain {c.mode} for "
+          f"{c.identical_rows}/{len(m.rows)} prompts")
+
+
+def run_transformers(model_dir: str | Path, prompts: list[list[int]], *, batch_size: int,
+                     max_new_tokens: int, eos: tuple[int, ...], reps: int = 3,
+                     progress=None) -> RunResult | None:
+    """transformers' PyTorch greedy `generate` on the same prompts (None without torch)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    batches = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = prompts[s:s + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for i, p in enumerate(chunk):  # left padding, as transformers expects for generation
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        batches.append((ids, mask))
+
+    def run():
+        outs = []
+        with torch.no_grad():
+            for ids, mask in batches:
+                out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                     do_sample=False, eos_token_id=list(eos) or None,
+                                     pad_token_id=0)
+                outs.append(out[:, ids.shape[1]:])
+        return outs
+
+    seconds, outs = _median_time(run, reps, progress)
+    rows = []
+    for out in outs:
+        for row in out.tolist():
+            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+            rows.append(row[:cut])
+    n = sum(map(len, rows))
+    return RunResult("transformers", batch_size, seconds, n, n, rows, [len(r) for r in rows],
+                     len(batches) * max_new_tokens)
+
+
+def _layout_for(cfg: ModelConfig, params):
+    """The layout the decoder runs (`Medusa` puts a one-device backbone in it at load)."""
+    from medusa_jax.model.backbone import decoding_layout
+
+    sharded = any(len(getattr(a, "devices", lambda: [None])()) > 1
+                  for a in jax.tree.leaves(params))
+    return params if sharded else decoding_layout(cfg, params)
+
+
+def verification_pass(cfg: ModelConfig, params, num_tokens: int, *, prefix: int,
+                      capacity: int | None = None, batch: int = 1, iters: int = 20):
+    """A jitted program running `iters` backbone passes over `num_tokens` new tokens per row
+    after a `prefix`-token cache, inside a `lax.fori_loop` (a while loop, as the decoders
+    run their steps), each pass feeding on the last one's logits so none can be dropped or
+    hoisted; the new keys/values are written each time at the same slots. The cost of a
+    pass does not depend on the mask's pattern, so a causal block stands in for a tree.
+    Returns (fn, cache): `fn(params, cache)` runs the loop."""
+    t = num_tokens
+    capacity = capacity or prefix + t
+    cache = KVCache.init(cfg, batch, capacity, per_layer=is_decoding_layout(params))
+    cache = cache.replace(lengths=jnp.full((batch,), prefix, jnp.int32))
+    positions = cache.lengths[:, None] + jnp.arange(t)[None]
+    mask = causal_mask(cache.lengths, t, capacity)
+
+    def run(p, c):
+        def body(_, carry):
+            c, tok = carry
+            logits, _, c = forward(p, cfg, tok, positions, mask, c)
+            return c, (tok + (logits[:, :, 0] > 0)) % cfg.vocab_size
+
+        return jax.lax.fori_loop(0, iters, body, (c, jnp.ones((batch, t), jnp.int32)))[1]
+
+    return jax.jit(run), cache
+
+
+def step_time_curve(cfg: ModelConfig, params, tree_sizes: list[int], *, prefix: int = 256,
+                    batch: int = 1, reps: int = 10, iters: int = 20,
+                    capacity: int | None = None) -> dict[int, float]:
+    """Seconds for one backbone pass over T = N + 1 new tokens after a `prefix`-token
+    cache, for each tree size N (N = 0 is a plain decoding step), in the layout the decoder
+    uses and inside a loop as it runs (`verification_pass`): median of `reps` runs of
+    `iters` passes, divided by `iters`."""
+    params = _layout_for(cfg, params)
+    out = {}
+    for size in tree_sizes:
+        fn, cache = verification_pass(cfg, params, size + 1, prefix=prefix, batch=batch,
+                                      iters=iters, capacity=capacity)
+        out[size] = _median_time(lambda: fn(params, cache), reps)[0] / iters
+    return out
+
+
+def compare_layouts(cfg: ModelConfig, params, prompts: list[list[int]], *,
+                    max_new_tokens: int, eos: tuple[int, ...] = (), reps: int = 5) -> dict:
+    """Plain greedy decoding (batch 1) with the stacked layers scanned (training's layout,
+    and what deep models decoded with before) against `decoding_layout`, the repetitions
+    alternating between the two in this process. `params`: the stacked layout."""
+    from medusa_jax.model.backbone import decoding_layout
+
+    layouts = {"stacked scan": params, "decoding layout": decoding_layout(cfg, params)}
+    key = jax.random.key(0)
+    padded = [pad_prompts([p]) for p in prompts]
+
+    def run(p):
+        return [generate(p, cfg, t, n, key, max_new_tokens=max_new_tokens, eos=eos)
+                for t, n in padded]
+
+    outs = {name: jax.block_until_ready(run(p)) for name, p in layouts.items()}  # compile
+    times = {name: [] for name in layouts}
+    for _ in range(reps):
+        for name, p in layouts.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(p))
+            times[name].append(time.perf_counter() - t0)
+    tokens = {name: [o.tokens[0, :int(o.num_new[0])].tolist() for o in out]
+              for name, out in outs.items()}
+    new = sum(len(t) for t in tokens["decoding layout"])
+    rows = {}
+    for name, ts in times.items():
+        ms = 1e3 * statistics.median(ts) / new
+        rows[name] = {"ms_per_token": ms, "ms_per_layer": ms / cfg.num_layers}
+    return {"layers": cfg.num_layers, "new_tokens": new, "rows": rows,
+            "speedup": rows["stacked scan"]["ms_per_token"] /
+            rows["decoding layout"]["ms_per_token"],
+            "identical": tokens["stacked scan"] == tokens["decoding layout"]}
+
+
+# ----------------------------------------------------------------------------- the bound
+
+
+def measure_bandwidth(nbytes: int = 512 * 2**20, reps: int = 10, dtype="float32") -> float:
+    """Bytes per second a jitted reduction reads from a `nbytes` buffer of device memory."""
+    dt = as_dtype(dtype)
+    x = jnp.ones((nbytes // jnp.dtype(dt).itemsize,), dt)
+    fn = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    return x.size * x.dtype.itemsize / _median_time(lambda: fn(x), reps)[0]
+
+
+def measure_peak(n: int = 2048, reps: int = 10, dtype="float32") -> float:
+    """FLOP per second of a jitted [n, n] x [n, n] matrix product (the matrix peak)."""
+    dt = as_dtype(dtype)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+    fn = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / _median_time(lambda: fn(a, a), reps)[0]
+
+
+def loop_overhead(iters: int = 1000, reps: int = 10) -> float:
+    """Seconds per iteration of a jitted `fori_loop` that does almost nothing: what a
+    decoding loop costs per step before any work."""
+    fn = jax.jit(lambda x: jax.lax.fori_loop(0, iters, lambda i, v: v * 1.0001 + 1.0, x))
+    return _median_time(lambda: fn(jnp.zeros((8,), jnp.float32)), reps)[0] / iters
+
+
+def pass_cost(cfg: ModelConfig, num_tokens: int, context: int, batch: int = 1
+              ) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one backbone pass over `num_tokens` new tokens per row after
+    `context` cached ones: every layer weight and the output projection read once, the
+    cached keys/values read once per row; 2 FLOPs per weight per token, and the attention's
+    two products over context + new tokens."""
+    from medusa_jax.model.backbone import param_shapes
+
+    itemsize = jnp.dtype(as_dtype(cfg.param_dtype)).itemsize
+    shapes = param_shapes(cfg)
+    layer_weights = sum(int(np.prod(s)) for s in jax.tree.leaves(
+        shapes["layers"], is_leaf=lambda x: isinstance(x, tuple)))
+    out_proj = cfg.hidden_size * cfg.vocab_size
+    weights = layer_weights + out_proj + cfg.hidden_size
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * context * cfg.head_dim * batch
+    kv_itemsize = jnp.dtype(as_dtype(cfg.compute_dtype)).itemsize
+    t = num_tokens * batch
+    attn = 4 * t * (context + num_tokens) * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    return weights * itemsize + kv * kv_itemsize, 2 * t * (layer_weights + out_proj) + attn
+
+
+def bound_seconds(cfg: ModelConfig, num_tokens: int, context: int, bandwidth: float,
+                  peak: float, batch: int = 1) -> float:
+    """The hardware's lower bound for a pass: max(bytes / bandwidth, FLOPs / peak)."""
+    nbytes, flops = pass_cost(cfg, num_tokens, context, batch)
+    return max(nbytes / bandwidth, flops / peak)
+
+
+def hardware_report(shape: str, *, dtype: str = "bfloat16", token_counts=(1, 5, 9, 17, 33, 65),
+                    contexts=(512, 4096), layers=(1, 2), iters: int = 10, reps: int = 5,
+                    progress=None) -> dict:
+    """Whether Medusa pays on this device, at `shape` (random weights): the measured
+    bandwidth and matrix peak; for each context and token count T, one backbone pass in a
+    loop (`verification_pass`) timed with each of `layers` layer counts and extrapolated
+    linearly to the shape's depth, against the bound; the loop's own cost per iteration;
+    the compile time of the T = 1 and largest-T programs (at the largest layer count); and
+    the speedup the shipped heads' tokens/step predicts at each tree size
+    (`predicted_speedups`)."""
+    say = progress or (lambda msg: None)
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
+    layers = sorted(set(min(n, full.num_layers) for n in layers))
+    device = jax.devices()[0]
+    say("measuring bandwidth and matrix peak ...")
+    big = 2 * 2**30 if device.platform != "cpu" else 512 * 2**20
+    bandwidth = measure_bandwidth(big, dtype=dtype)
+    peak = measure_peak(8192 if device.platform != "cpu" else 1024, dtype=dtype)
+    overhead = loop_overhead()
+    rows, compile_s = [], {}
+    for context in contexts:
+        per_layers = {}
+        for n in layers:
+            cfg = full.replace(num_layers=n)
+            params = _layout_for(cfg, init_params(cfg, jax.random.key(0)))
+            times = {}
+            for t in token_counts:
+                say(f"context {context}, {n} layer(s), T = {t} ...")
+                fn, cache = verification_pass(cfg, params, t, prefix=context,
+                                              capacity=context + t, iters=iters)
+                t0 = time.perf_counter()
+                compiled = fn.lower(params, cache).compile()
+                if context == contexts[0] and n == layers[-1] and \
+                        t in (token_counts[0], token_counts[-1]):
+                    compile_s[t] = time.perf_counter() - t0
+                times[t] = _median_time(lambda: compiled(params, cache), reps)[0] / iters
+            per_layers[n] = times
+            del params
+        for t in token_counts:
+            a, b = layers[0], layers[-1]
+            per_layer = (per_layers[b][t] - per_layers[a][t]) / (b - a) if b > a else 0.0
+            if per_layer > 0:  # linear in depth: t(L) = t(a) + (L - a) (t(b) - t(a)) / (b - a)
+                sec = per_layers[a][t] + (full.num_layers - a) * per_layer
+            else:  # one layer count, or noise above the layers' cost: proportional
+                sec = per_layers[b][t] * full.num_layers / b
+            nbytes, flops = pass_cost(full, t, context)
+            bound = max(nbytes / bandwidth, flops / peak)
+            rows.append({"context": context, "tokens": t, "ms": 1e3 * sec,
+                         "gb_per_s": nbytes / sec / 1e9, "bound_ms": 1e3 * bound,
+                         "vs_bound": sec / bound,
+                         "vs_one_token": None})
+        first = next(r for r in rows if r["context"] == context and r["tokens"] == 1)
+        for r in rows:
+            if r["context"] == context:
+                r["vs_one_token"] = r["ms"] / first["ms"]
+    return {"shape": shape, "dtype": dtype, "platform": device.platform,
+            "device": getattr(device, "device_kind", str(device)),
+            "layers": full.num_layers, "layers_measured": layers,
+            "extrapolated": layers[-1] < full.num_layers,
+            "bandwidth_gb_per_s": bandwidth / 1e9, "peak_tflop_per_s": peak / 1e12,
+            "loop_iteration_us": 1e6 * overhead, "compile_seconds": compile_s,
+            "iters": iters, "reps": reps, "rows": rows}
+
+
+# Trees of the published `mc_sim_7b_63` by size: a tree of N nodes verifies N + 1 tokens.
+PREDICTION_TREES = {4: "mc_sim_7b_63:4", 8: "mc_sim_7b_63:8", 16: "mc_sim_7b_63:16",
+                    32: "mc_sim_7b_63:32", 64: "mc_sim_7b_63"}
+
+
+def shipped_tokens_per_step(num_prompts: int = 8, max_new_tokens: int = 128,
+                            max_nodes: int | None = None) -> dict[int, float]:
+    """Tokens per step of the embedded model with its shipped heads, greedy, held-out
+    openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real model's trained
+    heads reach is of the same order: see the README)."""
+    from medusa_jax.runtime import assets
+    from medusa_jax.api import Medusa
+
+    m = Medusa.load(heads="default")
+    prompts = assets.heldout_prompts()[:num_prompts]
+    out = {}
+    for size, name in PREDICTION_TREES.items():
+        if max_nodes is not None and size > max_nodes:
+            continue
+        gens = m.generate(prompts, max_new_tokens=max_new_tokens, tree=name, batch_size=8)
+        out[size] = sum(g.new_tokens for g in gens) / sum(g.steps for g in gens)
+    return out
+
+
+def predicted_speedups(report: dict, tokens_per_step: dict[int, float]) -> list[dict]:
+    """Speedup = tokens/step / (pass over N + 1 tokens / pass over 1 token), per context
+    and tree size N (using the report's nearest measured T >= N + 1); the heads' own cost
+    and acceptance bookkeeping are left out, so this is an upper estimate."""
+    out = []
+    for context in sorted({r["context"] for r in report["rows"]}):
+        rows = {r["tokens"]: r for r in report["rows"] if r["context"] == context}
+        for size, tps in sorted(tokens_per_step.items()):
+            t = min((t for t in rows if t >= size + 1), default=None)
+            if t is None:
+                continue
+            ratio = rows[t]["vs_one_token"]
+            out.append({"context": context, "tree_nodes": size, "tokens_fed": t,
+                        "tokens_per_step": tps, "step_vs_plain": ratio,
+                        "predicted_speedup": tps / ratio})
+    return out
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def _shard_bytes(x, s) -> int:
+    shape = s.shard_shape(tuple(x.shape))
+    return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+
+
+def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat16",
+               batch: int = 1, context: int = 2048, tree: Tree | None = None,
+               num_heads: int = 5, steps: int = 4, seed: int = 0) -> dict:
+    """Per-device memory of Medusa decoding of a real backbone shape, measured on `layers`
+    of its layers (random weights, created directly in their shardings) and extrapolated
+    to all of them.
+
+    Compiles `medusa_generate` on the mesh (batch rows, a `context`-token KV cache), runs
+    it for `steps` new tokens, and reads each buffer's per-device bytes from its sharding
+    and the compiled step's temporaries from `compiled.memory_analysis()`. Per-layer
+    tensors (stacked on the layers axis) and the KV cache scale with the depth; the
+    embedding, output projection and heads do not; the temporaries (KV cache aside) are
+    extrapolated from their growth between a compile at `layers` and one at `layers + 1`
+    (from shapes only)."""
+    from medusa_jax import api
+    from medusa_jax.runtime import sharding
+    from medusa_jax.drafters.medusa.heads import HeadsConfig
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
+    if not 1 <= layers <= full.num_layers:
+        raise ValueError(f"--layers must be in 1..{full.num_layers} for {shape}")
+    cfg = full.replace(num_layers=layers)
+    mesh = sharding.make_mesh(mesh_spec)
+    api.check_model_axis(cfg, mesh)
+    tree = tree or Tree.load("mc_sim_7b_63")
+    bb_sh, _ = api.decode_shardings(cfg, mesh)
+    params = jax.jit(lambda k: init_params(cfg, k), out_shardings=bb_sh)(jax.random.key(seed))
+    hcfg = HeadsConfig(num_heads=num_heads)
+
+    def make_heads(p):
+        from medusa_jax.drafters.medusa.heads import init_heads
+        return init_heads(cfg, p, hcfg)
+
+    abstract_heads = jax.eval_shape(make_heads, params)
+    _, hd_sh = api.decode_shardings(cfg, mesh, abstract_heads)
+    heads = jax.jit(make_heads, out_shardings=hd_sh)(params)
+
+    prompt = min(context // 2, 256)
+    max_new = context - prompt - tree.num_nodes - 1
+    tokens = np.ones((batch, prompt), np.int32)
+    lengths = np.full((batch,), prompt, np.int32)
+    key = jax.random.key(seed)
+
+    def compiled_at(n: int):
+        """The decoder compiled for n layers, from shapes and shardings only."""
+        c = cfg.replace(num_layers=n)
+        bb, hd = api.decode_shardings(c, mesh, abstract_heads)
+        spec = lambda tree, sh: jax.tree.map(  # noqa: E731
+            lambda x, s_: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s_), tree, sh)
+        abs_params = spec(jax.eval_shape(lambda k: init_params(c, k), key), bb)
+        return medusa_generate.lower(spec(abs_params, bb), spec(abstract_heads, hd), c,
+                                     tokens, lengths, key, tree=tree, max_new_tokens=max_new,
+                                     eos=()).compile()
+
+    with jax.set_mesh(mesh):
+        compiled = compiled_at(layers)
+        deeper = compiled_at(layers + 1) if layers < full.num_layers else None
+        # a few steps only: the same loop with a small token budget, on the random weights
+        small = medusa_generate.lower(params, heads, cfg, tokens, lengths, key, tree=tree,
+                                      max_new_tokens=steps, eos=()).compile()
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(small(params, heads, tokens, lengths, key))
+        run_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    scale = full.num_layers / layers
+
+    def by_depth(tree_, shardings):
+        per_layer = fixed = 0
+        for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(tree_)[0],
+                                jax.tree.leaves(shardings)):
+            b = _shard_bytes(x, s)
+            if any(getattr(k, "key", None) == "layers" for k in path):
+                per_layer += b
+            else:
+                fixed += b
+        return per_layer, fixed
+
+    p_layer, p_fixed = by_depth(params, bb_sh)
+    h_layer, h_fixed = by_depth(heads, hd_sh)
+    capacity = medusa_capacity(prompt, max_new, tree)
+    kv_spec = sharding.cache_spec(mesh, cfg.num_kv_heads, batch)
+    kv_shape = (layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+    kv_local = jax.sharding.NamedSharding(mesh, kv_spec).shard_shape(kv_shape)
+    kv = 2 * int(np.prod(kv_local)) * np.dtype(as_dtype(dtype)).itemsize
+    temp = int(mem.temp_size_in_bytes)
+    other_temp = max(temp - kv, 0)
+    # what the temporaries (KV cache aside) grow by per layer, from a compile one layer deeper
+    per_layer_temp = 0 if deeper is None else max(
+        int(deeper.memory_analysis().temp_size_in_bytes) - temp - kv // layers, 0)
+    gib = 2 ** 30
+    measured = {"params": p_layer + p_fixed, "heads": h_layer + h_fixed, "kv_cache": kv,
+                "temporaries": other_temp}
+    extrapolated = {"params": p_layer * scale + p_fixed, "heads": h_layer + h_fixed,
+                    "kv_cache": kv * scale,
+                    "temporaries": other_temp + per_layer_temp * (full.num_layers - layers)}
+    return {
+        "shape": shape, "layers_measured": layers, "layers": full.num_layers,
+        "mesh": sharding.mesh_str(mesh), "devices": mesh.size, "dtype": dtype,
+        "batch": batch, "context": capacity, "tree_nodes": tree.num_nodes,
+        "heads": num_heads, "platform": jax.devices()[0].platform,
+        "compiled_argument_bytes": int(mem.argument_size_in_bytes),
+        "compiled_temp_bytes": temp, "temp_bytes_per_layer": per_layer_temp,
+        "measured_gib": {k: v / gib for k, v in measured.items()},
+        "per_device_gib": {k: v / gib for k, v in extrapolated.items()},
+        "total_per_device_gib": sum(extrapolated.values()) / gib,
+        "run_seconds": run_s, "new_tokens": int(np.asarray(out.num_new).max()),
+    }
+
+
+# ----------------------------------------------------------------------------- breakdown
+
+# What a kernel is in optimized HLO: every instruction that runs, not those that only name,
+# split or join buffers.
+_NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                "after-all", "partition-id", "replica-id"}
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s.*?\s([a-z][\w\-]*)\((?:%|\))")
+_HLO_COMP = re.compile(r"^(ENTRY\s+)?%([\w.\-]+)\s+\(.*\{\s*$")
+
+
+def count_kernels(hlo_text: str) -> int:
+    """Kernels one call of a compiled function runs: instructions of the entry computation
+    and of the while/call bodies it reaches (a while body counted once per known trip;
+    fusions count once, whatever they fuse)."""
+    comps: dict[str, list[str]] = {}
+    entry, name = None, None
+    for line in hlo_text.splitlines():
+        m = _HLO_COMP.match(line)
+        if m:
+            name = m.group(2)
+            comps[name] = []
+            if m.group(1):
+                entry = name
+            continue
+        if name is not None and _HLO_INSTR.match(line):
+            comps[name].append(line)
+
+    def count(comp: str, seen: tuple = ()) -> int:
+        total = 0
+        for line in comps.get(comp, []):
+            op = _HLO_INSTR.match(line).group(1)
+            if op in _NOT_KERNELS:
+                continue
+            if op == "while":
+                body = re.search(r"body=%?([\w.\-]+)", line).group(1)
+                cond = re.search(r"condition=%?([\w.\-]+)", line).group(1)
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+                n = int(trips.group(1)) if trips else 1
+                total += n * (count(body, seen) + count(cond, seen))
+            elif op in ("call", "conditional") and comp not in seen:
+                for callee in re.findall(r"(?:to_apply|branch_computations=\{?)=?%?([\w.\-]+)",
+                                         line):
+                    total += count(callee, seen + (comp,))
+                total += 1
+            else:
+                total += 1
+        return total
+
+    return count(entry) if entry else 0
+
+
+def _time_loop(step, state, iters: int, reps: int) -> tuple[float, int]:
+    """(median seconds per call of `step` inside a jitted fori_loop, kernels per call)."""
+    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda i, s: step(s), s))
+    seconds = _median_time(lambda: loop(state), reps)[0] / iters
+    kernels = count_kernels(jax.jit(step).lower(state).compile().as_text())
+    return seconds, kernels
+
+
+MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
+
+
+def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
+    """`decode.medusa_step` with only `stages` real (plus the backbone pass, always); the
+    others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
+    can neither drop nor hoist the stages that stay)."""
+    from medusa_jax.decoding import acceptance, decode
+
+    static = tree.pool if isinstance(tree, DynamicTree) else tree
+    paths = jnp.asarray(static.paths)
+    v, n, t = cfg.vocab_size, static.num_nodes, tree.num_nodes
+
+    def stand_in(root):
+        """The first T nodes of the tree (a subtree), with tokens that follow the root."""
+        tokens = (root[:, None] + jnp.arange(n)[None]) % v
+        first = jnp.arange(n) < t
+        return decode.Proposal(
+            fed=tokens[:, :t], fed_depth=jnp.asarray(static.node_depth[:t]),
+            fed_mask=jnp.asarray(static.mask[:t, :t]), tokens=tokens,
+            valid=None if t == n else jnp.broadcast_to(first, tokens.shape),
+            slot=None if t == n else jnp.broadcast_to(jnp.minimum(jnp.arange(n), t - 1),
+                                                      tokens.shape))
+
+    def step(s):
+        b = s.root.shape[0]
+        rows = jnp.arange(b)
+        live = ~s.done
+        if "candidates" in stages:
+            prop = decode.propose_candidates(s.root, s.head_logits, tree)
+        else:
+            prop = stand_in(s.root)
+        logits, hidden, (k_new, v_new), scratch = decode.verify(params, cfg, prop, s.cache)
+        if "acceptance" in stages:
+            best, acc_len, next_root = acceptance.accept(
+                logits, prop.tokens, static, Sampling(), None, prop.valid, prop.slot)
+        else:
+            best = jnp.zeros((b,), jnp.int32)
+            acc_len = jnp.ones((b,), jnp.int32)
+            next_root = (s.root + (logits[:, 0, 0] > 0)) % v
+        path = paths[best]
+        fed_path = prop.fed_index(path)
+        advance = jnp.where(live, acc_len + 1, 0)
+        if "commit" in stages:
+            cache = decode.commit(scratch, k_new, v_new, fed_path, advance)
+        else:
+            cache = scratch.advance(advance)
+        if "heads" in stages:
+            new_hl = standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], None)
+        else:
+            new_hl = s.head_logits + hidden[:, 0, :1].sum() * 0.0
+        if "bookkeeping" in stages:
+            chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
+            out, count, done, kept = decode.emit(s, chunk, acc_len, eos, max_new_tokens)
+            hist = s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(
+                live.astype(jnp.int32))
+            return s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
+                             head_logits=jnp.where(live[None, :, None], new_hl, s.head_logits),
+                             out=out, count=count, steps=s.steps + live, hist=hist, done=done)
+        return s.replace(cache=cache, root=next_root, head_logits=new_hl,
+                         count=s.count + advance)
+
+    return step
+
+
+def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: list[Tree], *,
+                   max_new_tokens: int = 128, eos: tuple[int, ...] = (), iters: int = 200,
+                   reps: int = 5) -> list[dict]:
+    """Where a decoding step's time goes, greedy, batch 1, after `prompt`: for the plain step
+    and each tree, the kernels of the compiled step and the time of each stage, measured by
+    adding the stages one at a time to the backbone pass (each row: the time with the stages
+    so far, and what its stage added). All configurations are timed in this process."""
+    from medusa_jax.decoding import decode
+
+    tokens, lengths = pad_prompts([prompt])
+    key = jax.random.key(0)
+    plain_state = decode.plain_init(params, cfg, tokens, lengths, key, Sampling(),
+                                    max_new_tokens)
+    rows = []
+
+    def forward_only(s):
+        logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
+                                   causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache)
+        return s.replace(cache=cache, next_token=(s.next_token + (logits[:, 0, 0] > 0)) %
+                         cfg.vocab_size)
+
+    full_plain = functools.partial(decode.plain_step, params, cfg, Sampling(), eos)
+    plain_parts = [("backbone pass", forward_only), ("+ sampling, bookkeeping", full_plain)]
+    for label, fn in plain_parts:
+        sec, k = _time_loop(fn, plain_state, iters, reps)
+        rows.append({"config": "plain", "stage": label, "ms": 1e3 * sec, "kernels": k})
+    plain_ms = rows[-1]["ms"]
+    for tree in trees:
+        state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
+                                         Sampling(), max_new_tokens)
+        for i in range(len(MEDUSA_STAGES) + 1):
+            stages = frozenset(MEDUSA_STAGES[:i])
+            label = "backbone pass" if i == 0 else f"+ {MEDUSA_STAGES[i - 1]}"
+            fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages)
+            sec, k = _time_loop(fn, state, iters, reps)
+            rows.append({"config": f"medusa {tree.name} ({tree.num_nodes} tokens)",
+                         "stage": label, "ms": 1e3 * sec, "kernels": k})
+    for r in rows:
+        r["vs_plain_step"] = r["ms"] / plain_ms
+    prev = {}
+    for r in rows:
+        r["added_ms"] = r["ms"] - prev.get(r["config"], 0.0)
+        prev[r["config"]] = r["ms"]
+    return rows
+
+
+# ----------------------------------------------------------------------------- heads' cost
+
+
+def heads_cost(hidden: int, vocab: int, *, num_heads: int = 5, num_layers: int = 1,
+               reduced: int | None = None, reps: int = 30, seed: int = 0) -> dict[str, float]:
+    """Seconds of one jitted `apply_heads` call on one token (random heads, float32), for
+    each projection the heads may have: one per head [K, H, V], one shared [1, H, V], a
+    reduced vocabulary of `reduced` tokens (default V // 4) per head, or shared and
+    reduced. Median of `reps` calls after a warm-up."""
+    from medusa_jax.drafters.medusa.heads import apply_heads
+
+    reduced = reduced or max(1, vocab // 4)
+    keys = jax.random.split(jax.random.key(seed), 4)
+    k, lyr = num_heads, num_layers
+    blocks = {"w": 0.01 * jax.random.normal(keys[0], (k, lyr, hidden, hidden)),
+              "b": jnp.zeros((k, lyr, hidden))}
+    index = jnp.where(jnp.arange(vocab) < reduced, jnp.arange(vocab), -1).astype(jnp.int32)
+    variants = {
+        "per-head": {"proj": jax.random.normal(keys[1], (k, hidden, vocab))},
+        "shared": {"proj": jax.random.normal(keys[1], (1, hidden, vocab))},
+        "reduced": {"proj": jax.random.normal(keys[2], (k, hidden, reduced)),
+                    "token_index": jnp.broadcast_to(index, (k, vocab))},
+        "shared+reduced": {"proj": jax.random.normal(keys[2], (1, hidden, reduced)),
+                           "token_index": index[None]},
+    }
+    x = jax.random.normal(keys[3], (1, hidden))
+    fn = jax.jit(apply_heads)
+    return {name: _median_time(lambda h=dict(blocks, **v): fn(h, x), reps)[0]
+            for name, v in variants.items()}
