@@ -9,7 +9,6 @@ are ratios against a baseline measured in the same run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import statistics
 import time
