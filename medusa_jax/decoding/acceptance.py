@@ -77,6 +77,7 @@ def typical(logits, tokens, tree: Tree, s: Sampling | Rows, valid=None):
     the longest path wins, ties broken by its log-likelihood; the next root is greedy.
     `s`: one Sampling, or `Rows` (each row its own temperature, epsilon and delta)."""
     t = _per_row(s.temperature, 3)
+    t = jnp.where(t > 0, t, 1.0)  # rows that follow another rule (greedy: 0) stay finite
     logp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)  # [B, T, V]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, T]
     threshold = jnp.minimum(_per_row(s.epsilon, 2), _per_row(s.delta, 2) * jnp.exp(-entropy))

@@ -164,11 +164,20 @@ def next_keys(keys: jax.Array, used: bool) -> tuple[jax.Array, jax.Array]:
 
 
 def sample_rows(keys: jax.Array, logits: jax.Array, rows: Rows,
-                draw: tuple[str, ...] = PLAIN_DRAWS) -> jax.Array:
+                draw: tuple[str, ...] = PLAIN_DRAWS, live: jax.Array | None = None) -> jax.Array:
     """Each row's next token: logits [B, V] -> [B] int32, drawn from its distribution where
-    it follows a mode in `draw`, else its argmax."""
+    it follows a mode in `draw`, else its argmax. Rows of mixed modes draw only when some
+    live row (live [B], default all) needs it (a `cond`: greedy batches skip the filters)."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if not rows.draws(draw):
         return greedy
-    drawn = jax.vmap(jax.random.categorical)(keys, rows.log_probs(logits)).astype(jnp.int32)
-    return jnp.where(rows.follows(draw), drawn, greedy)
+
+    def drawn(_):
+        logp = rows.log_probs(logits)
+        return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+    follows = rows.follows(draw)
+    if follows is True:
+        return drawn(None)
+    some = jnp.any(follows if live is None else follows & live)
+    return jnp.where(follows, jax.lax.cond(some, drawn, lambda _: greedy, None), greedy)

@@ -241,7 +241,7 @@ def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | N
                                causal_mask(s.cache.lengths, 1, window or s.cache.capacity),
                                s.cache)
     keys, sub = next_keys(s.keys, s.rows.draws(PLAIN_DRAWS))
-    new = sample_rows(sub, logits[:, 0], s.rows, PLAIN_DRAWS)
+    new = sample_rows(sub, logits[:, 0], s.rows, PLAIN_DRAWS, live)
     s = s.replace(cache=cache.advance(~done), root=jnp.where(done, s.root, new), count=count,
                   steps=s.steps + live, done=done, keys=keys)
     return s, chunk, n
