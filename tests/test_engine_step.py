@@ -156,3 +156,32 @@ def test_the_engine_has_no_decoder_and_no_layer_branches_on_a_drafter_kind():
         for f in (root / folder).glob("*.py"):
             # the registry names the kinds ("...drafters.hydra.drafter:HydraDrafter")
             assert not re.search(r"is_hydra|hydra\.(?!drafter:)", f.read_text()), f
+
+
+def test_greedy_offline_programs_hold_no_sampling(medusa):
+    """Offline rows that all decode greedily compile without the filters of sampling (no
+    sort) and without per-step PRNG work; a sampled decode has them."""
+    tokens, lengths = decode.pad_prompts([medusa.encode("Lily")])
+    args = (medusa.params, medusa.cfg, tokens, lengths, jax.random.key(0))
+    tree = medusa.tree(None)
+
+    def hlo(sampling_, fn="generate"):
+        if fn == "generate":
+            low = decode.generate.lower(*args, sampling=sampling_, max_new_tokens=8)
+        else:
+            low = decode.medusa_generate.lower(args[0], medusa.heads, *args[1:], tree=tree,
+                                               sampling=sampling_, max_new_tokens=8)
+        return low.as_text()
+
+    sampled = Sampling("rejection", temperature=0.8, top_p=0.9)
+    for fn in ("generate", "medusa_generate"):
+        greedy, drawn = hlo(Sampling(), fn), hlo(sampled, fn)
+        assert "stablehlo.sort" not in greedy and "stablehlo.sort" in drawn
+        assert greedy.count("threefry") < drawn.count("threefry")
+
+
+def test_serve_takes_the_acceptance_setting():
+    from infer.serve import build_parser
+
+    assert build_parser().parse_args([]).acceptance == "rejection"
+    assert build_parser().parse_args(["--acceptance", "typical"]).acceptance == "typical"
