@@ -8,6 +8,9 @@ ones, which is fed at the start of the next step).
 Shapes: logits [B, T, V] (T = tree.num_nodes), tokens [B, T] (each node's candidate token).
 `valid` [B, T] (optional) marks the nodes each row verified, for dynamic trees: a row's tree
 is then the prefix-closed subset of `tree` it selected, and paths stop at its edge.
+
+`accept` applies one static `Sampling`'s rule to every row; `accept_rows`, the decoding
+step's, each row's own (`sampling.Rows`).
 """
 
 from __future__ import annotations
