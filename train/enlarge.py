@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 
 NOTE = """# Enlarged model
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     out = Path(args.output)
     check_output(out)
     with options.errors_to_exit():  # paths, hub ids, config.json and the weights' headers
-        paths.check_model_paths(args.model, args.heads if args.heads != "none" else None)
+        check_model_paths(args.model, args.heads if args.heads != "none" else None)
     from medusa_jax.runtime import hub
 
     source = Path(hub.local(args.model, "--model")) if args.model else assets.model_dir()
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from medusa_jax.tools import enlarge
-    from medusa_jax.drafters.medusa import heads as heads_mod
+    from medusa_jax.drafters import formats as heads_mod
     from medusa_jax.model import weights
     from medusa_jax.model.config import ModelConfig
 

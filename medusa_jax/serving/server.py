@@ -32,7 +32,7 @@ import uuid
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from medusa_jax.text.data import VICUNA_SYSTEM
+from medusa_jax.text.templates import vicuna_pieces
 from medusa_jax.serving.engine import Engine, QueueFull, Request
 
 MAX_STOP_STRINGS = 4  # as OpenAI
@@ -343,17 +343,9 @@ def vicuna_prompt(messages: list[tuple[str, str]], tokenizer,
     enc = (encoder or TextEncoder(tokenizer)).text
     ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    system = " ".join(t for r, t in messages if r == "system") or VICUNA_SYSTEM
-    pending = system + " "
-    for role, text in messages:
-        if role == "system":
-            continue
-        if role == "user":
-            pending += f"USER: {text} ASSISTANT:"
-            continue
-        ids += enc(pending) + enc(" " + text) + eos
-        pending = ""
-    return ids + enc(pending)
+    for text, answer in vicuna_pieces(messages):
+        ids += enc(text) + (eos if answer else [])
+    return ids
 
 
 _MARK = re.compile("\ue000(\\d+)\ue001")

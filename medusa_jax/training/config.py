@@ -123,10 +123,10 @@ class TrainConfig:
             if not cond:
                 raise ValueError(msg)
         if self.model is not None:  # a path or hub id, its config.json and weights' headers
-            from medusa_jax.model import paths
+            from medusa_jax.model.paths import check_model_paths
             from medusa_jax.runtime import options
 
-            paths.check_model_paths(self.model)
+            check_model_paths(self.model)
         need(self.data_format in data.FORMATS, f"--data-format must be one of {data.FORMATS}")
         need(self.template in data.TEMPLATES, f"--template must be one of {data.TEMPLATES}")
         for name in ("num_heads", "num_layers", "batch_size", "keep", "save_every",
