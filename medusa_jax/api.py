@@ -81,7 +81,7 @@ class GenerateTiming(timing.Timed):
         1 prompt, medusa stories260K_cpu greedy: compiled in 0.91 s (from the compilation
         cache); 128 tokens in 0.12 s (1,110 tokens/s); 3.20 tokens/step (40 steps)
 
-    (the README's example run of `infer.generate --heads default`)."""
+    (an `infer.generate --heads default` run)."""
 
     label: str = ""  # "1 prompt, medusa stories260K_cpu greedy"
     steps: int = 0

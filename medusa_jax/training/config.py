@@ -308,8 +308,8 @@ class Medusa2Config(TrainConfig):
                 "TinyStories training stories when self-distilling the embedded model)",
         metavar="FILE|auto|none")
 
-    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (~6 min here; with lr 1e-3 and the
-    # anchor text, held-out perplexity +2.5%: see README)
+    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (their cost and held-out perplexity:
+    # docs/benchmarks/2026-11-30-medusa1-medusa2.md)
     RUN_PREFIX: ClassVar[str] = "medusa2"
     HELP: ClassVar[dict] = {
         "steps": f"joint optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
