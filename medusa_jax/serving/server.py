@@ -18,9 +18,11 @@ tokenizing, and tokenizing runs off the event loop. User text is tokenized as te
 "</s>" in a prompt or a message is those characters, not EOS; only a chat template's own
 text holds control tokens.
 
-Text is decoded incrementally (`Detokenizer`): the prompt and the new tokens are decoded
-together, as `Medusa.generate` does, a trailing incomplete UTF-8 sequence is held back, and
-so is any tail that could still become a stop string.
+Text is decoded incrementally (`Detokenizer`): each new token decodes a short window after
+a few tokens of context, so a token costs the same however long the text is and comes out
+as it does in the whole text (`Medusa.generate` decodes prompt and answer together); a
+trailing incomplete UTF-8 sequence is held back, and so is any tail that could still become
+a stop string.
 """
 
 from __future__ import annotations
@@ -74,42 +76,64 @@ def _validate(model: type[GenerationRequest], data: bytes) -> GenerationRequest:
 
 
 class Detokenizer:
-    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped)."""
+    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped).
+
+    Each token decodes a short window, not the whole text (prefix and read offsets, as vLLM
+    and TGI do): the tokens since the last point where the text was whole, after a few
+    tokens of context, so that a tokenizer that drops a word's leading space at the start of
+    a decode (SentencePiece) decodes every new token as it would inside the whole text. A
+    window that ends inside a UTF-8 character waits for the next token."""
+
+    CONTEXT = 5  # prompt tokens decoded before the first new one
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
-        self.tok, self.prompt, self.stops = tokenizer, list(prompt_ids), stops
-        self.ids: list[int] = []
-        self.head = self._dec(self.prompt)
+        self.tok, self.stops = tokenizer, stops
+        self.ids = list(prompt_ids[-self.CONTEXT:])  # context, then the new tokens
+        self.prefix = 0  # the window's start in `ids`
+        self.read = len(self.ids)  # `ids[:read]` are in `text` (the context as nothing)
+        self.prefix_text = self._dec(self.ids)  # what the window's start decodes to
         self.sent = 0  # characters of the text already handed out
         self.text = ""
+        self.longest_stop = max((len(s) for s in stops), default=0)
 
     def _dec(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def _full(self) -> str:
-        full = self._dec(self.prompt + self.ids)
-        return full[len(self.head):] if full.startswith(self.head) else self._dec(self.ids)
+    def _extend(self, whole_only: bool) -> None:
+        """Append the window's new text; move the window on when it ends on a whole text."""
+        window = self._dec(self.ids[self.prefix:])
+        if len(window) <= len(self.prefix_text) or (whole_only and window.endswith("\ufffd")):
+            return
+        self.text += window[len(self.prefix_text):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix_text = self._dec(self.ids[self.prefix:self.read])
+
+    def _stop_at(self) -> int | None:
+        start = max(0, self.sent - self.longest_stop)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def add(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
-        self.text = text = self._full()
-        start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:  # the text ends before the stop string
-            self.text = text = text[:min(hits)]
-            return self._take(len(text)), True
-        safe = len(text)
-        while safe > self.sent and text[safe - 1] == "\ufffd":  # an incomplete character
-            safe -= 1
-        hold = 0
+        self._extend(whole_only=True)
+        cut = self._stop_at()
+        if cut is not None:  # the text ends before the stop string
+            self.text = self.text[:cut]
+            return self._take(cut), True
+        safe, hold = len(self.text), 0
         for s in self.stops:  # a tail that may still grow into a stop string
             for k in range(min(len(s) - 1, safe), hold, -1):
-                if text[safe - k:safe] == s[:k]:
+                if self.text[safe - k:safe] == s[:k]:
                     hold = k
                     break
         return self._take(safe - hold), False
 
     def flush(self) -> str:
+        """The rest of the text (an unfinished character too), up to a stop string."""
+        self._extend(whole_only=False)
+        cut = self._stop_at()
+        if cut is not None:
+            self.text = self.text[:cut]
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
