@@ -49,14 +49,7 @@ def _buckets(text: str) -> tuple[int, ...]:
     return out
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free one), got {value}")
-    return value
+_port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
 
 
 def _name(text: str) -> str:

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
-from medusa_jax.text import tokenizer as startup
+from medusa_jax.text import tokenizer as text_tokenizer
 from medusa_jax.decoding.acceptance import MODES, Sampling
 from medusa_jax.model.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.model.config import ModelConfig, stop_tokens
@@ -81,7 +81,7 @@ class GenerateTiming(timing.Timed):
         1 prompt, medusa stories260K_cpu greedy: compiled in 0.91 s (from the compilation
         cache); 128 tokens in 0.12 s (1,110 tokens/s); 3.20 tokens/step (40 steps)
 
-    (the README's example run of `infer.generate --heads default`)."""
+    (an `infer.generate --heads default` run)."""
 
     label: str = ""  # "1 prompt, medusa stories260K_cpu greedy"
     steps: int = 0
@@ -230,7 +230,7 @@ class Medusa:
                                           decoding_layout=mesh is None)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
-        tokenizer = startup.load_tokenizer(model_dir)
+        tokenizer = text_tokenizer.load_tokenizer(model_dir)
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
                    mesh=mesh)
 

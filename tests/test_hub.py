@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from medusa_jax.runtime import assets, hub
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.model.config import ModelConfig
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -64,7 +64,7 @@ def test_a_model_id_is_found_in_the_cache_offline(cache):
     snapshot = lay_out(cache, "acme/stories", assets.model_dir())
     assert hub.local("acme/stories") == snapshot
     assert ModelConfig.from_dir("acme/stories") == ModelConfig.from_dir(assets.model_dir())
-    paths.check_model_paths("acme/stories", None)
+    check_model_paths("acme/stories", None)
 
 
 def test_a_missing_id_offline_is_one_line_saying_so(cache):
@@ -107,7 +107,7 @@ def test_online_without_a_network_says_the_hub_could_not_be_reached(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path / "hub"),
                HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2",
                HF_HUB_DISABLE_TELEMETRY="1")
-    code = ("from medusa_jax import hub\n"
+    code = ("from medusa_jax.runtime import hub\n"
             "try:\n    hub.local('acme/stories', '--model')\n"
             "except FileNotFoundError as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

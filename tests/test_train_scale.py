@@ -12,6 +12,7 @@ import pytest
 from medusa_jax.model import backbone
 from medusa_jax.runtime import sharding
 from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.training import step as ts
 from medusa_jax.model.config import ModelConfig
 

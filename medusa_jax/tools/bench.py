@@ -451,7 +451,7 @@ def shipped_tokens_per_step(num_prompts: int = 8, max_new_tokens: int = 128,
                             max_nodes: int | None = None) -> dict[int, float]:
     """Tokens per step of the embedded model with its shipped heads, greedy, held-out
     openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real model's trained
-    heads reach is of the same order: see the README)."""
+    heads reach is of the same order: docs/performance.md)."""
     from medusa_jax.runtime import assets
     from medusa_jax.api import Medusa
 
