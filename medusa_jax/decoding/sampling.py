@@ -36,7 +36,7 @@ def check(mode: str = "greedy", temperature: float = 1.0, top_k: int = 0, top_p:
     if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
         raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
     if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1] (1: off), got {top_p}")
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if not epsilon >= 0:
         raise ValueError(f"epsilon must be >= 0, got {epsilon}")
     if not delta >= 0:
