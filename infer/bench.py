@@ -426,7 +426,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
     from medusa_jax import api
     from medusa_jax.drafters.medusa import heads as heads_lib
     from medusa_jax.drafters import formats as heads_formats
-    from medusa_jax.drafters.hydra.heads import is_hydra
+    from medusa_jax.decoding.drafter import kind_of
     from medusa_jax.decoding.tree import Tree
 
     out = []
@@ -434,7 +434,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         path = {"default": api.default_heads_dir(), "hydra": api.default_hydra_heads_dir()} \
             .get(name, name)
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
-        kind = "hydra" if is_hydra(heads) else "medusa"
+        kind = kind_of(heads)
         k = heads_lib.heads_config_of(heads).num_heads
         for t in trees:
             static = getattr(t, "pool", t)

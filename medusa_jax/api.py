@@ -29,9 +29,9 @@ from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.model.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.model.config import ModelConfig, stop_tokens
 from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.drafters.medusa.heads import heads_axes, heads_config_of
+from medusa_jax.decoding import drafter
+from medusa_jax.drafters.medusa.heads import heads_config_of
 from medusa_jax.drafters.formats import is_medusa2_model, load_heads
-from medusa_jax.drafters.hydra.heads import is_hydra
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
 from medusa_jax.model.weights import check_headers, default_model_dir, load_pretrained, tokenizer_files
 
@@ -140,7 +140,7 @@ def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
     Megatron-style over the `model` axis, replicated over the batch axes."""
     mesh = sharding.make_mesh(mesh)
     bb = sharding.decode_shardings(param_axes(cfg), param_specs(cfg), mesh, head_units(cfg))
-    hd = None if heads is None else sharding.decode_shardings(heads_axes(heads), heads, mesh)
+    hd = None if heads is None else sharding.decode_shardings(drafter.axes_of(heads), heads, mesh)
     return bb, hd
 
 
@@ -240,7 +240,7 @@ class Medusa:
         """"medusa" or "hydra": the kind of the loaded heads (None without heads)."""
         if self.heads is None:
             return None
-        return "hydra" if is_hydra(self.heads) else "medusa"
+        return drafter.kind_of(self.heads)
 
     def under_mesh(self):
         """The context decoding runs in: `jax.set_mesh(self.mesh)` (the KV cache is then

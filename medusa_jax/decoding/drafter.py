@@ -26,6 +26,14 @@ class Drafter(Protocol):
     def matches(cls, heads: Params) -> bool:
         """Whether `heads` (arrays, numpy or shapes) are this kind's parameters."""
 
+    @classmethod
+    def shape_of(cls, heads: Params) -> tuple[int, int]:
+        """(number of heads, residual blocks per head), read off the parameters."""
+
+    @classmethod
+    def axes(cls, heads: Params) -> dict:
+        """{name: logical axes} of the parameters `heads` has (`runtime.sharding`)."""
+
     def prepare(self, heads: Params, tree, cpu_kernels: bool) -> Params:
         """The parameters the tree uses (deeper heads dropped; the CPU kernel's layout when
         `cpu_kernels`)."""
@@ -71,3 +79,13 @@ def drafter_for(heads: Params, head_fn=None) -> Drafter:
     if head_fn is not None and hasattr(head_fn, "propose"):
         return head_fn
     return drafter_class(kind_of(heads)).from_head_fn(head_fn)
+
+
+def shape_of(heads: Params) -> tuple[int, int]:
+    """(number of heads, residual blocks per head) of heads of any kind."""
+    return drafter_class(kind_of(heads)).shape_of(heads)
+
+
+def axes_of(heads: Params) -> dict:
+    """{name: logical axes} of heads of any kind."""
+    return drafter_class(kind_of(heads)).axes(heads)

@@ -62,6 +62,7 @@ from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.decoding import drafter
 from medusa_jax.drafters.medusa.heads import HEADS_FILE, heads_config_of
 
 LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm", "hydra")
@@ -231,7 +232,7 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | 
     hc = heads_config_of(heads)
     meta = {
         "format": "medusa_jax.heads/1",
-        "kind": hydra.KIND if hydra.is_hydra(heads) else "medusa",
+        "kind": drafter.kind_of(heads),
         "num_heads": str(hc.num_heads),
         "num_layers": str(hc.num_layers),
         "hidden_size": str(cfg.hidden_size),

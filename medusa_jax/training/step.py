@@ -30,7 +30,8 @@ from medusa_jax.runtime import sharding
 from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.model.backbone import param_axes as backbone_param_axes
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.drafters.medusa.heads import apply_heads, head_states, heads_axes
+from medusa_jax.decoding import drafter
+from medusa_jax.drafters.medusa.heads import apply_heads, head_states
 
 Batch = dict  # tokens, positions, segments [B, T] int32; loss_mask [B, T] bool
 LossFn = Callable[[Params, Batch], tuple[jax.Array, dict]]
@@ -530,7 +531,7 @@ def param_axes(cfg: ModelConfig, params: Params) -> dict:
     "heads" are Medusa heads."""
     kinds = {"backbone": lambda: backbone_param_axes(cfg),
              "teacher": lambda: backbone_param_axes(cfg),
-             "heads": lambda: heads_axes(params["heads"])}
+             "heads": lambda: drafter.axes_of(params["heads"])}
     unknown = set(params) - set(kinds)
     if unknown:
         raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")

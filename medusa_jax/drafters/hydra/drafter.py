@@ -23,6 +23,14 @@ class HydraDrafter:
         return hydra.is_hydra(heads)
 
     @classmethod
+    def shape_of(cls, heads: Params) -> tuple[int, int]:
+        return hydra.config_of(heads)
+
+    @classmethod
+    def axes(cls, heads: Params) -> dict:
+        return {n: a for n, a in hydra.axes().items() if n in heads}
+
+    @classmethod
     def from_head_fn(cls, head_fn) -> "HydraDrafter":
         if head_fn is not None:
             raise ValueError("head_fn is a Medusa head function, but these are Hydra heads "

@@ -9,7 +9,7 @@ import jax
 
 from medusa_jax import kernels
 from medusa_jax.decoding.step import Proposal, propose_candidates
-from medusa_jax.drafters.hydra.heads import is_hydra
+from medusa_jax.drafters.medusa import heads as medusa_heads
 from medusa_jax.drafters.medusa.heads import apply_heads
 from medusa_jax.model.backbone import Params
 
@@ -31,7 +31,15 @@ class MedusaDrafter:
 
     @classmethod
     def matches(cls, heads: Params) -> bool:
-        return not is_hydra(heads)
+        return medusa_heads.is_medusa(heads)
+
+    @classmethod
+    def shape_of(cls, heads: Params) -> tuple[int, int]:
+        return tuple(int(n) for n in heads["w"].shape[:2])
+
+    @classmethod
+    def axes(cls, heads: Params) -> dict:
+        return medusa_heads.heads_axes(heads)
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "MedusaDrafter":

@@ -10,13 +10,13 @@ All heads are stacked and computed together (one einsum over the head axis):
 so at initialisation every head's logits equal the base model's logits exactly.
 
 Two optional variants cut the projection's cost on large vocabularies (both read from vLLM's
-Medusa layout, see `heads_formats`): `proj` [1, H, V] is one projection shared by all heads,
+Medusa layout, see `drafters.formats`): `proj` [1, H, V] is one projection shared by all heads,
 and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T < V tokens:
 token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
 
-Hydra heads (`hydra`: each head also reads the path drafted above it) are the other kind of
-drafter; `heads_config_of`, `heads_axes`, `save_heads` and `load_heads` take either kind
-(the artifact's `kind` field says which), `apply_heads` only Medusa heads.
+Hydra heads (`drafters.hydra`: each head also reads the path drafted above it) are another
+kind of drafter; `heads_config_of` and `drafters.formats`' `save_heads` and `load_heads` take
+heads of any kind (the artifact's `kind` field says which), the rest only Medusa heads.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.decoding import drafter
 from medusa_jax import kernels
 from medusa_jax.model.backbone import ParamSpec, Params, output_projection
 from medusa_jax.model.config import ModelConfig
@@ -55,8 +55,6 @@ def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsCon
 def heads_axes(heads: Params | None = None) -> dict:
     """{name: logical axes} of the heads parameters (they do not depend on the sizes), for
     the leaves `heads` has (default: those of `init_heads`)."""
-    if hydra.is_hydra(heads):
-        return hydra.axes()
     axes = {name: s.axes for name, s in heads_param_specs(1, 1).items()}
     axes["token_index"] = ("medusa_heads", "vocab")  # reduced-vocabulary heads only
     return {k: axes[k] for k in (heads if heads is not None else ("w", "b", "proj"))}
@@ -81,13 +79,18 @@ def has_shared_proj(heads: Params) -> bool:
     return heads["proj"].shape[0] == 1 and heads["w"].shape[0] > 1
 
 
+_NAMES = {"w", "b", "proj", "token_index"}  # token_index: reduced-vocabulary heads
+
+
+def is_medusa(heads: Params) -> bool:
+    """Whether a heads tree (arrays, numpy or shapes) holds Medusa heads: these names only."""
+    return heads is not None and {"w", "b", "proj"} <= set(heads) <= _NAMES
+
+
 def heads_config_of(heads: Params) -> HeadsConfig:
-    """Read the head count and depth from the parameters themselves (either kind)."""
-    if hydra.is_hydra(heads):
-        k, lyr = hydra.config_of(heads)
-        return HeadsConfig(num_heads=k, num_layers=lyr)
-    k, lyr = heads["w"].shape[:2]
-    return HeadsConfig(num_heads=int(k), num_layers=int(lyr))
+    """Read the head count and depth from the parameters themselves (heads of any kind:
+    `decoding.drafter.shape_of`)."""
+    return HeadsConfig(*drafter.shape_of(heads))
 
 
 def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
@@ -108,9 +111,9 @@ def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
 
 def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
-    if hydra.is_hydra(heads):
-        raise ValueError("apply_heads computes Medusa heads; these are Hydra heads, which "
-                         "also read the drafted path (see medusa_jax.drafters.hydra.heads)")
+    if not is_medusa(heads):
+        raise ValueError(f"apply_heads computes Medusa heads (tensors w, b, proj); these are "
+                         f"{drafter.kind_of(heads)} heads (tensors {', '.join(sorted(heads))})")
     dt = hidden.dtype
     k = heads["w"].shape[0]
     x = head_states(heads, hidden)
