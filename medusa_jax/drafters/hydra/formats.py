@@ -1,0 +1,117 @@
+"""Hydra heads in zankner/Hydra's layout (config.json + hydra_lm_head.safetensors or .pt):
+the strict reader and the writer. The table of every layout is in `drafters.formats`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import warnings
+
+import numpy as np
+
+from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.drafters.io import Found, HeadsFormatError, Expect, contiguous, config_count, read_json, heads_meta, as_float32, read_files, tensor_sizes, write_json, write_tensors
+from medusa_jax.model.backbone import Params
+from medusa_jax.model.config import ModelConfig
+
+
+HYDRA_PT, HYDRA_ST = "hydra_lm_head.pt", "hydra_lm_head.safetensors"  # zankner/Hydra
+
+
+def read_hydra(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
+    """zankner/Hydra's grounded MLP heads (hydra_head_arch "mlp") -> our Hydra heads."""
+    from medusa_jax.drafters.hydra import heads as hydra
+
+    conf, cf = read_json(found.config), found.config
+    k = config_count(conf, ("hydra_num_heads",), cf)
+    lyr = config_count(conf, ("hydra_num_layers",), cf)
+    if k is None or lyr is None:
+        raise HeadsFormatError(f"{cf}: needs hydra_num_heads and hydra_num_layers")
+    arch = conf.get("hydra_head_arch", "mlp")
+    if arch != "mlp":
+        raise HeadsFormatError(f"{cf}: hydra_head_arch={arch!r} is not supported (only 'mlp': "
+                               f"Hydra++'s prefix-attention layer is not implemented here)")
+    if conf.get("grounded_heads", True) is not True:
+        raise HeadsFormatError(f"{cf}: grounded_heads={conf.get('grounded_heads')!r}: "
+                               f"ungrounded heads do not read the path; not Hydra heads")
+    if conf.get("hidden_state_offset", 0) != 0:
+        raise HeadsFormatError(f"{cf}: hidden_state_offset={conf['hidden_state_offset']!r} "
+                               f"is not supported (only 0: the last hidden state)")
+    tensors = read_files(found.files)
+    first = f"hydra_lm_head.0.weight"
+    h, v = tensor_sizes(cfg, tensors, first, found)
+    what = f"{k} Hydra heads x {lyr} layers, hidden {h}, vocab {v}"
+    ex = Expect(tensors, found, what)
+    specs = hydra.param_specs(h, v, k, lyr)
+    out = {n: np.zeros(sp.shape, np.float32) for n, sp in specs.items()}
+    for i in range(k):
+        n = i + 2
+        pre = f"hydra_mlp.{i}.0."
+        for ours, theirs in (("in", "linear"), ("res", "res_connection")):
+            wt = ex.get(pre + theirs + ".weight", (h, n * h),
+                        f"head {i} input block {theirs} weight [out, in]")
+            out[f"{ours}_w"][i, :n] = wt.T.reshape(n, h, h)
+            out[f"{ours}_b"][i] = ex.get(pre + theirs + ".bias", (h,),
+                                         f"head {i} input block {theirs} bias")
+        for j in range(1, lyr):
+            out["w"][i, j - 1] = ex.get(f"hydra_mlp.{i}.{j}.linear.weight", (h, h),
+                                        f"head {i} block {j} Linear weight [out, in]").T
+            out["b"][i, j - 1] = ex.get(f"hydra_mlp.{i}.{j}.linear.bias", (h,),
+                                        f"head {i} block {j} bias")
+        out["proj"][i] = ex.get(f"hydra_lm_head.{i}.weight", (v, h),
+                                f"head {i} projection [vocab, hidden]").T
+        out["proj_b"][i] = ex.get(f"hydra_lm_head.{i}.bias", (v,), f"head {i} projection bias")
+    ex.done()
+    try:
+        hydra.check(out, cfg, found.root, k, lyr)
+    except ValueError as e:
+        raise HeadsFormatError(str(e)) from None
+    meta = heads_meta(found, k, lyr, h, v, conf.get("base_model_name_or_path"))
+    meta["kind"] = hydra.KIND
+    return out, meta
+
+
+def hydra_tensors(heads: Params) -> dict[str, np.ndarray]:
+    """Our Hydra heads under zankner/Hydra's names (hydra_mlp.{i}.0.linear.weight, ...)."""
+    if "in_w" not in heads:
+        raise HeadsFormatError("the hydra layout holds Hydra heads; these are Medusa heads "
+                               "(write them with --format medusa_jax, reference or vllm)")
+    k, h = int(np.shape(heads["in_w"])[0]), int(np.shape(heads["in_w"])[-1])
+    lyr = int(np.shape(heads["w"])[1]) + 1
+    out = {}
+    for i in range(k):
+        n = i + 2
+        for ours, theirs in (("in", "linear"), ("res", "res_connection")):
+            w = as_float32(heads[f"{ours}_w"])[i, :n].reshape(n * h, h)
+            out[f"hydra_mlp.{i}.0.{theirs}.weight"] = contiguous(w.T)
+            out[f"hydra_mlp.{i}.0.{theirs}.bias"] = contiguous(as_float32(heads[f"{ours}_b"])[i])
+        for j in range(1, lyr):
+            out[f"hydra_mlp.{i}.{j}.linear.weight"] = contiguous(as_float32(heads["w"])[i, j - 1].T)
+            out[f"hydra_mlp.{i}.{j}.linear.bias"] = contiguous(as_float32(heads["b"])[i, j - 1])
+        out[f"hydra_lm_head.{i}.weight"] = contiguous(as_float32(heads["proj"])[i].T)
+        out[f"hydra_lm_head.{i}.bias"] = contiguous(as_float32(heads["proj_b"])[i])
+    return out
+
+
+def write_hydra(heads: Params, out_dir: str | Path, *, base_model: str | None = None,
+                pickle: bool | None = None) -> list[Path]:
+    """zankner/Hydra's heads folder: config.json + hydra_lm_head.safetensors, and
+    hydra_lm_head.pt (the file its loader opens) when `pickle` is true or, with None, when
+    PyTorch is installed. Its model repeats one residual-block object for blocks 1..L-1
+    (`[ResBlock(H)] * (L - 1)`), as the Medusa reference does: with L > 2 different blocks it
+    loads only the last (a warning says so)."""
+    tensors = hydra_tensors(heads)
+    k = int(np.shape(heads["in_w"])[0])
+    lyr = int(np.shape(heads["w"])[1]) + 1
+    w, b = as_float32(heads["w"]), as_float32(heads["b"])
+    if lyr > 2 and not (np.all(w == w[:, :1]) and np.all(b == b[:, :1])):
+        warnings.warn(f"{lyr - 1} different residual blocks per head: zankner/Hydra's model "
+                      f"repeats one block object and will load only the last",
+                      UserWarning, stacklevel=2)
+    out = Path(out_dir)
+    written = write_tensors(out, HYDRA_ST, HYDRA_PT, tensors, pickle)
+    conf = {"hydra_num_heads": k, "hydra_num_layers": lyr, "hydra_head_arch": "mlp",
+            "grounded_heads": True, "hidden_state_offset": 0}
+    if base_model:
+        conf["base_model_name_or_path"] = str(base_model)
+    write_json(out / "config.json", conf)
+    return [out / "config.json", *written]
