@@ -95,7 +95,7 @@ def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
 
 def test_decoding_sets_the_switch_before_transformers_is_imported():
     code = ("import os, sys\nfrom medusa_jax.text.tokenizer import tokenizer_class\n"
-            "from medusa_jax import assets\n"
+            "from medusa_jax.runtime import assets\n"
             "os.environ.pop('TRANSFORMERS_NO_ADVISORY_WARNINGS', None)\n"
             "assert 'transformers' not in sys.modules\n"
             "tokenizer_class(assets.model_dir() / 'x')\n"

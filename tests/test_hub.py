@@ -107,7 +107,7 @@ def test_online_without_a_network_says_the_hub_could_not_be_reached(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path / "hub"),
                HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_ETAG_TIMEOUT="2",
                HF_HUB_DISABLE_TELEMETRY="1")
-    code = ("from medusa_jax import hub\n"
+    code = ("from medusa_jax.runtime import hub\n"
             "try:\n    hub.local('acme/stories', '--model')\n"
             "except FileNotFoundError as e:\n    print(e)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
