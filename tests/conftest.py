@@ -48,3 +48,128 @@ def stories():
 
     cfg, params = load_pretrained()
     return cfg, params, AutoTokenizer.from_pretrained(default_model_dir())
+
+
+# ---- helpers shared by several folders, as fixtures: no test module imports another
+
+
+def _chi_square_ok(counts, probs, z=4.0):
+    """Pearson chi-square with small cells pooled; accept unless p < ~3e-5 (z = 4)."""
+    import numpy as np
+
+    expected = probs * counts.sum()
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    keep = exp > 0
+    if np.any(obs[~keep] > 0):
+        return False, np.inf
+    stat = np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep])
+    df = keep.sum() - 1
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3  # Wilson-Hilferty
+    return stat < crit, stat / crit
+
+
+@pytest.fixture(scope="session")
+def chi_square_ok():
+    """`chi_square_ok(counts, probs, z=4.0) -> (ok, stat / critical)`: do the counts follow
+    the probabilities (the lossless-sampling tests: decoding, drafters, model, serving)?"""
+    return _chi_square_ok
+
+
+@pytest.fixture(scope="session")
+def toy_lm():
+    """The 8-word, 1-layer model of the lossless-sampling tests (decoding/test_acceptance,
+    decoding/test_dynamic_tree, drafters/test_hydra): its config, a tree, a prompt, the row
+    count and samplings, P(x1, x2) of plain sampling and the (x1, x2) counts of a run."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from medusa_jax.decoding.acceptance import Sampling, log_probs
+    from medusa_jax.decoding.tree import Tree
+    from medusa_jax.model.backbone import KVCache, causal_mask, forward
+    from medusa_jax.model.config import ModelConfig
+
+    V = 8
+    CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      max_position_embeddings=64)
+    PROMPT = [1, 3, 5]
+
+    def next_logprobs(params, seqs, sampling):
+        seqs = np.asarray(seqs)
+        b, t = seqs.shape
+        cache = KVCache.init(CFG, b, t)
+        logits, _, _ = forward(params, CFG, jnp.asarray(seqs),
+                               jnp.broadcast_to(jnp.arange(t), (b, t)),
+                               causal_mask(cache.lengths, t, t), cache)
+        return np.exp(np.asarray(log_probs(logits[:, -1], sampling), np.float64))
+
+    def exact_pair_distribution(params, sampling):
+        """P(x1, x2) of plain sampling, [V, V]."""
+        p1 = next_logprobs(params, [PROMPT], sampling)[0]
+        p2 = next_logprobs(params, [PROMPT + [x] for x in range(V)], sampling)
+        return p1[:, None] * p2
+
+    def pair_counts(out):
+        tokens = np.asarray(out.tokens)
+        assert np.all(np.asarray(out.num_new) >= 2)
+        counts = np.zeros((V, V))
+        np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
+        return counts
+
+    return SimpleNamespace(
+        V=V, CFG=CFG, PROMPT=PROMPT, ROWS=20000,
+        TREE=Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+        SAMPLINGS=[Sampling(mode="rejection", temperature=1.0),
+                   Sampling(mode="rejection", temperature=0.7, top_k=6, top_p=0.9)],
+        exact_pair_distribution=exact_pair_distribution, pair_counts=pair_counts)
+
+
+@pytest.fixture(scope="session")
+def toy_medusa(toy_lm):
+    """(params, heads) of `toy_lm`: random weights and 2 perturbed Medusa heads."""
+    import jax
+
+    from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
+    from medusa_jax.model.backbone import init_params
+
+    params = init_params(toy_lm.CFG, jax.random.key(0), std=0.6)
+    heads = init_heads(toy_lm.CFG, params, HeadsConfig(num_heads=2))
+    noise = jax.random.split(jax.random.key(1), 3)
+    heads = {k: v + 0.3 * jax.random.normal(n, v.shape) for (k, v), n in zip(heads.items(), noise)}
+    return params, heads
+
+
+@pytest.fixture(scope="session")
+def noisy_hydra():
+    """`noisy_hydra(heads, scale, seed)`: Hydra heads with every tensor randomly perturbed
+    (the unused input slots stay zero)."""
+    def noisy(heads, scale, seed):
+        import jax
+
+        from medusa_jax.drafters.hydra import heads as hydra
+
+        keys = jax.random.split(jax.random.key(seed), len(heads))
+        k = hydra.config_of(heads)[0]
+        out = {}
+        for (name, v), key in zip(heads.items(), keys):
+            noise = scale * jax.random.normal(key, v.shape)
+            if name in ("in_w", "res_w"):
+                noise = noise * hydra.slot_mask(k)[:, :, None, None]
+            out[name] = v + noise
+        return out
+
+    return noisy
+
+
+@pytest.fixture(scope="session")
+def medusa_default():
+    """`Medusa.load(heads="default")`: the embedded model and its shipped heads, loaded once
+    per worker for the files that only decode with it (leave its attributes as they are; a
+    test that needs a fresh one, or its first compile, calls `Medusa.load` itself)."""
+    from medusa_jax.api import Medusa
+
+    return Medusa.load(heads="default")

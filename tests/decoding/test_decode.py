@@ -255,11 +255,11 @@ def test_run_phases_widens_the_window_only_when_a_step_would_not_fit():
                                   for n in log[:, 0]]
 
 
-def test_medusa_greedy_equals_plain_greedy_across_cache_phases(stories):
+def test_medusa_greedy_equals_plain_greedy_across_cache_phases(stories, medusa_default):
     """A long decode runs in several cache phases (the cache grows between them); the
     tokens must not notice."""
     cfg, params, tok = stories
-    m = Medusa.load(heads="default")
+    m = medusa_default  # Medusa.load(heads="default")
     n = 300
     prompts = [tok.encode(p) for p in PROMPTS[:4]]
     tokens, lengths = pad_prompts(prompts)

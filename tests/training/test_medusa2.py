@@ -19,7 +19,7 @@ from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.training import step as ts
 from medusa_jax.model.config import ModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 # every sharded dim (vocab 64, mlp 32, qkv 16/8, hidden 16) divides by fsdp=4
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,

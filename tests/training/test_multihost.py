@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--num-heads", "2",
          "--log-every", "1", "--save-every", "1", "--eval-every", "100000", "--keep", "10",

@@ -1,68 +1,24 @@
 """Training step: frozen backbone, label alignment, loss/metrics, sharded == single device."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.model import backbone
 from medusa_jax.runtime import sharding
 from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.training import step as ts
-from medusa_jax.model.config import ModelConfig
 
-CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
-                  max_position_embeddings=128)
-K = 3
-
-
-def make_params(seed=0):
-    bb = backbone.init_params(CFG, jax.random.key(seed), std=0.2)
-    return {"backbone": bb, "heads": heads_lib.init_heads(CFG, bb, heads_lib.HeadsConfig(K, 1))}
-
-
-def random_batch(b=8, t=16, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, CFG.vocab_size, (b, t)).astype(np.int32)
-    # two examples per row: a 3-token prompt then an answer
-    half = t // 2
-    segments = np.repeat(np.array([[1] * half + [2] * (t - half)]), b, 0).astype(np.int32)
-    positions = np.concatenate([np.arange(half), np.arange(t - half)])[None].repeat(b, 0)
-    loss_mask = (positions >= 3)
-    return {"tokens": tokens, "positions": positions.astype(np.int32), "segments": segments,
-            "loss_mask": loss_mask}
-
-
-@functools.cache
-def _compiled(mesh_spec: str, lr: float, total: int):
-    """Optimizer, shardings and jitted step, built once per setting: tests share compiles."""
-    params = make_params()
-    labels = ts.medusa1_labels(params)
-    tx, schedule = ts.make_optimizer(ts.OptimConfig(lr=lr, warmup_ratio=0.0), total, labels)
-    mesh = sharding.make_mesh(mesh_spec)
-    shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
-                                   ts.param_axes(CFG, params), mesh)
-    step = ts.make_train_step(ts.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
-                              schedule)
-    return tx, step, shardings, mesh
-
-
-def setup(mesh_spec="1,1", lr=1e-2, total=20, params=None):
-    """A fresh sharded TrainState and the (shared) jitted step."""
-    tx, step, shardings, mesh = _compiled(mesh_spec, lr, total)
-    params = params if params is not None else make_params()
-    state = jax.device_put(ts.init_state(params, tx), shardings)
-    return state, step, shardings, mesh
+# CFG, K, make_params, random_batch and setup: tests/training/conftest.py's toy_train
 
 
 def bits(x):
     return np.asarray(x).view(np.uint32)
 
 
-def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state():
+def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state(toy_train):
+    make_params, random_batch = toy_train.make_params, toy_train.random_batch
+    setup = toy_train.setup
     params = make_params()
     before = jax.tree.map(np.asarray, params)
     state, step, _, _ = setup(params=params)
@@ -84,7 +40,8 @@ def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state():
     assert len(jax.tree.leaves(adam[0].mu)) == len(jax.tree.leaves(params["heads"]))
 
 
-def test_no_backbone_gradient():
+def test_no_backbone_gradient(toy_train):
+    CFG, make_params, random_batch = toy_train.CFG, toy_train.make_params, toy_train.random_batch
     params = make_params()
     grads = jax.jit(jax.grad(lambda p, b: ts.medusa1_loss_fn(CFG)(p, b)[0]))(params,
                                                                             random_batch())
@@ -136,7 +93,9 @@ def test_loss_matches_manual_cross_entropy_and_decay():
         np.testing.assert_allclose(m["top5"][i], ((rank[i] < 5) & valid[i]).sum() / valid[i].sum())
 
 
-def test_no_valid_positions_gives_zero_not_nan():
+def test_no_valid_positions_gives_zero_not_nan(toy_train):
+    CFG, make_params, random_batch = toy_train.CFG, toy_train.make_params, toy_train.random_batch
+    setup = toy_train.setup
     params = make_params()
     batch = random_batch()
     batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
@@ -167,7 +126,8 @@ def test_sharding_rules_shard_only_divisible_dims():
 
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
-def test_sharded_step_equals_single_device():
+def test_sharded_step_equals_single_device(toy_train):
+    random_batch, setup = toy_train.random_batch, toy_train.setup
     batches = [random_batch(b=8, seed=i) for i in range(3)]
     one, step1, _, _ = setup("1,1")
     many, step8, shard8, mesh8 = setup("data=2,fsdp=4")

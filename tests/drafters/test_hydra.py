@@ -16,25 +16,10 @@ from medusa_jax.api import Medusa, default_hydra_heads_dir
 from medusa_jax.model.backbone import init_params
 from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
-from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_ok,
-                             _exact_pair_distribution, _pair_counts)
 
 BIG_TREE = Tree.load("mc_sim_7b_63")
 PROMPTS = [[1, 400, 30], [1, 50], [1, 9, 9, 9, 100, 7, 300]]
 MAX_NEW = 40
-
-
-def _noisy(heads, scale, seed):
-    """Random perturbation of every tensor (the unused input slots stay zero)."""
-    keys = jax.random.split(jax.random.key(seed), len(heads))
-    k = hydra.config_of(heads)[0]
-    out = {}
-    for (name, v), key in zip(heads.items(), keys):
-        noise = scale * jax.random.normal(key, v.shape)
-        if name in ("in_w", "res_w"):
-            noise = noise * hydra.slot_mask(k)[:, :, None, None]
-        out[name] = v + noise
-    return out
 
 
 def _rows(out):
@@ -43,9 +28,9 @@ def _rows(out):
 
 
 @pytest.fixture(scope="module")
-def story_heads(stories):
+def story_heads(stories, noisy_hydra):
     cfg, params, _ = stories
-    return jax.jit(lambda p: _noisy(hydra.init_hydra(cfg, p, 5, 2), 0.05, 3))(params)
+    return jax.jit(lambda p: noisy_hydra(hydra.init_hydra(cfg, p, 5, 2), 0.05, 3))(params)
 
 
 @pytest.fixture(scope="module")
@@ -73,31 +58,35 @@ def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree
 
 
 @pytest.fixture(scope="module")
-def tiny_hydra():
+def tiny_hydra(toy_lm, noisy_hydra):
+    CFG = toy_lm.CFG
     # jitted: one compile instead of one per eager op
     params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))
-    return params, jax.jit(lambda p: _noisy(hydra.init_hydra(CFG, p, 2, 2), 0.3, 1))(params)
+    return params, jax.jit(lambda p: noisy_hydra(hydra.init_hydra(CFG, p, 2, 2), 0.3, 1))(params)
 
 
-def test_hydra_rejection_sampling_is_lossless(tiny_hydra):
+def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok):
     """On a dynamic tree: Hydra's drafts, its per-path choice of nodes and rejection over the
     pool with the unchosen nodes masked (static trees share all but the choice)."""
+    CFG, TREE, PROMPT, ROWS = toy_lm.CFG, toy_lm.TREE, toy_lm.PROMPT, toy_lm.ROWS
+    SAMPLINGS = toy_lm.SAMPLINGS
     params, heads = tiny_hydra
     tree = DynamicTree(TREE, 3)
     sampling = SAMPLINGS[0]
-    exact = _exact_pair_distribution(params, sampling)
+    exact = toy_lm.exact_pair_distribution(params, sampling)
     tokens, lengths = pad_prompts([PROMPT] * ROWS)
     out = medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(7), tree=tree,
                           sampling=sampling, max_new_tokens=3)
-    ok, ratio = _chi_square_ok(_pair_counts(out).ravel(), exact.ravel())
+    ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
     assert ok, f"Hydra rejection sampling is not lossless: chi2/critical = {ratio:.2f}"
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0.05 * hist.sum()  # drafts are accepted, the test has teeth
 
 
-def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(tiny_hydra):
+def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, tiny_hydra):
     """Hydra's dynamic proposal marks the pool nodes it did not choose as unverified; even
     when the target puts almost all mass on such a node's token, rejection never accepts it."""
+    V, CFG, TREE = toy_lm.V, toy_lm.CFG, toy_lm.TREE
     params, heads = tiny_hydra
     rows, tree = 128, DynamicTree(TREE, 2)
     hidden = jax.random.normal(jax.random.key(5), (rows, CFG.hidden_size))
@@ -122,7 +111,8 @@ def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(tiny_hydra)
         assert valid[r, path[1:n + 1]].all()
 
 
-def test_hydra_artifact_round_trip_and_strict_load(tmp_path, tiny_hydra):
+def test_hydra_artifact_round_trip_and_strict_load(toy_lm, tmp_path, tiny_hydra):
+    V, CFG = toy_lm.V, toy_lm.CFG
     _, heads = tiny_hydra
     file = heads_formats.save_heads(tmp_path / "h", heads, CFG)
     loaded, meta = heads_formats.load_heads(tmp_path / "h", CFG)
@@ -153,7 +143,8 @@ def test_hydra_artifact_round_trip_and_strict_load(tmp_path, tiny_hydra):
         heads_formats.write(heads, "vllm", tmp_path / "v")
 
 
-def test_hydra_bad_input_is_a_one_line_error(tiny_hydra):
+def test_hydra_bad_input_is_a_one_line_error(toy_lm, tiny_hydra):
+    CFG, TREE, PROMPT = toy_lm.CFG, toy_lm.TREE, toy_lm.PROMPT
     params, heads = tiny_hydra
     tokens, lengths = pad_prompts([PROMPT])
     deep = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
@@ -175,7 +166,8 @@ def test_medusa_load_detects_hydra_heads(stories):
         m.tree(Tree.from_paths([[0] * d for d in range(1, 7)]))
 
 
-def test_zankner_hydra_layout_round_trip_and_strict_read(tmp_path, tiny_hydra):
+def test_zankner_hydra_layout_round_trip_and_strict_read(toy_lm, tmp_path, tiny_hydra):
+    V, CFG = toy_lm.V, toy_lm.CFG
     _, heads = tiny_hydra
     heads = jax.tree.map(np.asarray, heads)
     files = heads_formats.write(heads, "hydra", tmp_path / "z", base_model="tiny")

@@ -265,6 +265,7 @@ def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_
 
 
 def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
+    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     heads = heads_lib.init_heads(CFG, backbone.init_params(CFG, jax.random.key(0)),
@@ -367,6 +368,7 @@ def test_reduced_vocabulary_errors_before_any_work(capsys):
 
 def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     from medusa_jax.api import Medusa
+    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     m = Medusa.load()

@@ -11,7 +11,7 @@ import pytest
 from medusa_jax.drafters.formats import save_heads
 from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def _run(*args, ok=True):

@@ -13,20 +13,16 @@ import pytest
 
 from medusa_jax.runtime import assets
 from medusa_jax.decoding.acceptance import Sampling, log_probs
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, standard_layout
 from medusa_jax.decoding.sampling import row_log_probs
 from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline
-from test_acceptance import _chi_square_ok  # noqa: F401 (test_serve imports it from here)
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
 
 
 @pytest.fixture(scope="module")
-def model():
-    from medusa_jax.api import Medusa
-
-    return Medusa.load(heads="default")
+def model(medusa_default):
+    return medusa_default  # Medusa.load(heads="default"), shared by the session
 
 
 @pytest.fixture(scope="module")
@@ -125,28 +121,8 @@ def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     assert a == b and a != c
 
 
-def _exact_pairs(model, prompt, sampling):
-    """P(x1, x2) of plain sampling after `prompt`, [V, V] (acceptance.log_probs)."""
-    cfg, v = model.cfg, model.cfg.vocab_size
-
-    @jax.jit
-    def last_logprobs(params, seqs):
-        b, t = seqs.shape
-        cache = KVCache.init(cfg, b, t)
-        logits, _, _ = forward(params, cfg, seqs, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                               causal_mask(cache.lengths, t, t), cache, empty_cache=True)
-        return log_probs(logits[:, -1], sampling)
-
-    def next_probs(seqs):
-        params = standard_layout(cfg, model.params)
-        return np.exp(np.asarray(last_logprobs(params, np.asarray(seqs, np.int32)), np.float64))
-
-    p1 = next_probs([prompt])[0]
-    return p1[:, None] * next_probs([prompt + [x] for x in range(v)])
-
-
 def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, prompts,
-                                                       reference):
+                                                       reference, exact_pairs, chi_square_ok):
     """Two per-row samplings interleaved with greedy rows in the same batches: each sampled
     configuration's (x1, x2) follows plain sampling (x2 comes out of the tree's rejection
     sampling), and the greedy rows stay identical."""
@@ -168,8 +144,8 @@ def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, pro
         else:
             counts[configs.index(c)][out[0], out[1]] += 1
     for i, c in enumerate(configs):
-        exact = _exact_pairs(model, prompt, Sampling(mode="rejection", **c))
-        ok, ratio = _chi_square_ok(counts[i].ravel(), exact.ravel())
+        exact = exact_pairs(model, prompt, Sampling(mode="rejection", **c))
+        ok, ratio = chi_square_ok(counts[i].ravel(), exact.ravel())
         assert ok, f"{c}: not plain sampling's distribution (chi2/critical = {ratio:.2f})"
 
 

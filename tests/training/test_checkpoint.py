@@ -11,26 +11,15 @@ import pytest
 
 from medusa_jax.text import data
 from medusa_jax.training.checkpoint import CheckpointError, Checkpointer
-from test_train_step import CFG, setup  # tests/ is on sys.path under pytest
 
 TRAINED = ("heads",)
 
 
-def toy_rows(n=10, t=16, seed=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, CFG.vocab_size, (n, t)).astype(np.int32)
-    return data.Packed(tokens=tokens, positions=np.tile(np.arange(t, dtype=np.int32), (n, 1)),
-                       segments=np.ones((n, t), np.int32),
-                       loss_mask=np.tile(np.arange(t) >= 2, (n, 1)))
+# setup, toy_rows and train: tests/training/conftest.py's toy_train
 
 
-def train(state, step, it, n):
-    for _ in range(n):
-        state, _ = step(state, next(it))
-    return state
-
-
-def test_resume_equals_straight_run(tmp_path):
+def test_resume_equals_straight_run(toy_train, tmp_path):
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     rows, n = toy_rows(), 3
     # straight: 2N steps
     state, step, _, _ = setup()
@@ -64,7 +53,8 @@ def test_resume_equals_straight_run(tmp_path):
     assert not np.array_equal(np.asarray(resumed.params["heads"]["w"]), restored_w)
 
 
-def test_keeps_last_n_and_async_save_survives_donation(tmp_path):
+def test_keeps_last_n_and_async_save_survives_donation(toy_train, tmp_path):
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     state, step, shardings, _ = setup()
     it = data.BatchIterator(toy_rows(), 2)
     ck = Checkpointer(tmp_path / "ckpt", max_to_keep=2)
@@ -85,7 +75,8 @@ def test_keeps_last_n_and_async_save_survives_donation(tmp_path):
     ck.close()
 
 
-def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
+def test_restore_without_checkpoint_is_a_clear_error(toy_train, tmp_path):
+    setup = toy_train.setup
     state, _, shardings, _ = setup()
     with pytest.raises(CheckpointError, match="no checkpoint directory"):
         Checkpointer(tmp_path / "missing", create=False)
@@ -96,13 +87,13 @@ def test_restore_without_checkpoint_is_a_clear_error(tmp_path):
 
 
 KILLED_SAVE = textwrap.dedent("""
-    import os, sys
+    import os, runpy, sys
     import numpy as np
     from orbax.checkpoint._src.path import atomicity
     from medusa_jax.text import data
     from medusa_jax.training.checkpoint import Checkpointer
-    from test_train_step import setup
-    from test_checkpoint import toy_rows, train
+    kit = runpy.run_path(sys.argv[3])  # tests/training/conftest.py: plain functions
+    setup, toy_rows, train = kit["setup"], kit["toy_rows"], kit["train"]
 
     state, step, _, _ = setup()
     it = data.BatchIterator(toy_rows(), 2)
@@ -123,13 +114,15 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
-def test_killed_save_leaves_no_valid_checkpoint(tmp_path):
+def test_killed_save_leaves_no_valid_checkpoint(tmp_path, toy_train):
+    setup = toy_train.setup
     ckdir, saved = tmp_path / "ckpt", tmp_path / "w1.npy"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(ckdir), str(saved)],
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", KILLED_SAVE, str(ckdir), str(saved),
+                           os.path.join(here, "conftest.py")],
                           cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 17, proc.stderr[-2000:]
     names = sorted(p.name for p in ckdir.iterdir())
@@ -144,9 +137,10 @@ def test_killed_save_leaves_no_valid_checkpoint(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["w"]), np.load(saved))
 
 
-def test_checkpoint_restores_onto_another_mesh(tmp_path):
+def test_checkpoint_restores_onto_another_mesh(toy_train, tmp_path):
     """Saved on data=1,fsdp=8, restored onto data=2,fsdp=2,model=2 and onto one device:
     the restore target's shardings decide, the values are the saved ones."""
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     rows = toy_rows()
     state, step, _, _ = setup("data=1,fsdp=8")
     state = train(state, step, data.BatchIterator(rows, 8, seed=5), 2)
@@ -170,8 +164,9 @@ def test_checkpoint_restores_onto_another_mesh(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def two_steps(tmp_path_factory):
+def two_steps(toy_train, tmp_path_factory):
     """A checkpoint directory holding steps 1 and 2, and each step's saved heads."""
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     ckdir = tmp_path_factory.mktemp("two") / "ckpt"
     state, step, _, _ = setup()
     it = data.BatchIterator(toy_rows(), 2)
@@ -201,7 +196,8 @@ def _one_line(message):
     assert "\n" not in message and "Traceback" not in message, message
 
 
-def test_restore_falls_back_past_a_corrupt_newest_step(two_steps, tmp_path, caplog):
+def test_restore_falls_back_past_a_corrupt_newest_step(toy_train, two_steps, tmp_path, caplog):
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     ckdir = _copy_of(two_steps, tmp_path)
     _truncate_arrays(ckdir / "2")
     state, step, shardings, _ = setup()
@@ -224,7 +220,8 @@ def test_restore_falls_back_past_a_corrupt_newest_step(two_steps, tmp_path, capl
     ck.close()
 
 
-def test_restore_skips_junk_step_folders(two_steps, tmp_path):
+def test_restore_skips_junk_step_folders(toy_train, two_steps, tmp_path):
+    setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
     (ckdir / "999").mkdir()
     (ckdir / "999" / "garbage").write_text("not a checkpoint")
@@ -241,7 +238,8 @@ def test_restore_skips_junk_step_folders(two_steps, tmp_path):
     assert (ckdir / "notes" / "todo.txt").is_file()
 
 
-def test_restore_without_an_intact_checkpoint_is_one_line(two_steps, tmp_path):
+def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, tmp_path):
+    setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
     for s in ("1", "2"):
         _truncate_arrays(ckdir / s)
@@ -257,7 +255,8 @@ def test_restore_without_an_intact_checkpoint_is_one_line(two_steps, tmp_path):
     assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved or deleted
 
 
-def test_explicit_step_does_not_fall_back(two_steps, tmp_path):
+def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path):
+    setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
     _truncate_arrays(ckdir / "2")
     state, _, shardings, _ = setup()
@@ -272,7 +271,8 @@ def test_explicit_step_does_not_fall_back(two_steps, tmp_path):
 
 @pytest.mark.parametrize("surfaces_in", ["wait", "next save"])
 def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
-        two_steps, tmp_path, monkeypatch, caplog, surfaces_in):
+        toy_train, two_steps, tmp_path, monkeypatch, caplog, surfaces_in):
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     import errno
 
     from orbax.checkpoint._src.handlers import json_checkpoint_handler as jh
@@ -324,8 +324,9 @@ def test_checkpoint_directory_that_is_a_file(tmp_path):
     _one_line(str(e.value))
 
 
-def test_unwritable_checkpoint_directory_during_a_run(two_steps, tmp_path):
+def test_unwritable_checkpoint_directory_during_a_run(toy_train, two_steps, tmp_path):
     # root ignores chmod, so the directory is made unwritable by putting a file in its place
+    setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     ckdir = _copy_of(two_steps, tmp_path)
     state, step, shardings, _ = setup()
     ck = Checkpointer(ckdir)

@@ -122,13 +122,13 @@ def test_transformers_reads_the_written_model_with_the_same_logits(stories, writ
     assert (written / "LICENSE").is_file() and (written / "tokenizer.json").is_file()
 
 
-def test_enlarged_model_and_heads_decode_the_same_tokens_per_step(written):
+def test_enlarged_model_and_heads_decode_the_same_tokens_per_step(written, medusa_default):
     """Plain greedy and Medusa greedy (the enlarged heads) give the original's tokens, and
     Medusa the same accepted lengths step by step."""
     from medusa_jax.api import Medusa
 
     prompts = ["Once upon a time", "Lily", "Tom had a red ball.", "The cat"]
-    small = Medusa.load(heads="default")
+    small = medusa_default  # Medusa.load(heads="default")
     big = Medusa.load(written, written / "heads")
     assert big.cfg.hidden_size == 96 and big.cfg.num_layers == 7
     assert big.default_tree == small.default_tree == "stories260K_cpu"  # the source's
@@ -158,20 +158,19 @@ def test_command_refuses_bad_input_before_any_work(tmp_path, written):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_enlarged_hydra_heads_draft_and_decode_as_the_source():
+def test_enlarged_hydra_heads_draft_and_decode_as_the_source(noisy_hydra):
     """Random backbone + random Hydra heads, both enlarged: the same draft log-probabilities
     on a tree, and greedy Hydra decoding with the same tokens and the same steps."""
     from medusa_jax.drafters.hydra import heads as hydra
     from medusa_jax.decoding.decode import medusa_generate, pad_prompts
     from medusa_jax.decoding.tree import Tree
-    from test_hydra import _noisy
 
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=64, rms_norm_eps=1e-5)
     params = jax.jit(lambda k: init_params(cfg, k, std=0.3))(jax.random.key(0))
     # from the base model's output layer (so some drafts are accepted), then perturbed
-    heads = jax.jit(lambda p: _noisy(hydra.init_hydra(cfg, p, 3, 2), 0.2, 5))(params)
+    heads = jax.jit(lambda p: noisy_hydra(hydra.init_hydra(cfg, p, 3, 2), 0.2, 5))(params)
     dst, big = _grown(cfg, params, dict(hidden_size=48, intermediate_size=64, num_layers=3,
                                         num_heads=4, num_kv_heads=2, head_dim=16))
     big_heads = jax.tree.map(jnp.asarray, enlarge.enlarge_heads(

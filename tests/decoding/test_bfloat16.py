@@ -20,9 +20,9 @@ def _agreement(rows, reference):
     return float(np.mean(out))
 
 
-def test_bfloat16_medusa_stays_as_close_to_float32_as_plain_bfloat16():
+def test_bfloat16_medusa_stays_as_close_to_float32_as_plain_bfloat16(medusa_default):
     prompts = assets.heldout_prompts()[:N_PROMPTS]
-    f32 = Medusa.load(heads="default")
+    f32 = medusa_default  # Medusa.load(heads="default")
     bf16 = Medusa.load(heads="default", param_dtype="bfloat16", compute_dtype="bfloat16")
     ref = [g.token_ids for g in f32.generate(prompts, max_new_tokens=NEW, medusa=False)]
     plain = [g.token_ids for g in bf16.generate(prompts, max_new_tokens=NEW, medusa=False)]

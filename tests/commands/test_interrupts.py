@@ -12,7 +12,7 @@ import pytest
 
 from medusa_jax.runtime.rundir import RunDirBusy, RunLock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 # tiny settings on a small user data file: no self-distillation, a step takes milliseconds
 FAST = ["--steps", "100000", "--batch-size", "2", "--seq-len", "32", "--num-heads", "2",
         "--log-every", "1", "--save-every", "100000", "--eval-every", "100000",

@@ -294,11 +294,9 @@ def test_tensor_parallel_medusa_equals_one_device_plain_greedy(models, greedy):
     assert hist[2:].sum() > 0
 
 
-def test_rejection_sampling_is_lossless_on_gemma2():
+def test_rejection_sampling_is_lossless_on_gemma2(chi_square_ok):
     """A vocabulary of 8, window 2, a 3-token prompt: the (x1, x2) pairs Medusa's rejection
     sampling emits follow plain sampling's exact distribution (chi-square)."""
-    from test_acceptance import _chi_square_ok
-
     v, rows = 8, 10000
     cfg = ModelConfig(model_type="gemma2", vocab_size=v, hidden_size=16, intermediate_size=24,
                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -323,7 +321,7 @@ def test_rejection_sampling_is_lossless_on_gemma2():
     assert np.all(np.asarray(out.num_new) >= 2)
     counts = np.zeros((v, v))
     np.add.at(counts, (toks[:, 0], toks[:, 1]), 1)
-    ok, ratio = _chi_square_ok(counts.ravel(), exact.ravel())
+    ok, ratio = chi_square_ok(counts.ravel(), exact.ravel())
     assert ok, f"rejection sampling is not lossless on Gemma 2: chi2/critical = {ratio:.2f}"
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0.1 * hist.sum()  # the tree really was used

@@ -25,7 +25,7 @@ from medusa_jax.runtime import assets
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 SLOTS, CONTEXT, NEW, QUEUE = 4, 128, 24, 4
 MODEL = "stories260K"
 SYSTEM = [{"role": "system", "content": "Short stories."}]
@@ -77,10 +77,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def model():
-    from medusa_jax.api import Medusa
-
-    return Medusa.load(heads="default")
+def model(medusa_default):
+    return medusa_default  # Medusa.load(heads="default"), shared by the session
 
 
 PROMPTS = assets.heldout_prompts()[:8]
@@ -228,9 +226,9 @@ def test_utf8_text_is_never_split(model):
     assert stopped and out == model._continuation(prompt, ids).split("ï")[0]
 
 
-def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(server, model):
-    from test_engine import _chi_square_ok, _exact_pairs
-
+def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(server, model,
+                                                                           exact_pairs,
+                                                                           chi_square_ok):
     from medusa_jax.decoding.acceptance import Sampling
 
     url = server[1] + "/v1/completions"
@@ -257,8 +255,8 @@ def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(serve
     counts = np.zeros((v, v))
     for a, b in outs:
         counts[a, b] += 1
-    exact = _exact_pairs(model, prompt, Sampling(mode="rejection", temperature=1.0, top_k=3))
-    ok, ratio = _chi_square_ok(counts.ravel(), exact.ravel())
+    exact = exact_pairs(model, prompt, Sampling(mode="rejection", temperature=1.0, top_k=3))
+    ok, ratio = chi_square_ok(counts.ravel(), exact.ravel())
     assert ok, f"not plain sampling's distribution: chi2/critical = {ratio:.2f}"
 
 

@@ -10,8 +10,6 @@ import pytest
 from medusa_jax.decoding import decode
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
-from test_acceptance import (CFG, PROMPT, ROWS, SAMPLINGS, TREE, V, _chi_square_ok,
-                             _exact_pair_distribution, _pair_counts, tiny)  # noqa: F401
 
 
 @pytest.mark.parametrize("size", [2, 4, 8, 16])
@@ -42,10 +40,8 @@ def test_the_chosen_nodes_are_the_most_probable_subtree(size):
 
 
 @pytest.mark.parametrize("spec", ["dynamic:4", "dynamic:12"])
-def test_dynamic_greedy_equals_plain_greedy(stories, spec):
-    from medusa_jax.api import Medusa
-
-    m = Medusa.load(heads="default")
+def test_dynamic_greedy_equals_plain_greedy(stories, spec, medusa_default):
+    m = medusa_default  # Medusa.load(heads="default")
     prompts = ["Once upon a time", "Lily and Ben", "The little dog was sad because",
                "One day, a big bird"]
     plain = m.generate(prompts, max_new_tokens=48, medusa=False, batch_size=4)
@@ -59,14 +55,15 @@ def test_dynamic_greedy_equals_plain_greedy(stories, spec):
         sum(s.new_tokens for s in static) / sum(s.steps for s in static) - 0.05
 
 
-def test_dynamic_rejection_sampling_is_lossless(tiny):  # noqa: F811
-    params, heads = tiny
-    sampling = SAMPLINGS[0]
-    exact = _exact_pair_distribution(params, sampling)
+def test_dynamic_rejection_sampling_is_lossless(toy_lm, toy_medusa, chi_square_ok):
+    CFG, PROMPT, ROWS, TREE = toy_lm.CFG, toy_lm.PROMPT, toy_lm.ROWS, toy_lm.TREE
+    params, heads = toy_medusa
+    sampling = toy_lm.SAMPLINGS[0]
+    exact = toy_lm.exact_pair_distribution(params, sampling)
     tokens, lengths = pad_prompts([PROMPT] * ROWS)
     out = medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(7),
                           tree=DynamicTree(TREE, 2), sampling=sampling, max_new_tokens=3)
-    ok, ratio = _chi_square_ok(_pair_counts(out).ravel(), exact.ravel())
+    ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
     assert ok, f"dynamic-tree rejection sampling is not lossless: chi2/critical = {ratio:.2f}"
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0.1 * hist.sum()
@@ -84,13 +81,14 @@ def test_bad_dynamic_trees_are_one_line_errors(spec, heads, message):
         Tree.load(spec, num_heads=heads)
 
 
-def test_rejection_never_accepts_an_unverified_node():
+def test_rejection_never_accepts_an_unverified_node(toy_lm):
     """A dynamic tree's unverified pool nodes have no logits of their own (their rows are
     stand-ins): rejection must never walk into one, however likely its token is. Here the
     root's distribution puts almost all mass on the token of an unverified child."""
     from medusa_jax.decoding.acceptance import Sampling, rejection
 
-    tree = TREE  # children of the root: nodes 1, 2, 3 (tokens below)
+    V = toy_lm.V
+    tree = toy_lm.TREE  # children of the root: nodes 1, 2, 3 (tokens below)
     rows = 512
     tokens = jnp.broadcast_to(jnp.array([5, 0, 1, 2, 3, 4, 6], jnp.int32), (rows, tree.num_nodes))
     logits = jnp.zeros((rows, tree.num_nodes, V)).at[:, :, 1].set(12.0)  # token 1: node 2

@@ -17,7 +17,7 @@ import pytest
 from medusa_jax.runtime import assets, compile_cache, timing
 from medusa_jax.text import tokenizer as startup
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 # A JAX program compiled with the cache as a command turns it on (`compile_cache.enable`).
 SCRIPT = """

@@ -24,7 +24,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 MODEL = "stories260K"
 LIMIT = 1 << 20  # the default --max-request-bytes
 # plain decoding: its programs compile faster than Medusa's, and the limits are the same

@@ -18,7 +18,7 @@ from medusa_jax.decoding.acceptance import Sampling
 from medusa_jax.decoding.tree import Tree
 from train import medusa1
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "24",
         "--distill-batch-size", "8", "--batch-size", "4", "--seq-len", "64",
         "--eval-prompts", "2", "--eval-max-new-tokens", "16", "--save-every", "2",
