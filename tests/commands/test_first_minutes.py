@@ -1,6 +1,6 @@
 """The first five minutes (issue 33): `--help` and flag errors import no JAX, Flax,
-transformers or the model code; transformers' PyTorch notice silenced; the notebook API says
-when it compiles and explains what it returns. (Help timing is measured, not asserted here:
+transformers or the model code; transformers' PyTorch notice silenced. (The notebook API
+saying when it compiles: test_api.py.) (Help timing is measured, not asserted here:
 see the README.)"""
 
 import json
@@ -104,29 +104,6 @@ def test_decoding_sets_the_switch_before_transformers_is_imported():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=120)
     assert proc.stdout.strip() == "1", proc.stderr
-
-
-def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys):
-    from medusa_jax.api import Medusa
-
-    m = Medusa.load(heads="default")
-    capsys.readouterr()
-    first = m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
-    err = capsys.readouterr().err
-    assert err.startswith("compiling the decoder (first call) ...") and err.count("\n") == 1
-    line = m.last_timing.line()
-    assert line.startswith("2 prompts, medusa stories260K_cpu greedy: compiled in ")
-    steps = sum(g.steps for g in first)
-    assert line.endswith(f"tokens/step ({steps} steps)")
-    m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
-    assert capsys.readouterr().err == ""  # compiled already: no line
-    for g in first:
-        assert sum(g.accept_hist) == g.steps
-        assert sum(n * c for n, c in enumerate(g.accept_hist)) == g.new_tokens
-        assert not g.text.startswith(g.prompt)  # the continuation only
-    plain = m.generate(["Lily"], max_new_tokens=8, medusa=False)[0]
-    assert plain.accept_hist == [0, plain.steps, 0]
-    assert m.last_timing.line().startswith("1 prompt, plain greedy: compiled in ")
 
 
 def test_bench_reports_progress_per_compile_warm_up_and_repetition(stories):
