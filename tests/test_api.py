@@ -99,6 +99,7 @@ def test_generate_rejects(model, no_decoding, prompts, kwargs, error, message):
     assert one_line(e) == message
 
 
+@pytest.mark.slow
 def test_plain_decoding_may_fill_the_whole_context(model):
     """400 + 112 = 512 tokens (like "Lily" + 510): plain decoding feeds no tree, and its last
     token is emitted, never fed, so nothing more is needed."""
@@ -115,6 +116,7 @@ def test_generate_checks_the_tree_against_the_vocabulary(model, no_decoding, tmp
                            f"512 tokens (ranks must be < 512)")
 
 
+@pytest.mark.slow
 def test_generate_accepts_token_ids_as_arrays_and_tuples(model):
     out = model.generate(np.array([[1, 403], [1, 500]]), max_new_tokens=2, medusa=False,
                          batch_size=np.int64(2))
@@ -157,6 +159,7 @@ def test_load_model_without_tokenizer(tmp_path):
 # ---- the first minutes (issue 33; moved from test_first_minutes)
 
 
+@pytest.mark.slow
 def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys):
     from medusa_jax.api import Medusa
 

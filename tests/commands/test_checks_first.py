@@ -46,6 +46,7 @@ def _generate_in_child(model_dir):
                           timeout=60)
 
 
+@pytest.mark.subprocess
 def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
     """`infer.generate` names config.json and the field, and never imports JAX for it."""
     d = model_copy(tmp_path, rope_theta=-10000)
@@ -55,6 +56,7 @@ def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
                                      f"finite number > 0, got -10000")
 
 
+@pytest.mark.subprocess
 def test_a_truncated_file_fails_generate_before_jax(tmp_path):
     d = model_copy(tmp_path)
     f = d / "model.safetensors"

@@ -38,6 +38,7 @@ def probe(module, *argv):
     return json.loads(proc.stderr.strip().splitlines()[-1]), proc
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module", COMMANDS)
 def test_help_imports_nothing_heavy(module):
     result, proc = probe(module, "--help")
@@ -45,6 +46,7 @@ def test_help_imports_nothing_heavy(module):
     assert proc.stdout.startswith("usage: ")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module, argv", [
     ("infer.generate", ["--model", "/nonexistent/model"]),
     ("infer.bench", ["--model", "/nonexistent/model"]),
@@ -93,6 +95,7 @@ def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
     assert os.environ[quiet.ADVISORY] == ""
 
 
+@pytest.mark.subprocess
 def test_decoding_sets_the_switch_before_transformers_is_imported():
     code = ("import os, sys\nfrom medusa_jax.text.tokenizer import tokenizer_class\n"
             "from medusa_jax.runtime import assets\n"
@@ -106,6 +109,7 @@ def test_decoding_sets_the_switch_before_transformers_is_imported():
     assert proc.stdout.strip() == "1", proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_reports_progress_per_compile_warm_up_and_repetition(stories):
     from medusa_jax.tools.bench import run_decoder
 
@@ -131,6 +135,7 @@ def test_the_step_ratio_column_says_what_it_is(capsys):
     assert "step/plain" in head and "overhead" not in head
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module, argv", [
     ("infer.generate", ["--prompts-file", "/nonexistent/p.txt"]),
     ("infer.bench", ["--prompts", "/nonexistent/p.txt"]),
