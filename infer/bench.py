@@ -29,7 +29,7 @@ import sys
 from collections import defaultdict
 
 from medusa_jax import cli
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 from medusa_jax.runtime import compile_cache, quiet
 from medusa_jax.kernels.flags import add_flag as kernels_flag, apply_flag as kernels_apply
@@ -362,7 +362,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
         if args.plot:
             options.writable_output("--plot", args.plot)
         if not args.random_weights:
-            paths.check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
+            check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
     except (ValueError, OSError) as e:
         ap.error(str(e))
 

@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from medusa_jax import cli
+
 
 def _pct(xs, q):
     if not xs:
@@ -131,16 +133,6 @@ def summarize(results: dict, wall: float, accepted: float) -> dict:
                 accepted=accepted)
 
 
-def read_prompts(path: str | None) -> list[str]:
-    if path is None:
-        from medusa_jax.runtime.assets import heldout_prompts
-
-        return heldout_prompts()
-    from infer.generate import read_prompts_file
-
-    return read_prompts_file(path)
-
-
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench_serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +163,7 @@ async def _model(url):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     levels = [int(x) for x in args.concurrency.split(",")]
-    prompts = read_prompts(args.prompts)
+    prompts = [p for p, _ in cli.read_prompts(args.prompts)]
     urls = [u.rstrip("/") for u in args.url]
     models = {u: asyncio.run(_model(u)) for u in urls}
     offline = {}

@@ -12,24 +12,12 @@ import json
 import sys
 
 from medusa_jax import cli
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 from medusa_jax.runtime import compile_cache, quiet
 from medusa_jax.kernels import flags as kernel_flags
 
 MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
-
-
-def read_prompts_file(path: str) -> list[str]:
-    """Text lines, or JSONL with a `prompt` field or a `turns` list (its first turn is used)."""
-    from medusa_jax.text.prompt_files import read_prompt_file
-
-    try:
-        return [prompt for prompt, _ in read_prompt_file(path)]
-    except FileNotFoundError:
-        raise SystemExit(f"error: --prompts-file {path}: no such file") from None
-    except ValueError as e:
-        raise SystemExit(f"error: --prompts-file {e}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     prompts = list(args.prompt or [])
     if args.prompts_file:
-        prompts += read_prompts_file(args.prompts_file)
+        prompts += [p for p, _ in cli.read_prompts(args.prompts_file, flag="--prompts-file")]
     if not prompts:
         prompts = ["Once upon a time"]
     if args.mode != "greedy" and not args.temperature > 0:
         ap.error(f"--temperature must be > 0 for --mode {args.mode}, got {args.temperature}")
     try:  # paths (and hub ids) before JAX: a wrong one fails at once
-        paths.check_model_paths(args.model, args.heads)
+        check_model_paths(args.model, args.heads)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from medusa_jax import cli
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 from medusa_jax.runtime import compile_cache
 from medusa_jax.kernels import flags as kernel_flags
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if out.is_dir() or not out.parent.is_dir():
         ap.error(f"--out {out}: not a file in an existing directory")
     try:  # paths and hub ids, config.json and the weights' headers, before JAX
-        paths.check_model_paths(args.model, args.heads)
+        check_model_paths(args.model, args.heads)
         if args.plot:
             options.writable_output("--plot", args.plot)
     except (ValueError, OSError) as e:

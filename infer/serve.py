@@ -36,6 +36,7 @@ from medusa_jax.runtime import options
 from medusa_jax.kernels import flags as kernel_flags
 
 WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
+ACCEPTANCE = ("rejection", "typical")  # as engine.ACCEPTANCE
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -48,14 +49,7 @@ def _buckets(text: str) -> tuple[int, ...]:
     return out
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any free one), got {value}")
-    return value
+_port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
 
 
 def _name(text: str) -> str:
@@ -67,9 +61,15 @@ def _name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="Medusa heads artifact, or 'default' for the embedded "
-                                      "model's shipped heads (omit for plain decoding)")
-    p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree)")
+    cli.add_model_flags(p, heads_help="Medusa or Hydra heads artifact, or 'default' / 'hydra' "
+                                      "for the embedded model's shipped heads (omit for plain "
+                                      "decoding)")
+    p.add_argument("--tree", help="tree name or JSON file of paths, or dynamic:N (default: the "
+                                  "model's tree)")
+    p.add_argument("--acceptance", choices=ACCEPTANCE, default="rejection",
+                   help="how sampled requests (temperature > 0) accept the tree: rejection "
+                        "(default: lossless, plain sampling's distribution) or typical (the "
+                        "Medusa paper's typical acceptance: longer accepted spans, lossy)")
     p.add_argument("--slots", type=options.positive_int, default=8,
                    help="requests decoded at once (the static batch)")
     p.add_argument("--steps-per-call", type=options.positive_int, default=4,
@@ -192,7 +192,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         engine = Engine(model, slots=args.slots, tree=args.tree,
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
-                        buckets=args.prefill_buckets, log=log)
+                        buckets=args.prefill_buckets, acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

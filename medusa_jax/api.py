@@ -23,8 +23,9 @@ import jax
 import numpy as np
 
 from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
-from medusa_jax.text import tokenizer as startup
-from medusa_jax.decoding.acceptance import MODES, Sampling
+from medusa_jax.text import tokenizer as text_tokenizer
+from medusa_jax.decoding.sampling import MODES, Sampling
+from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.model.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
 from medusa_jax.model.config import ModelConfig, stop_tokens
 from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
@@ -81,7 +82,7 @@ class GenerateTiming(timing.Timed):
         1 prompt, medusa stories260K_cpu greedy: compiled in 0.91 s (from the compilation
         cache); 128 tokens in 0.12 s (1,110 tokens/s); 3.20 tokens/step (40 steps)
 
-    (the README's example run of `infer.generate --heads default`)."""
+    (an `infer.generate --heads default` run)."""
 
     label: str = ""  # "1 prompt, medusa stories260K_cpu greedy"
     steps: int = 0
@@ -230,7 +231,7 @@ class Medusa:
                                           decoding_layout=mesh is None)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
-        tokenizer = startup.load_tokenizer(model_dir)
+        tokenizer = text_tokenizer.load_tokenizer(model_dir)
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
                    mesh=mesh)
 
@@ -333,21 +334,15 @@ class Medusa:
             raise TypeError(f"prompts[0] is an int: give one token-id prompt as a list inside "
                             f"the list, e.g. [{_clip(list(prompts), 30)}]")
         max_new_tokens = _int_arg("max_new_tokens", max_new_tokens, 1)
-        if not isinstance(mode, str) or mode not in MODES:
+        if not isinstance(mode, str):
             raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
-        temperature = _float_arg("temperature", temperature)
-        if mode != "greedy" and temperature <= 0:
-            raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
+        temperature, top_p = _float_arg("temperature", temperature), _float_arg("top_p", top_p)
+        epsilon, delta = _float_arg("epsilon", epsilon), _float_arg("delta", delta)
         top_k = _int_arg("top_k", top_k, 0)
+        check_sampling(mode, temperature, top_k, top_p, epsilon, delta)  # the decoder's rules
         if top_k > self.cfg.vocab_size:
             raise ValueError(f"top_k must be at most the vocabulary size "
                              f"({self.cfg.vocab_size}), got {top_k}")
-        top_p = _float_arg("top_p", top_p)
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        epsilon, delta = _float_arg("epsilon", epsilon), _float_arg("delta", delta)
-        if epsilon < 0 or delta < 0:
-            raise ValueError(f"epsilon and delta must be >= 0, got {epsilon}, {delta}")
         seed = _int_arg("seed", seed)
         if not -2**63 <= seed < 2**63:  # what jax.random.key takes
             raise ValueError(f"seed must be in -2**63..2**63-1, got {seed}")

@@ -40,13 +40,21 @@ def load_with_heads(model: str | None, heads: str | None, mesh: str | None = Non
     return m
 
 
-def read_prompts(path: str | None, num: int | None = None) -> list[tuple[str, str | None]]:
-    """(prompt, category) pairs from a prompts file (see `bench.read_prompt_file`), or the
-    embedded held-out TinyStories openings; the first `num`. Errors exit with one line."""
+def read_prompts(path: str | None, num: int | None = None,
+                 flag: str = "--prompts") -> list[tuple[str, str | None]]:
+    """(prompt, category) pairs from a prompts file (`text.prompt_files.read_prompt_file`),
+    or the embedded held-out TinyStories openings; the first `num`. A bad file exits with
+    one line naming `flag`."""
     from medusa_jax.runtime import assets
     from medusa_jax.text.prompt_files import read_prompt_file
 
-    with errors_to_exit():
-        prompts = read_prompt_file(path) if path else \
-            [(p, None) for p in assets.heldout_prompts()]
+    if path is None:
+        prompts = [(p, None) for p in assets.heldout_prompts()]
+    else:
+        try:
+            prompts = read_prompt_file(path)
+        except FileNotFoundError:
+            sys.exit(f"error: {flag} {path}: no such file")
+        except ValueError as e:
+            sys.exit(f"error: {flag} {e}")
     return prompts[:num] if num is not None else prompts

@@ -156,7 +156,7 @@ def test_load_model_without_tokenizer(tmp_path):
                            f"tokenizer.model, tokenizer_config.json)")
 
 
-# ---- the first minutes (issue 33; moved from test_first_minutes)
+# ---- the first minutes (issue 33; formerly in tests/test_first_minutes.py)
 
 
 @pytest.mark.slow

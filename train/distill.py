@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 from medusa_jax.runtime import compile_cache
-from medusa_jax.text import data
+from medusa_jax.text import data, prompt_files
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +45,7 @@ def main(argv=None):
     if out.parent.exists() and not out.parent.is_dir():
         ap.error(f"--output {out}: {out.parent} is not a directory")
     try:  # --model: a path or hub id, config.json and the weights' headers, before JAX
-        paths.check_model_paths(args.model)
+        check_model_paths(args.model)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     compile_cache.enable_from_args(args)
@@ -54,7 +54,7 @@ def main(argv=None):
     from medusa_jax.model import weights
 
     with options.errors_to_exit():  # DataError, WeightsError: ValueErrors
-        prompts = distill.read_prompts(args.prompts)
+        prompts = prompt_files.read_user_turns(args.prompts)
         cfg, params = weights.load_pretrained(args.model)
         tokenizer = weights.load_tokenizer(args.model)
         records, stats = distill.generate_answers(

@@ -27,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 
 NOTE = """# Enlarged model
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     out = Path(args.output)
     check_output(out)
     with options.errors_to_exit():  # paths, hub ids, config.json and the weights' headers
-        paths.check_model_paths(args.model, args.heads if args.heads != "none" else None)
+        check_model_paths(args.model, args.heads if args.heads != "none" else None)
     from medusa_jax.runtime import hub
 
     source = Path(hub.local(args.model, "--model")) if args.model else assets.model_dir()
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from medusa_jax.tools import enlarge
-    from medusa_jax.drafters.medusa import heads as heads_mod
+    from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.model import weights
     from medusa_jax.model.config import ModelConfig
 
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
             print(f"{dst.num_layers - cfg.num_layers} extra layers are identities "
                   f"(zero output projections)", file=sys.stderr)
         cfg, params = weights.load_pretrained(source)
-        head_params = heads_mod.load_heads(heads_path, cfg, base_model=source)[0] \
+        head_params = heads_formats.load_heads(heads_path, cfg, base_model=source)[0] \
             if heads_path is not None else None
         params = jax.tree.map(np.asarray, params)
         dst, big = enlarge.enlarge_backbone(cfg, params, shape, rotate=args.rotate)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         (tmp / assets.MODEL_SETTINGS).write_text(json.dumps(
             {"default_tree": assets.default_tree(args.model)}) + "\n")
         if big_heads is not None:
-            heads_mod.save_heads(tmp / "heads", big_heads, dst,
+            heads_formats.save_heads(tmp / "heads", big_heads, dst,
                                  extra={"enlarged_from": str(heads_path)})
         umask = os.umask(0)
         os.umask(umask)

@@ -8,59 +8,19 @@ ones, which is fed at the start of the next step).
 Shapes: logits [B, T, V] (T = tree.num_nodes), tokens [B, T] (each node's candidate token).
 `valid` [B, T] (optional) marks the nodes each row verified, for dynamic trees: a row's tree
 is then the prefix-closed subset of `tree` it selected, and paths stop at its edge.
+
+`accept` applies one static `Sampling`'s rule to every row; `accept_rows`, the decoding
+step's, each row's own (`sampling.Rows`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from medusa_jax.decoding.sampling import MODES, Rows, Sampling, log_probs  # noqa: F401
 from medusa_jax.decoding.tree import Tree
 
-MODES = ("greedy", "typical", "rejection")
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How tokens are chosen. Hashable: a static argument of the jitted decoders.
-
-    mode: "greedy" (argmax; lossless), "typical" (the paper's typical acceptance; lossy),
-    "rejection" (lossless speculative sampling from the temperature/top-k/top-p distribution).
-    """
-
-    mode: str = "greedy"
-    temperature: float = 1.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1.0: off
-    epsilon: float = 0.09  # typical: hard threshold
-    delta: float = 0.3  # typical: entropy-scaled threshold (the paper's alpha)
-
-    def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.mode != "greedy" and not self.temperature > 0:
-            raise ValueError(f"mode {self.mode!r} needs temperature > 0, got {self.temperature}")
-        if self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"need top_k >= 0 and 0 < top_p <= 1, got {self.top_k}, {self.top_p}")
-
-
-def log_probs(logits: jax.Array, s: Sampling) -> jax.Array:
-    """The distribution plain sampling draws from: temperature, then top-k, then top-p."""
-    x = logits.astype(jnp.float32) / s.temperature
-    neg = jnp.finfo(jnp.float32).min
-    if s.top_k > 0:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, neg, x)
-    if s.top_p < 1.0:
-        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-        cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-        keep = (cum - jax.nn.softmax(sorted_x, axis=-1)) < s.top_p
-        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-        x = jnp.where(x < cutoff, neg, x)
-    return jax.nn.log_softmax(x, axis=-1)
 
 
 def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
@@ -110,12 +70,20 @@ def greedy(logits, tokens, tree: Tree, valid=None, slot=None):
     return best, acc_len, next_root
 
 
-def typical(logits, tokens, tree: Tree, s: Sampling, valid=None):
+def _per_row(x, ndim: int) -> jax.Array:
+    """A scalar or a [B] array, shaped to broadcast against [B, ...] of `ndim` axes."""
+    return jnp.asarray(x, jnp.float32).reshape((-1,) + (1,) * (ndim - 1))
+
+
+def typical(logits, tokens, tree: Tree, s: Sampling | Rows, valid=None):
     """Accept a candidate while p(token) > min(epsilon, delta * exp(-H(p))) at its parent;
-    the longest path wins, ties broken by its log-likelihood; the next root is greedy."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / s.temperature, axis=-1)  # [B, T, V]
+    the longest path wins, ties broken by its log-likelihood; the next root is greedy.
+    `s`: one Sampling, or `Rows` (each row its own temperature, epsilon and delta)."""
+    t = _per_row(s.temperature, 3)
+    t = jnp.where(t > 0, t, 1.0)  # rows that follow another rule (greedy: 0) stay finite
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)  # [B, T, V]
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, T]
-    threshold = jnp.minimum(s.epsilon, s.delta * jnp.exp(-entropy))
+    threshold = jnp.minimum(_per_row(s.epsilon, 2), _per_row(s.delta, 2) * jnp.exp(-entropy))
     path_tok, paths = _path_tokens(tree, tokens)
     parents = paths[:, :-1]  # [P, D]
     b_idx = jnp.arange(logits.shape[0])[:, None, None]
@@ -143,7 +111,11 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
     from p. When every child is rejected (or the node is a leaf) the bonus token is drawn
     from what is left of p. The result is distributed exactly as plain sampling.
     """
-    logp = log_probs(logits, s)  # [B, T, V]
+    return rejection_logp(log_probs(logits, s), tokens, tree, keys, valid)
+
+
+def rejection_logp(logp, tokens, tree: Tree, keys, valid=None):
+    """`rejection` given each node's target distribution: logp [B, T, V] log-probs."""
     children = jnp.asarray(tree.children)
     paths = jnp.asarray(tree.paths)
     if valid is None:
@@ -208,6 +180,27 @@ RULES = {
         node_rows(logits, slot), tokens, tree, s, keys, valid),
 }
 assert set(RULES) == set(MODES)
+
+
+def accept_rows(logits, tokens, tree: Tree, rows: Rows, keys, valid=None, slot=None,
+                live=None):
+    """`accept` with each row's own rule and parameters (`rows`): the first of `rows.modes`
+    runs for every row; each other one only when some live row follows it (a `cond`), and
+    is then taken for its rows. live [B] bool (default all)."""
+    rules = {
+        "greedy": lambda: greedy(logits, tokens, tree, valid, slot),
+        "typical": lambda: typical(node_rows(logits, slot), tokens, tree, rows, valid),
+        "rejection": lambda: rejection_logp(rows.log_probs(node_rows(logits, slot)), tokens,
+                                            tree, keys, valid),
+    }
+    first, *others = rows.modes
+    out = rules[first]()
+    for i, mode in enumerate(others, 1):
+        use = rows.mode == i
+        some = jnp.any(use if live is None else use & live)
+        got = jax.lax.cond(some, lambda _, m=mode: rules[m](), lambda _: out, None)
+        out = tuple(jnp.where(use, a, b) for a, b in zip(got, out))
+    return out
 
 
 def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None, slot=None):

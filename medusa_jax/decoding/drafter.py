@@ -20,6 +20,7 @@ Params = Any  # a parameter pytree
 
 class Drafter(Protocol):
     kind: str  # the artifact's kind ("medusa", "hydra")
+    batch_axis: int  # the axis of the carry's leaves that holds the rows
 
     @classmethod
     def matches(cls, heads: Params) -> bool:
@@ -31,13 +32,13 @@ class Drafter(Protocol):
 
     def start(self, params: Params, heads: Params, hidden, lengths):
         """hidden [B, H] of the last accepted token, lengths [B] -> the carry (a pytree whose
-        leaves have the batch on axis 1 or 0 as `batch_axis` says)."""
+        leaves have the rows on axis `batch_axis`)."""
 
     def num_heads(self, heads: Params, carry) -> int:
         """How deep a tree this drafter can fill."""
 
     def propose(self, params: Params, heads: Params, carry, root, tree):
-        """Stage 1: the carry and the root [B] -> a `decode.Proposal`."""
+        """Stage 1: the carry and the root [B] -> a `step.Proposal`."""
 
 
 # kind -> "module:class", imported on first use; the first whose `matches` says yes drafts

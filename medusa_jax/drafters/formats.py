@@ -808,6 +808,25 @@ def _write_json(file: Path, data: dict):
     os.replace(tmp, file)
 
 
+def _write_tensors(out: Path, st_name: str, pt_name: str, tensors: dict,
+                   pickle: bool | None) -> list[Path]:
+    """The tensors as `st_name` (safetensors) in `out`, and as the torch pickle `pt_name` too
+    when `pickle` (default: when torch is installed). Returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write_st(out / st_name, tensors, {"format": "pt"})
+    written = [out / st_name]
+    if pickle is None:
+        pickle = importlib.util.find_spec("torch") is not None
+    if pickle:
+        import torch
+
+        tmp = out / (pt_name + ".tmp")
+        torch.save({n: torch.from_numpy(np.array(a)) for n, a in tensors.items()}, str(tmp))
+        os.replace(tmp, out / pt_name)
+        written.append(out / pt_name)
+    return written
+
+
 def _write_st(file: Path, tensors: dict, metadata: dict | None = None):
     weights.save_safetensors({n: _c(a) for n, a in tensors.items()}, file, metadata)
 
@@ -825,18 +844,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
                       f"only the last; vLLM and TensorRT-LLM read the blocks separately",
                       UserWarning, stacklevel=2)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / REFERENCE_ST]
-    _write_st(out / REFERENCE_ST, tensors, {"format": "pt"})
-    if pickle is None:
-        pickle = importlib.util.find_spec("torch") is not None
-    if pickle:
-        import torch
-
-        tmp = out / (REFERENCE_PT + ".tmp")
-        torch.save({n: torch.from_numpy(np.array(a)) for n, a in tensors.items()}, str(tmp))
-        os.replace(tmp, out / REFERENCE_PT)
-        written.append(out / REFERENCE_PT)
+    written = _write_tensors(out, REFERENCE_ST, REFERENCE_PT, tensors, pickle)
     conf = {"medusa_num_heads": int(k), "medusa_num_layers": int(lyr)}
     if base_model:
         conf["base_model_name_or_path"] = str(base_model)
@@ -969,18 +977,7 @@ def write_hydra(heads: Params, out_dir: str | Path, *, base_model: str | None = 
                       f"repeats one block object and will load only the last",
                       UserWarning, stacklevel=2)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written = [out / HYDRA_ST]
-    _write_st(out / HYDRA_ST, tensors, {"format": "pt"})
-    if pickle is None:
-        pickle = importlib.util.find_spec("torch") is not None
-    if pickle:
-        import torch
-
-        tmp = out / (HYDRA_PT + ".tmp")
-        torch.save({n: torch.from_numpy(np.array(a)) for n, a in tensors.items()}, str(tmp))
-        os.replace(tmp, out / HYDRA_PT)
-        written.append(out / HYDRA_PT)
+    written = _write_tensors(out, HYDRA_ST, HYDRA_PT, tensors, pickle)
     conf = {"hydra_num_heads": k, "hydra_num_layers": lyr, "hydra_head_arch": "mlp",
             "grounded_heads": True, "hidden_state_offset": 0}
     if base_model:

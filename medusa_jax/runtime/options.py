@@ -145,37 +145,25 @@ def _resumed(cls, given: dict, resume: str):
     return dataclasses.replace(base, **given)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def int_in(low: int, high: int | None = None, what: str = "an integer", bounds: str = ""):
+    """argparse type: an integer in low..high (`high` None: no upper bound); `bounds` words
+    the range in the error (default "must be >= low")."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{bounds or f'must be >= {low}'}, got {value}")
+        return value
+
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0 (a seed numpy's generators take)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 0 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in 0..2**63-1, got {value}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """argparse type: a PRNG seed (what jax.random.key takes)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not -2**63 <= value < 2**63:
-        raise argparse.ArgumentTypeError(f"must be in -2**63..2**63-1, got {value}")
-    return value
+positive_int = int_in(1)
+positive_int.__doc__ = "argparse type: an integer >= 1."
+nonnegative_int = int_in(0, 2**63 - 1, bounds="must be in 0..2**63-1")  # what numpy seeds take
+seed_int = int_in(-2**63, 2**63 - 1, bounds="must be in -2**63..2**63-1")  # jax.random.key's
 
 
 def name_list(text: str) -> str:

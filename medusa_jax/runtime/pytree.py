@@ -14,9 +14,17 @@ def _replace(self, **changes):
     return dataclasses.replace(self, **changes)
 
 
+def static_field(**kwargs):
+    """A field that is part of the pytree's structure, not a leaf (hashable; a change of
+    its value is a new compiled program), as `flax.struct.field(pytree_node=False)`."""
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
 def dataclass(cls):
     cls = dataclasses.dataclass(frozen=True)(cls)
     cls.replace = _replace
-    fields = [f.name for f in dataclasses.fields(cls)]
-    jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    fields = dataclasses.fields(cls)
+    jax.tree_util.register_dataclass(
+        cls, data_fields=[f.name for f in fields if not f.metadata.get("static")],
+        meta_fields=[f.name for f in fields if f.metadata.get("static")])
     return cls

@@ -1,21 +1,23 @@
-"""Serving engine: continuous batching over S static slots, Medusa (or plain) steps inside.
+"""Serving engine: continuous batching over S static slots; the scheduler side only.
+
+The decoding step is `decoding.step`'s, the same the offline decoders run: every slot is a
+row of its `DecodeState`, live or free, with its own sampling, stop tokens and token limit
+(`sampling.Rows`). Any drafter (Medusa or Hydra heads), any tree (static or "dynamic:N"),
+and greedy rows beside sampled ones (temperature > 0: rejection sampling, lossless, or
+typical acceptance: `Engine(acceptance=...)`). Plain decoding is the same engine with the
+plain step.
 
 The serving loop of JetStream / jax-llm-examples, three jitted programs, each compiled once
 per shape it uses (all before serving, or in the background while the first requests are
 served with the first shapes compiled, or each when first needed: `Engine.start`'s warmup):
-  - `prefill` (one request, its prompt right-padded to a bucket): fills a one-row KV cache,
-    picks the first token with the request's own sampling, runs the heads;
+  - `prefill` (one request, its prompt right-padded to a bucket): a one-row state (its
+    cache, its first token chosen with its own sampling, the drafter started);
   - `insert` (the decode state donated): puts a prefilled request into slot b;
-  - `step`: K decoding steps for all S slots in one call, each slot at its own length;
-    returns a fixed [S, K*(D+1)] token buffer and per-slot counts.
-Plain decoding is the same engine with a 1-token step (no heads, no tree).
-
-Sampling is per row (arrays in the state, not static arguments): temperature (0: greedy),
-top_k, top_p, a PRNG stream, max_tokens and stop tokens. A greedy row accepts with
-`acceptance.greedy` (identical to plain greedy); a sampled row with `acceptance.rejection`
-over its own filtered distribution (lossless). A token is emitted as soon as it is chosen:
-the first one by prefill, then per step the accepted nodes and the next root (which the
-next step verifies), so the stream is the offline decoders' stream.
+  - `step`: K shared steps for all S slots in one call, each slot at its own length;
+    returns a fixed [S, K*W] token buffer and per-slot counts (W: a step's tokens at most).
+The first token is handed out as soon as prefill has chosen it; the slot's first step
+emits it again (as every step emits its root), and the host skips that copy, so the stream
+is the offline decoders' stream.
 
 `Engine` is the host side: one thread dispatches step N+1, then reads step N's tokens
 (`copy_to_host_async`), hands them to their requests, and admits waiting requests into
@@ -37,150 +39,64 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding import acceptance
-from medusa_jax.drafters.hydra import heads as hydra
-from medusa_jax.runtime import pytree as struct
-from medusa_jax.decoding.acceptance import Sampling
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, is_decoding_layout
+from medusa_jax import kernels
+from medusa_jax.decoding import sampling, step
+from medusa_jax.decoding.decode import MIN_BUCKET
+from medusa_jax.decoding.drafter import drafter_for
+from medusa_jax.decoding.sampling import Rows, Sampling
+from medusa_jax.decoding.step import DecodeState, batch_axis, static_tree
+from medusa_jax.model.backbone import KVCache, is_decoding_layout
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.drafters.medusa.drafter import standard_heads
-from medusa_jax.decoding.decode import (MIN_BUCKET, commit, propose_candidates,
-                               verify)
-from medusa_jax.decoding.tree import DynamicTree, Tree
+from medusa_jax.runtime import pytree as struct
 
 MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
+ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
 WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
 # the background warm-up waits while requests run (compiling competes with them for the
 # CPU and the GIL), but no longer than this per program under a steady load
 BACKGROUND_YIELD_S = 2.0
 
 
-# ----------------------------------------------------------------------------- per-row sampling
-
-
-@struct.dataclass
-class RowParams:
-    """Per-slot sampling and limits (S rows)."""
-
-    temperature: jax.Array  # [S] float32; 0 = greedy
-    top_k: jax.Array  # [S] int32; 0 = off
-    top_p: jax.Array  # [S] float32; 1 = off
-    max_tokens: jax.Array  # [S] int32
-    stop: jax.Array  # [S, MAX_STOP] int32, -1 = none
-
-
-def row_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array) -> jax.Array:
-    """`acceptance.log_probs` with per-row parameters: logits [B, ..., V], the rest [B].
-    Temperature, then top-k, then top-p, as plain sampling does."""
-    v = logits.shape[-1]
-    shape = (-1,) + (1,) * (logits.ndim - 1)
-    t = jnp.where(temperature > 0, temperature, 1.0).reshape(shape)
-    k, p = top_k.reshape(shape), top_p.reshape(shape)
-    x = logits.astype(jnp.float32) / t
-    neg = jnp.finfo(jnp.float32).min
-    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-    idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), sorted_x.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
-    use_k = k > 0
-    x = jnp.where(use_k & (x < kth), neg, x)
-    sorted_x = jnp.where(use_k & (sorted_x < kth), neg, sorted_x)  # still sorted
-    sm = jax.nn.softmax(sorted_x, axis=-1)
-    keep = (jnp.cumsum(sm, axis=-1) - sm) < p  # the smallest prefix reaching top_p
-    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((p < 1.0) & (x < cutoff), neg, x)
-    return jax.nn.log_softmax(x, axis=-1)
-
-
-def pick_rows(keys: jax.Array, logits: jax.Array, rp: RowParams) -> jax.Array:
-    """Plain next-token choice per row: logits [B, V] -> [B] (argmax where temperature 0)."""
-    logp = row_log_probs(logits, rp.temperature, rp.top_k, rp.top_p)
-    drawn = jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
-    return jnp.where(rp.temperature > 0, drawn,
-                     jnp.argmax(logits, axis=-1).astype(jnp.int32))
-
-
-def _split_rows(keys):
-    both = jax.vmap(jax.random.split)(keys)
-    return both[:, 0], both[:, 1]
-
-
-# ----------------------------------------------------------------------------- device state
-
-
-@struct.dataclass
-class DecodeState:
-    """The S slots. A slot is live while `done` is False; the host decides which request
-    it belongs to."""
-
-    cache: KVCache  # S rows
-    root: jax.Array  # [S] int32: the last emitted token, not yet fed
-    head_logits: jax.Array | None  # [K, S, V]: the heads' guesses after the root (Medusa)
-    count: jax.Array  # [S] int32: tokens emitted to the slot's request
-    done: jax.Array  # [S] bool
-    keys: jax.Array  # [S] PRNG keys
-    rows: RowParams
-
-
-@struct.dataclass
-class Prefix:
-    """`prefill`'s result for one request (one row)."""
-
-    cache: KVCache  # 1 row, bucket slots
-    root: jax.Array  # [1] int32: the first token
-    head_logits: jax.Array | None  # [K, 1, V]
-    keys: jax.Array  # [1]
+# ----------------------------------------------------------------------------- device programs
 
 
 @struct.dataclass
 class StepOut:
-    tokens: jax.Array  # [S, K*(D+1)] int32: tokens[b, :counts[b]] are slot b's new tokens
+    tokens: jax.Array  # [S, K*W] int32: tokens[b, :counts[b]] are slot b's new tokens
     counts: jax.Array  # [S] int32
     steps: jax.Array  # [S] int32: steps slot b was live for
     lengths: jax.Array  # [S] int32: cache lengths after the call
     done: jax.Array  # [S] bool
 
 
-def init_state(cfg: ModelConfig, params, slots: int, capacity: int,
-               head_logits_shape: tuple[int, ...] | None) -> DecodeState:
+def init_state(cfg: ModelConfig, params, slots: int, capacity: int, width: int,
+               rows: Rows, draft) -> DecodeState:
+    """S free slots: rows (one row) and draft (a carry's shapes, one row on its batch axis,
+    None: plain) say what each slot holds once a request is inserted."""
     zeros = jnp.zeros((slots,), jnp.int32)
+    wide = lambda x: jnp.zeros(x.shape, x.dtype)  # noqa: E731
     return DecodeState(
         cache=KVCache.init(cfg, slots, capacity, per_layer=is_decoding_layout(params)),
-        root=zeros,
-        head_logits=None if head_logits_shape is None else jnp.zeros(head_logits_shape,
-                                                                     jnp.float32),
-        count=zeros, done=jnp.ones((slots,), bool),
-        keys=jax.random.split(jax.random.key(0), slots),
-        rows=RowParams(temperature=jnp.zeros((slots,), jnp.float32), top_k=zeros,
-                       top_p=jnp.ones((slots,), jnp.float32), max_tokens=zeros,
-                       stop=jnp.full((slots, MAX_STOP), -1, jnp.int32)))
+        root=zeros, draft=None if draft is None else jax.tree.map(wide, draft), count=zeros,
+        steps=zeros, hist=jnp.zeros((slots, width + 1), jnp.int32),
+        done=jnp.ones((slots,), bool), keys=jax.random.split(jax.random.key(0), slots),
+        rows=jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), slots, axis=0), rows))
 
 
-def prefill(params, heads, cfg: ModelConfig, tree, tokens: jax.Array, length: jax.Array,
-            key: jax.Array, rows: RowParams) -> Prefix:
-    """tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32), rows: one row.
-    Heads None: plain."""
-    key = jax.random.wrap_key_data(key)
-    _, p = tokens.shape
-    cache = KVCache.init(cfg, 1, p, per_layer=is_decoding_layout(params))
-    positions = jnp.arange(p, dtype=jnp.int32)[None]
-    logits, hidden, cache = forward(params, cfg, tokens, positions,
-                                    causal_mask(cache.lengths, p, p), cache, empty_cache=True)
-    last = length - 1
-    keys, sub = _split_rows(key)
-    root = pick_rows(sub, logits[jnp.arange(1), last], rows)
-    head_logits = None
-    if heads is not None:
-        depth = _static(tree).depth
-        head_logits = standard_heads(jax.tree.map(lambda x: x[:depth], heads),
-                                     hidden[jnp.arange(1), last], length)
-    return Prefix(cache=cache.replace(lengths=length), root=root, head_logits=head_logits,
-                  keys=keys)
+def prefill(params, heads, tokens: jax.Array, length: jax.Array, key: jax.Array, rows: Rows,
+            *, cfg: ModelConfig, drafter, tree) -> DecodeState:
+    """One request: tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32),
+    rows: its one row. A one-row state whose root is its first token (drafter None: plain)."""
+    width = 1 if drafter is None else static_tree(tree).depth + 1
+    return step.start(params, cfg, tokens, length, jax.random.wrap_key_data(key), rows,
+                      tokens.shape[1], drafter, heads, width)
 
 
-def insert(state: DecodeState, pre: Prefix, slot: jax.Array, rows: RowParams) -> DecodeState:
-    """Put a prefilled request into slot `slot` (int32 scalar); `rows` is its one row. The
-    slot's first token (pre.root) counts as emitted."""
+def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, *,
+           axis: int) -> DecodeState:
+    """Put a prefilled request (one row) into slot `slot` (int32 scalar); `axis`: the
+    drafter carry's batch axis. A first token that ends the request leaves the slot idle
+    (the host hands it out)."""
     c, pc = state.cache, pre.cache
     if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]; row b's heads at b*KVH ..
         kvh = pc.k[0].shape[0]
@@ -193,116 +109,40 @@ def insert(state: DecodeState, pre: Prefix, slot: jax.Array, rows: RowParams) ->
         v = jax.lax.dynamic_update_slice(c.v, pc.v, (z, slot, z, z, z))
     cache = c.replace(k=k, v=v, lengths=c.lengths.at[slot].set(pc.lengths[0]))
     set_row = lambda a, b: a.at[slot].set(b[0])  # noqa: E731
-    head_logits = state.head_logits
-    if head_logits is not None:
-        head_logits = head_logits.at[:, slot].set(pre.head_logits[:, 0])
-    # a first token that ends the request leaves the slot idle
+    draft = None if state.draft is None else jax.tree.map(
+        lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis),
+        state.draft, pre.draft)
+    rows = pre.rows
     ended = jnp.any(pre.root[0] == rows.stop[0]) | (rows.max_tokens[0] <= 1)
-    return DecodeState(cache=cache, root=set_row(state.root, pre.root), head_logits=head_logits,
-                       count=state.count.at[slot].set(1), done=state.done.at[slot].set(ended),
-                       keys=set_row(state.keys, pre.keys),
-                       rows=jax.tree.map(set_row, state.rows, rows))
+    fields = ("root", "count", "steps", "hist", "keys", "rows")
+    put = {f: jax.tree.map(set_row, getattr(state, f), getattr(pre, f)) for f in fields}
+    return state.replace(cache=cache, draft=draft, done=state.done.at[slot].set(ended), **put)
 
 
-def _emit(s: DecodeState, chunk: jax.Array, n_valid: jax.Array):
-    """chunk [S, C] of which the first n_valid [S] are new tokens: cut each live row at its
-    first stop token (kept) and at its max_tokens. Returns (tokens kept [S], count, done)."""
-    live = ~s.done
-    j = jnp.arange(chunk.shape[1])[None]
-    is_stop = jnp.any(chunk[:, :, None] == s.rows.stop[:, None, :], axis=-1) & (j < n_valid[:, None])
-    first = jnp.argmax(is_stop, axis=1)
-    n = jnp.where(jnp.any(is_stop, axis=1), first + 1, n_valid)
-    n = jnp.where(live, jnp.minimum(n, s.rows.max_tokens - s.count), 0)
-    stopped = jnp.any(is_stop, axis=1) & (first < n)
-    count = s.count + n
-    done = s.done | (live & (stopped | (count >= s.rows.max_tokens)))
-    return n, count, done
-
-
-def _static(tree):
-    return tree.pool if isinstance(tree, DynamicTree) else tree
-
-
-def medusa_step(params, heads, cfg: ModelConfig, tree: Tree | DynamicTree, s: DecodeState,
-                window: int):
-    """One Medusa step for every slot. Returns (state, chunk [S, D+1], kept [S])."""
-    static = _static(tree)
-    rows = jnp.arange(s.root.shape[0])
-    live = ~s.done
-    prop = propose_candidates(s.root, s.head_logits, tree)
-    logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)
-    keys, sub = _split_rows(s.keys)
-    greedy = acceptance.greedy(logits, prop.tokens, static, prop.valid, prop.slot)
-    sampled = s.rows.temperature > 0
-
-    def with_rejection(_):
-        # each row's own distribution, handed to the shared rule as temperature-1 logits
-        logp = row_log_probs(acceptance.node_rows(logits, prop.slot), s.rows.temperature,
-                             s.rows.top_k, s.rows.top_p)
-        rej = acceptance.rejection(logp, prop.tokens, static, Sampling("rejection"), sub,
-                                   prop.valid)
-        return tuple(jnp.where(sampled, r, g) for r, g in zip(rej, greedy))
-
-    best, acc_len, next_root = jax.lax.cond(jnp.any(sampled & live), with_rejection,
-                                            lambda _: greedy, None)
-    path = jnp.asarray(static.paths)[best]  # [S, D+1] node indices, root first
-    path_tok = jnp.take_along_axis(prop.tokens, path, axis=1)
-    # emitted now: the accepted nodes, then the next root (the root went out last step)
-    shifted = jnp.concatenate([path_tok[:, 1:], jnp.zeros_like(path_tok[:, :1])], axis=1)
-    chunk = jnp.where(jnp.arange(static.depth + 1)[None] == acc_len[:, None],
-                      next_root[:, None], shifted)
-    n, count, done = _emit(s, chunk, acc_len + 1)
-    fed_path = prop.fed_index(path)
-    cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
-    head_logits = standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], cache.lengths)
-    s = s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
-                  head_logits=jnp.where(live[None, :, None], head_logits, s.head_logits),
-                  count=count, done=done, keys=keys)
-    return s, chunk, n
-
-
-def plain_step(params, cfg: ModelConfig, s: DecodeState, window: int):
-    """One plain step: feed the root, choose and emit the next token."""
-    live = ~s.done
-    logits, _, cache = forward(params, cfg, s.root[:, None], s.cache.lengths[:, None],
-                               causal_mask(s.cache.lengths, 1, window), s.cache)
-    keys, sub = _split_rows(s.keys)
-    new = pick_rows(sub, logits[:, 0], s.rows)
-    n, count, done = _emit(s, new[:, None], jnp.ones_like(s.count))
-    s = s.replace(cache=cache.advance(live), root=jnp.where(live, new, s.root), count=count,
-                  done=done, keys=keys)
-    return s, new[:, None], n
-
-
-def multi_step(one_step, k: int, width: int, s: DecodeState) -> tuple[DecodeState, StepOut]:
-    """`k` steps of `one_step` (s -> (s, chunk [S, width], kept [S])) in one call."""
+def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tree, k: int,
+                window: int) -> tuple[DecodeState, StepOut]:
+    """`k` shared steps (`decoding.step`) for every slot in one call: Medusa steps (a
+    drafter and its prepared `heads`, `tree`) or plain steps (drafter None), attending
+    over the first `window` cache slots. Returns the state and each slot's tokens."""
+    if drafter is not None:
+        one = functools.partial(step.medusa_step, params, cfg, drafter, heads, tree,
+                                window=window)
+        width = static_tree(tree).depth + 1
+    else:
+        one, width = functools.partial(step.plain_step, params, cfg, window=window), 1
     b = s.root.shape[0]
 
     def body(_, carry):
-        s, buf, counts, steps = carry
-        live = ~s.done
-        s, chunk, n = one_step(s)
-        buf = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(
-            buf, chunk, counts)
-        return s, buf, counts + n, steps + live
+        s, buf, counts = carry
+        new, chunk, n = one(s)
+        return new, step.append(buf, chunk, counts, ~s.done), counts + n
 
     zeros = jnp.zeros((b,), jnp.int32)
-    s, buf, counts, steps = jax.lax.fori_loop(
-        0, k, body, (s, jnp.zeros((b, k * width), jnp.int32), zeros, zeros))
-    return s, StepOut(tokens=buf, counts=counts, steps=steps, lengths=s.cache.lengths,
-                      done=s.done)
-
-
-def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, tree, k: int,
-                window: int) -> tuple[DecodeState, StepOut]:
-    """`k` Medusa steps (heads given; tree) or plain steps (heads None) for every slot,
-    attending over the first `window` cache slots."""
-    if heads is not None:
-        one = functools.partial(medusa_step, params, heads, cfg, tree, window=window)
-        width = _static(tree).depth + 1
-    else:
-        one, width = functools.partial(plain_step, params, cfg, window=window), 1
-    return multi_step(one, k, width, s)
+    s0 = s
+    s, buf, counts = jax.lax.fori_loop(0, k, body, (s, jnp.zeros((b, k * width), jnp.int32),
+                                                    zeros))
+    return s, StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
+                      lengths=s.cache.lengths, done=s.done)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -341,6 +181,7 @@ class _Slot:
     known_len: int = 0  # cache length at the last read
     unread: int = 0  # steps dispatched since then
     limit: int = 0  # prompt + max_tokens: the length never exceeds it while live
+    skip: int = 0  # tokens the device will emit that the host has handed out already
 
 
 class Metrics:
@@ -351,7 +192,7 @@ class Metrics:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.slot_steps = 0  # live slot-steps
-        self.step_tokens = 0  # tokens those steps emitted (after the first)
+        self.step_tokens = 0  # tokens those steps emitted
         self.calls = 0
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
@@ -361,7 +202,10 @@ class Metrics:
 class Engine:
     """Continuous batching over `slots` slots of `model` (a `medusa_jax.api.Medusa`).
 
-    medusa: use the heads and `tree` (default: with heads). steps_per_call: K steps per
+    medusa: use the heads (Medusa or Hydra: any registered drafter) and `tree` (a static
+    tree or "dynamic:N"; default: with heads). acceptance: how a Medusa engine's sampled
+    rows (temperature > 0) accept a tree: "rejection" (lossless) or "typical" (the paper's
+    typical acceptance; epsilon and delta as `Sampling`'s). steps_per_call: K steps per
     `step` call. max_context: the KV cache's length per slot (default: the model's
     context). window_block: attention windows are compiled in multiples of this.
     max_queue: waiting requests past which `submit` raises QueueFull. buckets: the prompt
@@ -371,8 +215,11 @@ class Engine:
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
-                 buckets: tuple[int, ...] | None = None,
+                 buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
                  log: Callable[[str], None] | None = None):
+        if acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
+                             f"got {acceptance!r}")
         if slots < 1 or steps_per_call < 1 or window_block < 1 or max_queue < 0:
             raise ValueError(f"need slots, steps_per_call, window_block >= 1 and max_queue >= 0,"
                              f" got {slots}, {steps_per_call}, {window_block}, {max_queue}")
@@ -380,19 +227,20 @@ class Engine:
         use_medusa = model.heads is not None if medusa is None else bool(medusa)
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
-        if use_medusa and hydra.is_hydra(model.heads):
-            raise ValueError("the serving engine drafts with Medusa heads; these are Hydra "
-                             "heads (decode them with Medusa.generate, or serve Medusa heads "
-                             "or plain decoding)")
+        self.drafter = drafter_for(model.heads) if use_medusa else None
         self.tree = model.tree(tree) if use_medusa else None
         self.medusa = use_medusa
+        # the modes a slot may follow: greedy (temperature 0), else the acceptance setting
+        # (plain decoding samples either way); one compiled step serves both
+        self.acceptance = acceptance
+        self.modes = ("greedy", acceptance)
         self.slots, self.k, self.max_queue = slots, steps_per_call, max_queue
         model_context = self.cfg.max_position_embeddings
         if max_context is not None and max_context > model_context:
             raise ValueError(f"max_context {max_context} is longer than the model's context "
                              f"({model_context} tokens, max_position_embeddings)")
         self.capacity = max_context or model_context
-        static = _static(self.tree) if use_medusa else None
+        static = static_tree(self.tree) if use_medusa else None
         self.width = static.depth + 1 if use_medusa else 1  # tokens a step emits at most
         self.fed = self.tree.num_nodes if use_medusa else 1  # tokens a step feeds
         if self.capacity < MIN_BUCKET + self.fed + 1:
@@ -454,13 +302,18 @@ class Engine:
                              f"= {need} exceeds the context of {self.capacity} tokens; "
                              f"shorten the prompt or lower max_tokens")
 
-    def _rows(self, n: int, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=()):
-        stop_arr = np.full((n, MAX_STOP), -1, np.int32)
-        stop_arr[:, :len(stop)] = stop
-        return RowParams(temperature=np.full((n,), temperature, np.float32),
-                         top_k=np.full((n,), top_k, np.int32),
-                         top_p=np.full((n,), top_p, np.float32),
-                         max_tokens=np.full((n,), max_tokens, np.int32), stop=stop_arr)
+    def _rows(self, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=()) -> Rows:
+        """One row's sampling (host arrays): temperature 0 is greedy, else the engine's
+        acceptance mode."""
+        stop_arr = np.full((1, MAX_STOP), -1, np.int32)
+        stop_arr[0, :len(stop)] = stop
+        d = Sampling()
+        full = lambda x, dtype: np.full((1,), x, dtype)  # noqa: E731
+        return Rows(mode=full(1 if temperature > 0 else 0, np.int32),
+                    temperature=full(temperature, np.float32), top_k=full(top_k, np.int32),
+                    top_p=full(top_p, np.float32), epsilon=full(d.epsilon, np.float32),
+                    delta=full(d.delta, np.float32), max_tokens=full(max_tokens, np.int32),
+                    stop=stop_arr, modes=self.modes)
 
     # --- compile: each program once, when it is first needed or ahead of time
 
@@ -494,26 +347,35 @@ class Engine:
             return
         t0 = time.perf_counter()
         m, cfg = self.model, self.cfg
-        hl_shape = None
+        heads_d = None  # the drafter's parameters as its steps use them
         if self.medusa:
-            hl_shape = (_static(self.tree).depth, self.slots, cfg.vocab_size)
+            heads_d = self.drafter.prepare(m.heads, self.tree,
+                                           cpu_kernels=kernels.active(m.params))
+        self._heads_d = heads_d
+        prefill_fn = jax.jit(functools.partial(prefill, cfg=cfg, drafter=self.drafter,
+                                               tree=self.tree))
+        row1 = self._rows()
         with m.under_mesh():
-            state = jax.jit(init_state, static_argnums=(0, 2, 3, 4))(
-                cfg, m.params, self.slots, self.capacity, hl_shape)
+            # the slots' drafter carry has the shapes a prefilled request's has
+            pre = jax.eval_shape(prefill_fn, m.params, heads_d,
+                                 np.zeros((1, self.buckets[0]), np.int32),
+                                 np.ones((1,), np.int32), self._key_data(0), row1)
+            draft = None
+            if self.medusa:
+                axis = batch_axis(self.drafter)
+                draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+                    x.shape[:axis] + (self.slots,) + x.shape[axis + 1:], x.dtype), pre.draft)
+            state = jax.jit(init_state, static_argnums=(0, 2, 3, 4, 6))(
+                cfg, m.params, self.slots, self.capacity, self.width, row1, draft)
         # the programs are lowered against the state's shapes, never the live (donated) state
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=x.sharding), state)
         self._state = state
-        heads_d = None
-        if self.medusa:
-            depth = _static(self.tree).depth
-            heads_d = jax.tree.map(lambda x: x[:depth], self.model.heads)
-        self._heads_d = heads_d
         self._jits = dict(
-            state=spec, pre_info={},
-            prefill=jax.jit(functools.partial(prefill, cfg=cfg, tree=self.tree)),
-            insert=jax.jit(insert, donate_argnums=(0,)),
-            step=jax.jit(engine_step, static_argnames=("cfg", "tree", "k", "window"),
+            state=spec, pre_info={}, prefill=prefill_fn,
+            insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
+                           donate_argnums=(0,)),
+            step=jax.jit(engine_step, static_argnames=("cfg", "drafter", "tree", "k", "window"),
                          donate_argnums=(2,)))
         self.compile_seconds += time.perf_counter() - t0
 
@@ -551,20 +413,18 @@ class Engine:
             self._program("prefill", size)  # insert is lowered against prefill's output
         self.compiling = (kind, size)
         t0 = time.perf_counter()
-        heads = m.heads if self.medusa else None
-        row1 = self._rows(1)
         try:
             if kind == "prefill":
                 lowered = j["prefill"].lower(
-                    m.params, heads, tokens=np.zeros((1, size), np.int32),
-                    length=np.ones((1,), np.int32), key=self._key_data(0), rows=row1)
+                    m.params, self._heads_d, np.zeros((1, size), np.int32),
+                    np.ones((1,), np.int32), self._key_data(0), self._rows())
                 prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
             elif kind == "insert":
-                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0),
-                                         row1).compile()
+                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0)).compile()
             elif kind == "step":
                 prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
-                                       tree=self.tree, k=self.k, window=size).compile()
+                                       drafter=self.drafter, tree=self.tree, k=self.k,
+                                       window=size).compile()
             else:
                 raise ValueError(f"no program {kind!r}")
         finally:
@@ -652,6 +512,9 @@ class Engine:
     def submit(self, req: Request) -> Request:
         """Queue a request (checked first: ValueError; QueueFull past the bound)."""
         self.check(len(req.prompt), req.max_tokens)
+        sampled = req.temperature > 0
+        sampling.check(self.acceptance if sampled else "greedy",
+                       req.temperature if sampled else 1.0, req.top_k, req.top_p)
         if len(set(self.eos) | set(req.stop_ids)) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP - len(self.eos)} stop token ids")
         with self._cv:
@@ -766,15 +629,17 @@ class Engine:
             tokens = np.zeros((1, bucket), np.int32)
             tokens[0, :n] = req.prompt
             stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
-            rows = self._rows(1, req.temperature if req.temperature > 0 else 0.0, req.top_k,
+            rows = self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
                               req.top_p, req.max_tokens, stop)
-            heads = self.model.heads if self.medusa else None
-            pre = self._program("prefill", bucket)(self.model.params, heads, tokens=tokens,
-                                        length=np.array([n], np.int32),
-                                        key=self._key_data(req.seed), rows=rows)
+            pre = self._program("prefill", bucket)(self.model.params, self._heads_d, tokens,
+                                                   np.array([n], np.int32),
+                                                   self._key_data(req.seed), rows)
             pre.root.copy_to_host_async()
-            self._state = self._program("insert", bucket)(self._state, pre, np.int32(i), rows)
-            self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens)
+            self._state = self._program("insert", bucket)(self._state, pre, np.int32(i))
+            # the first token goes out now (`_first_tokens`); the slot's first step emits it
+            # again, and that copy is skipped
+            self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens,
+                                   skip=1)
             self.metrics.prompt_tokens += n
             admitted.append((req, i, pre.root))
 
@@ -813,7 +678,9 @@ class Engine:
             n = int(counts[i])
             self.metrics.slot_steps += int(steps[i])
             self.metrics.step_tokens += n
-            if n and self._deliver(req, [int(t) for t in tokens[i, :n]]):
+            skip = min(slot.skip, n)
+            slot.skip -= skip
+            if n > skip and self._deliver(req, [int(t) for t in tokens[i, skip:n]]):
                 self._slots[i] = _Slot()
 
     def _loop(self):

@@ -8,15 +8,21 @@ body past the size limit, 429 when the request queue is full, 503 once the engin
 stopped. /health answers 503 {"status": "starting"} until the programs the first requests
 need are compiled (requests sent meanwhile wait for them).
 
+The bodies are pydantic models (`requests`) validated by `model_validate_json` after
+`read_body` rather than as FastAPI endpoint parameters: FastAPI would read the whole body
+before any check (no 413 before the read) and answer errors in its own 422 format.
+
 One request cannot stall the others: the body is read up to a limit (413 past it), a prompt
 longer than the longest prefill is refused by its length in characters or ids before any
 tokenizing, and tokenizing runs off the event loop. User text is tokenized as text: a
 "</s>" in a prompt or a message is those characters, not EOS; only a chat template's own
 text holds control tokens.
 
-Text is decoded incrementally (`Detokenizer`): the prompt and the new tokens are decoded
-together, as `Medusa.generate` does, a trailing incomplete UTF-8 sequence is held back, and
-so is any tail that could still become a stop string.
+Text is decoded incrementally (`Detokenizer`): each new token decodes a short window after
+a few tokens of context, so a token costs the same however long the text is and comes out
+as it does in the whole text (`Medusa.generate` decodes prompt and answer together); a
+trailing incomplete UTF-8 sequence is held back, and so is any tail that could still become
+a stop string.
 """
 
 from __future__ import annotations
@@ -24,31 +30,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import math
 import re
 import time
 import uuid
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import ValidationError
 
-from medusa_jax.text.data import VICUNA_SYSTEM
+from medusa_jax.text.templates import vicuna_pieces
 from medusa_jax.serving.engine import Engine, QueueFull, Request
+from medusa_jax.serving.requests import (ChatCompletionRequest, CompletionRequest,
+                                         GenerationRequest, describe)
 
-MAX_STOP_STRINGS = 4  # as OpenAI
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
-
-# The fields each endpoint takes; any other is refused by name (as OpenAI does), so nothing
-# is accepted and ignored. Metadata that changes nothing about the answer is allowed.
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "stream",
-           "stream_options", "stop", "seed", "stop_token_ids", "return_token_ids", "logprobs",
-           "presence_penalty", "frequency_penalty", "logit_bias", "user"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "echo", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools",
-                         "tool_choice", "parallel_tool_calls", "functions", "function_call",
-                         "response_format", "metadata", "store", "service_tier", "modalities",
-                         "audio", "prediction"}
 
 
 class APIError(Exception):
@@ -67,159 +63,77 @@ def error_body(message, type_="invalid_request_error", param=None, code=None) ->
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-# ----------------------------------------------------------------------------- fields
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x) -> bool:
-    return (isinstance(x, (int, float)) and not isinstance(x, bool)
-            and math.isfinite(x))
-
-
-def _field(body: dict, name: str, check, what: str, default=None):
-    if name not in body or body[name] is None:
-        return default
-    value = body[name]
-    if not check(value):
-        raise APIError(400, f"{name} must be {what}, got {json.dumps(value)[:60]}", name)
-    return value
-
-
-def _refuse(name: str, why: str = "is not supported by this server"):
-    raise APIError(400, f"{name} {why}", name)
-
-
-def unsupported_fields(body: dict, chat: bool):
-    """Refuse what the server does not implement (400 naming the field), after checking it
-    as OpenAI would: never accept a parameter and ignore it."""
-    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
-    for name in body:
-        if name not in known:
-            raise APIError(400, f"unrecognized request argument: {str(name)[:60]}", str(name)[:60])
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = _field(body, name, lambda x: _is_num(x) and -2 <= x <= 2,
-                       "a number in [-2, 2]", 0)
-        if value != 0:
-            _refuse(name, "is not supported by this server (only 0)")
-    bias = _field(body, "logit_bias", lambda x: isinstance(x, dict), "an object mapping token "
-                  "ids to numbers in [-100, 100]", {})
-    if bias:
-        _refuse("logit_bias")
-    if chat:
-        if body.get("logprobs") not in (None, False):
-            _refuse("logprobs")
-        if body.get("top_logprobs") not in (None, 0):
-            _refuse("top_logprobs")
-        for name in ("tools", "functions"):
-            value = _field(body, name, lambda x: isinstance(x, list), "a list", [])
-            if value:
-                _refuse(name, "are not supported by this server (no function calling)")
-        for name in ("tool_choice", "function_call"):
-            if body.get(name) not in (None, "none"):
-                _refuse(name, "is not supported by this server (no function calling)")
-        fmt = _field(body, "response_format", lambda x: isinstance(x, dict)
-                     and isinstance(x.get("type"), str), 'an object with a "type"', None)
-        if fmt is not None and fmt["type"] != "text":
-            _refuse("response_format", f"type {json.dumps(fmt['type'])[:40]} is not supported "
-                                       f"by this server (only \"text\")")
-        if body.get("modalities") not in (None, ["text"]):
-            _refuse("modalities", 'is not supported by this server (only ["text"])')
-        for name in ("audio", "prediction"):
-            if body.get(name) is not None:
-                _refuse(name)
-    else:
-        if body.get("best_of") not in (None, 1):
-            _refuse("best_of")
-        if body.get("logprobs") not in (None, 0):
-            _refuse("logprobs")
-        suffix = _field(body, "suffix", lambda x: isinstance(x, str), "a string", "")
-        if suffix:
-            _refuse("suffix", "is not supported by this server (no insertion)")
-
-
-def sampling_fields(body: dict, max_tokens_names: tuple[str, ...]) -> dict:
-    """The generation fields both endpoints share, checked."""
-    n = _field(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise APIError(400, f"n must be 1 (this server returns one choice), got {n}", "n")
-    max_tokens = None
-    for name in max_tokens_names:
-        value = _field(body, name, lambda x: _is_int(x) and x >= 1, "an integer >= 1")
-        max_tokens = value if value is not None else max_tokens
-    temperature = _field(body, "temperature", lambda x: _is_num(x) and 0 <= x <= 2,
-                         "a number in [0, 2]", 1.0)
-    top_p = _field(body, "top_p", lambda x: _is_num(x) and 0 < x <= 1, "a number in (0, 1]", 1.0)
-    top_k = _field(body, "top_k", lambda x: _is_int(x) and x >= -1,
-                   "an integer >= 1, or 0 or -1 for no top-k", 0)
-    seed = _field(body, "seed", lambda x: _is_int(x) and -2**63 <= x < 2**63,
-                  "a 64-bit integer")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
-        raise APIError(400, "stop must be a string or a list of strings", "stop")
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise APIError(400, f"stop takes at most {MAX_STOP_STRINGS} non-empty strings", "stop")
-    stop_ids = _field(body, "stop_token_ids",
-                      lambda x: isinstance(x, list) and all(_is_int(t) for t in x),
-                      "a list of integers", [])
-    stream = _field(body, "stream", lambda x: isinstance(x, bool), "a boolean", False)
-    opts = _field(body, "stream_options", lambda x: isinstance(x, dict), "an object", {})
-    include_usage = bool(opts.get("include_usage", False))
-    token_ids = _field(body, "return_token_ids", lambda x: isinstance(x, bool), "a boolean",
-                       False)
-    echo = _field(body, "echo", lambda x: isinstance(x, bool), "a boolean", False)
-    return dict(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                top_k=max(0, top_k), seed=seed, stop=stop, stop_ids=tuple(stop_ids),
-                stream=stream, include_usage=include_usage, return_token_ids=token_ids,
-                echo=echo)
+def _validate(model: type[GenerationRequest], data: bytes) -> GenerationRequest:
+    """`data` as a `model` (pydantic parses the JSON too), or the 400 of its first error."""
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as e:
+        message, param = describe(e, model)
+        raise APIError(400, message, param) from None
 
 
 # ----------------------------------------------------------------------------- text
 
 
 class Detokenizer:
-    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped)."""
+    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped).
+
+    Each token decodes a short window, not the whole text (prefix and read offsets, as vLLM
+    and TGI do): the tokens since the last point where the text was whole, after a few
+    tokens of context, so that a tokenizer that drops a word's leading space at the start of
+    a decode (SentencePiece) decodes every new token as it would inside the whole text. A
+    window that ends inside a UTF-8 character waits for the next token."""
+
+    CONTEXT = 5  # prompt tokens decoded before the first new one
 
     def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
-        self.tok, self.prompt, self.stops = tokenizer, list(prompt_ids), stops
-        self.ids: list[int] = []
-        self.head = self._dec(self.prompt)
+        self.tok, self.stops = tokenizer, stops
+        self.ids = list(prompt_ids[-self.CONTEXT:])  # context, then the new tokens
+        self.prefix = 0  # the window's start in `ids`
+        self.read = len(self.ids)  # `ids[:read]` are in `text` (the context as nothing)
+        self.prefix_text = self._dec(self.ids)  # what the window's start decodes to
         self.sent = 0  # characters of the text already handed out
         self.text = ""
+        self.longest_stop = max((len(s) for s in stops), default=0)
 
     def _dec(self, ids):
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def _full(self) -> str:
-        full = self._dec(self.prompt + self.ids)
-        return full[len(self.head):] if full.startswith(self.head) else self._dec(self.ids)
+    def _extend(self, whole_only: bool) -> None:
+        """Append the window's new text; move the window on when it ends on a whole text."""
+        window = self._dec(self.ids[self.prefix:])
+        if len(window) <= len(self.prefix_text) or (whole_only and window.endswith("\ufffd")):
+            return
+        self.text += window[len(self.prefix_text):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix_text = self._dec(self.ids[self.prefix:self.read])
+
+    def _stop_at(self) -> int | None:
+        start = max(0, self.sent - self.longest_stop)
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
 
     def add(self, token: int) -> tuple[str, bool]:
         self.ids.append(token)
-        self.text = text = self._full()
-        start = max(0, self.sent - max((len(s) for s in self.stops), default=0))
-        hits = [i for i in (text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:  # the text ends before the stop string
-            self.text = text = text[:min(hits)]
-            return self._take(len(text)), True
-        safe = len(text)
-        while safe > self.sent and text[safe - 1] == "\ufffd":  # an incomplete character
-            safe -= 1
-        hold = 0
+        self._extend(whole_only=True)
+        cut = self._stop_at()
+        if cut is not None:  # the text ends before the stop string
+            self.text = self.text[:cut]
+            return self._take(cut), True
+        safe, hold = len(self.text), 0
         for s in self.stops:  # a tail that may still grow into a stop string
             for k in range(min(len(s) - 1, safe), hold, -1):
-                if text[safe - k:safe] == s[:k]:
+                if self.text[safe - k:safe] == s[:k]:
                     hold = k
                     break
         return self._take(safe - hold), False
 
     def flush(self) -> str:
+        """The rest of the text (an unfinished character too), up to a stop string."""
+        self._extend(whole_only=False)
+        cut = self._stop_at()
+        if cut is not None:
+            self.text = self.text[:cut]
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
@@ -343,17 +257,9 @@ def vicuna_prompt(messages: list[tuple[str, str]], tokenizer,
     enc = (encoder or TextEncoder(tokenizer)).text
     ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    system = " ".join(t for r, t in messages if r == "system") or VICUNA_SYSTEM
-    pending = system + " "
-    for role, text in messages:
-        if role == "system":
-            continue
-        if role == "user":
-            pending += f"USER: {text} ASSISTANT:"
-            continue
-        ids += enc(pending) + enc(" " + text) + eos
-        pending = ""
-    return ids + enc(pending)
+    for text, answer in vicuna_pieces(messages):
+        ids += enc(text) + (eos if answer else [])
+    return ids
 
 
 _MARK = re.compile("\ue000(\\d+)\ue001")
@@ -480,8 +386,10 @@ class Server:
     async def _off_loop(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def read_body(self, http: HTTPRequest) -> dict:
-        """The JSON body, read up to `max_request_bytes` (413 past it, before reading on)."""
+    async def read_body(self, http: HTTPRequest, model: type[GenerationRequest],
+                        ) -> GenerationRequest:
+        """The body as a `model`, read up to `max_request_bytes` (413 past it, before
+        reading on) and then validated (400 naming the first bad field)."""
         limit = self.max_request_bytes
         too_big = lambda n: APIError(  # noqa: E731
             413, f"the request body ({n} bytes) is larger than this server takes ({limit} "
@@ -496,20 +404,11 @@ class Server:
                 raise too_big(f"over {limit}")
             chunks.append(chunk)
         data = b"".join(chunks)
-        try:
-            body = json.loads(data) if size < 1 << 16 else await self._off_loop(json.loads,
-                                                                                data)
-        except Exception:  # noqa: BLE001 - bad UTF-8, bad JSON, nesting too deep
-            raise APIError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        return body
+        if size < 1 << 16:
+            return _validate(model, data)
+        return await self._off_loop(_validate, model, data)
 
-    def _check_model(self, body: dict):
-        model = body.get("model")
-        if not isinstance(model, str):
-            raise APIError(400, "model must be a string naming a model of GET /v1/models",
-                           "model")
+    def _check_model(self, model: str):
         if model != self.name:
             raise APIError(404, f"The model `{model[:80]}` does not exist (this server has "
                                 f"`{self.name}`)", "model", code="model_not_found")
@@ -519,64 +418,33 @@ class Server:
                              f"({self.max_prompt_tokens} tokens)", param,
                         code="context_length_exceeded")
 
-    def _check_prompt(self, prompt):
-        """The prompt's shape and length, before any tokenizing: returns it as text or as
-        token ids (checked against the vocabulary)."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+    def _check_prompt(self, prompt: str | list[int]):
+        """The prompt's length before any tokenizing, and token ids against the
+        vocabulary (its shape is `CompletionRequest`'s)."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt is empty", "prompt")
             if self.tokenizer is None:
                 raise APIError(400, "this model has no tokenizer: give token ids", "prompt")
             if len(prompt) > self.max_prompt_chars:
                 raise self._too_long(f"prompt of {len(prompt)} characters", "prompt")
             return prompt
-        if isinstance(prompt, list) and prompt and all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) for t in prompt):
-            if len(prompt) > self.max_prompt_tokens:
-                raise self._too_long(f"prompt of {len(prompt)} token ids", "prompt")
-            vocab = self.model.cfg.vocab_size
-            for j, t in enumerate(prompt):
-                if not _is_int(t):
-                    raise APIError(400, f"prompt[{j}] must be an integer token id, got "
-                                        f"{json.dumps(t)[:40]}", "prompt")
-                if not 0 <= t < vocab:
-                    raise APIError(400, f"prompt[{j}] = {t} is not a token id of this model "
-                                        f"(0..{vocab - 1})", "prompt")
-            return [int(t) for t in prompt]
-        if isinstance(prompt, list) and len(prompt) > 1 and all(
-                isinstance(p, (str, list)) for p in prompt):
-            raise APIError(400, "prompt: one prompt per request (a batch is not supported)",
-                           "prompt")
-        raise APIError(400, "prompt must be a string or a list of token ids", "prompt")
+        if len(prompt) > self.max_prompt_tokens:
+            raise self._too_long(f"prompt of {len(prompt)} token ids", "prompt")
+        vocab = self.model.cfg.vocab_size
+        for j, t in enumerate(prompt):
+            if not 0 <= t < vocab:
+                raise APIError(400, f"prompt[{j}] = {t} is not a token id of this model "
+                                    f"(0..{vocab - 1})", "prompt")
+        return prompt
 
-    def _check_chat(self, messages) -> list[tuple[str, str]]:
-        if not isinstance(messages, list) or not messages:
-            raise APIError(400, "messages must be a non-empty list", "messages")
-        if len(messages) > self.max_prompt_tokens:
-            raise self._too_long(f"{len(messages)} messages", "messages")
-        conv, chars = [], 0
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user",
-                                                                 "assistant"):
-                raise APIError(400, f"messages[{i}] must be an object with role system, user "
-                                    f"or assistant", f"messages[{i}].role")
-            content = m.get("content")
-            if isinstance(content, list):  # text parts
-                if not all(isinstance(p, dict) and p.get("type") == "text"
-                           and isinstance(p.get("text"), str) for p in content):
-                    raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                                   f"messages[{i}].content")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(content, str):
-                raise APIError(400, f"messages[{i}].content must be a string",
-                               f"messages[{i}].content")
-            chars += len(content)
+    def _check_chat(self, body: ChatCompletionRequest) -> list[tuple[str, str]]:
+        """The conversation's length before any tokenizing."""
+        if len(body.messages) > self.max_prompt_tokens:
+            raise self._too_long(f"{len(body.messages)} messages", "messages")
+        conv, chars = body.conversation(), 0
+        for _, text in conv:
+            chars += len(text)
             if chars > self.max_prompt_chars:
                 raise self._too_long(f"messages of over {chars} characters", "messages")
-            role = "system" if m["role"] == "developer" else m["role"]
-            conv.append((role, content))
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: chat is not available", "messages")
         return conv
@@ -605,19 +473,15 @@ class Server:
 
     async def _run(self, http: HTTPRequest, chat: bool):
         t_arrive = time.perf_counter()
-        body = await self.read_body(http)
-        self._check_model(body)
-        unsupported_fields(body, chat)
-        f = sampling_fields(body, ("max_tokens", "max_completion_tokens") if chat
-                            else ("max_tokens",))
+        body = await self.read_body(http, ChatCompletionRequest if chat else CompletionRequest)
+        self._check_model(body.model)
+        f = body.sampling()
         echo_text = ""
         if chat:
-            conv = self._check_chat(body.get("messages"))
+            conv = self._check_chat(body)
             prompt = await self._off_loop(self._encode_chat, conv)
         else:
-            if "prompt" not in body:
-                raise APIError(400, "prompt is required", "prompt")
-            given = self._check_prompt(body["prompt"])
+            given = self._check_prompt(body.prompt)
             prompt = await self._off_loop(self.encoder.prompt, given) \
                 if isinstance(given, str) else given
             if not prompt:

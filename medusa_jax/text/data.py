@@ -31,13 +31,12 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from medusa_jax.text.templates import VICUNA_SYSTEM, vicuna_pieces  # noqa: F401 - re-exported
+
 log = logging.getLogger(__name__)
 
 FORMATS = ("auto", "sharegpt", "alpaca", "text")
 TEMPLATES = ("auto", "chat", "vicuna", "plain")
-VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
-                 "The assistant gives helpful, detailed, and polite answers to the user's "
-                 "questions.")
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
           "chatgpt": "assistant", "model": "assistant", "system": "system"}
 _TEXT_SUFFIXES = (".txt", ".text", ".md")
@@ -272,23 +271,16 @@ def _segments(conv: Conversation, tokenizer, template: str,
                 break
             segs.append((encode(tokenizer, text), role == "assistant"))
         return segs
-    # vicuna
-    system = " ".join(t for r, t in conv if r == "system") or VICUNA_SYSTEM
-    pending = system + " "
+    # vicuna: a trailing prompt (user turns without an answer) only when asked for the prompt
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for role, text in conv:
-        if role == "system":
-            continue
-        if role == "user":
-            pending += f"USER: {text} ASSISTANT:"
-            continue
-        segs.append((encode(tokenizer, pending), False))
-        pending = ""
-        if upto_first_answer:
+    pieces = vicuna_pieces(conv)
+    for i, (text, answer) in enumerate(pieces):
+        if answer and upto_first_answer:
             return segs
-        segs.append((encode(tokenizer, " " + text) + eos, True))
-    if pending and upto_first_answer:
-        segs.append((encode(tokenizer, pending), False))
+        if answer:
+            segs.append((encode(tokenizer, text) + eos, True))
+        elif i + 1 < len(pieces) or upto_first_answer:
+            segs.append((encode(tokenizer, text), False))
     return segs
 
 

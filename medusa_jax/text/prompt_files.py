@@ -1,6 +1,7 @@
-"""Prompt files for the decoding commands (`infer.generate --prompts-file`, `infer.bench
---prompts`, `infer.search_tree --prompts`): stdlib and `data.read_text` only, so a bad file
-is reported before JAX is imported. `bench` re-exports `read_prompt_file`."""
+"""Prompt files, read in one place: `read_prompt_file` for the decoding commands
+(`infer.generate --prompts-file`, `infer.bench --prompts`, `infer.search_tree --prompts`,
+`infer.bench_serve --prompts`), `read_user_turns` for self-distillation's prompts. Stdlib and
+`data` only, so a bad file is reported before JAX is imported."""
 
 from __future__ import annotations
 
@@ -55,3 +56,23 @@ def read_prompt_file(path: str | Path) -> list[tuple[str, str | None]]:
     if not out:
         raise ValueError(f"{file}: no prompts in it")
     return out
+
+
+def read_user_turns(path: str | Path) -> list[str]:
+    """One prompt per non-empty line of a text file, or the first user turn of each record
+    of a ShareGPT/Alpaca JSON(L) file."""
+    from medusa_jax.text import data
+
+    path = Path(path)
+    if not path.is_file():
+        raise data.DataError(f"{path}: no such prompt file")
+    if path.suffix.lower() in (".json", ".jsonl"):
+        convs = data.read_file(path)
+        prompts = [next((t for r, t in c if r == "user"), "") for c in convs]
+    else:
+        text = data.read_text(path)
+        prompts = [line.strip() for line in text.splitlines()]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise data.DataError(f"{path}: no prompt in the file")
+    return prompts

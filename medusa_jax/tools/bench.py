@@ -9,7 +9,6 @@ are ratios against a baseline measured in the same run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import re
 import statistics
 import time
@@ -452,7 +451,7 @@ def shipped_tokens_per_step(num_prompts: int = 8, max_new_tokens: int = 128,
                             max_nodes: int | None = None) -> dict[int, float]:
     """Tokens per step of the embedded model with its shipped heads, greedy, held-out
     openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real model's trained
-    heads reach is of the same order: see the README)."""
+    heads reach is of the same order: docs/performance.md)."""
     from medusa_jax.runtime import assets
     from medusa_jax.api import Medusa
 
@@ -667,7 +666,7 @@ MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
 
 
 def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
-    """`decode.medusa_step` with only `stages` real (plus the backbone pass, always); the
+    """`step.medusa_step` with only `stages` real (plus the backbone pass, always); the
     others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
     can neither drop nor hoist the stages that stay)."""
     from medusa_jax.decoding import acceptance, decode
@@ -692,7 +691,7 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
         rows = jnp.arange(b)
         live = ~s.done
         if "candidates" in stages:
-            prop = decode.propose_candidates(s.root, s.head_logits, tree)
+            prop = decode.propose_candidates(s.root, s.draft, tree)
         else:
             prop = stand_in(s.root)
         logits, hidden, (k_new, v_new), scratch = decode.verify(params, cfg, prop, s.cache)
@@ -713,17 +712,16 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
         if "heads" in stages:
             new_hl = standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], None)
         else:
-            new_hl = s.head_logits + hidden[:, 0, :1].sum() * 0.0
+            new_hl = s.draft + hidden[:, 0, :1].sum() * 0.0
         if "bookkeeping" in stages:
             chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
-            out, count, done, kept = decode.emit(s, chunk, acc_len, eos, max_new_tokens)
+            kept, count, done = decode.emit(s, chunk, acc_len + 1)
             hist = s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(
                 live.astype(jnp.int32))
             return s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
-                             head_logits=jnp.where(live[None, :, None], new_hl, s.head_logits),
-                             out=out, count=count, steps=s.steps + live, hist=hist, done=done)
-        return s.replace(cache=cache, root=next_root, head_logits=new_hl,
-                         count=s.count + advance)
+                             draft=jnp.where(live[None, :, None], new_hl, s.draft),
+                             count=count, steps=s.steps + live, hist=hist, done=done)
+        return s.replace(cache=cache, root=next_root, draft=new_hl, count=s.count + advance)
 
     return step
 
@@ -740,16 +738,16 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
     tokens, lengths = pad_prompts([prompt])
     key = jax.random.key(0)
     plain_state = decode.plain_init(params, cfg, tokens, lengths, key, Sampling(),
-                                    max_new_tokens)
+                                    max_new_tokens, eos)
     rows = []
 
     def forward_only(s):
-        logits, _, cache = forward(params, cfg, s.next_token[:, None], s.cache.lengths[:, None],
+        logits, _, cache = forward(params, cfg, s.root[:, None], s.cache.lengths[:, None],
                                    causal_mask(s.cache.lengths, 1, s.cache.capacity), s.cache)
-        return s.replace(cache=cache, next_token=(s.next_token + (logits[:, 0, 0] > 0)) %
-                         cfg.vocab_size)
+        return s.replace(cache=cache, root=(s.root + (logits[:, 0, 0] > 0)) % cfg.vocab_size)
 
-    full_plain = functools.partial(decode.plain_step, params, cfg, Sampling(), eos)
+    def full_plain(s):
+        return decode.step.plain_step(params, cfg, s)[0]
     plain_parts = [("backbone pass", forward_only), ("+ sampling, bookkeeping", full_plain)]
     for label, fn in plain_parts:
         sec, k = _time_loop(fn, plain_state, iters, reps)
@@ -757,7 +755,7 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
     plain_ms = rows[-1]["ms"]
     for tree in trees:
         state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
-                                         Sampling(), max_new_tokens)
+                                         Sampling(), max_new_tokens, eos=eos)
         for i in range(len(MEDUSA_STAGES) + 1):
             stages = frozenset(MEDUSA_STAGES[:i])
             label = "backbone pass" if i == 0 else f"+ {MEDUSA_STAGES[i - 1]}"

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from medusa_jax.runtime import assets, quiet
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 from medusa_jax.model.config import ModelConfig
 
@@ -140,9 +140,10 @@ class Command:
         return r
 
     def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
+        from medusa_jax.training import report
         from medusa_jax.training.trainer import train
 
-        return train(cfg, self.recipe_cls(), resume, stop_after)
+        return report.finish(train(cfg, self.recipe_cls(), resume, stop_after))
 
     def main(self, argv=None):
         """Parse, run; errors and interrupts end the process with one line and the exit
@@ -151,7 +152,7 @@ class Command:
             return
         cfg, resume, stop_after = self.parse_args(argv)
         with options.errors_to_exit():  # --model: a path or hub id, config.json, the weights
-            paths.check_model_paths(cfg.model)
+            check_model_paths(cfg.model)
             model_cfg = ModelConfig.from_dir(cfg.model or assets.model_dir())
         check_context(self.build_parser(), cfg.seq_len, model_cfg,
                       f"--model {cfg.model or assets.EMBEDDED_MODEL}")

@@ -123,10 +123,10 @@ class TrainConfig:
             if not cond:
                 raise ValueError(msg)
         if self.model is not None:  # a path or hub id, its config.json and weights' headers
-            from medusa_jax.model import paths
+            from medusa_jax.model.paths import check_model_paths
             from medusa_jax.runtime import options
 
-            paths.check_model_paths(self.model)
+            check_model_paths(self.model)
         need(self.data_format in data.FORMATS, f"--data-format must be one of {data.FORMATS}")
         need(self.template in data.TEMPLATES, f"--template must be one of {data.TEMPLATES}")
         for name in ("num_heads", "num_layers", "batch_size", "keep", "save_every",
@@ -308,8 +308,8 @@ class Medusa2Config(TrainConfig):
                 "TinyStories training stories when self-distilling the embedded model)",
         metavar="FILE|auto|none")
 
-    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (~6 min here; with lr 1e-3 and the
-    # anchor text, held-out perplexity +2.5%: see README)
+    DEFAULT_STEPS: ClassVar[int] = 300  # joint steps (their cost and held-out perplexity:
+    # docs/benchmarks/2026-11-30-medusa1-medusa2.md)
     RUN_PREFIX: ClassVar[str] = "medusa2"
     HELP: ClassVar[dict] = {
         "steps": f"joint optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",

@@ -29,25 +29,6 @@ from medusa_jax.decoding import decode
 from medusa_jax.runtime import timing
 from medusa_jax.decoding.acceptance import Sampling
 from medusa_jax.model.config import stop_tokens
-from medusa_jax.text.data import DataError
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """One prompt per non-empty line of a text file, or the first user turn of each record
-    of a ShareGPT/Alpaca JSON(L) file."""
-    path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: no such prompt file")
-    if path.suffix.lower() in (".json", ".jsonl"):
-        convs = data.read_file(path)
-        prompts = [next((t for r, t in c if r == "user"), "") for c in convs]
-    else:
-        text = data.read_text(path)
-        prompts = [line.strip() for line in text.splitlines()]
-    prompts = [p for p in prompts if p]
-    if not prompts:
-        raise DataError(f"{path}: no prompt in the file")
-    return prompts
 
 
 def sampling_for(temperature: float) -> Sampling:

@@ -33,8 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax.runtime import assets, distributed, rundir, sharding
-from medusa_jax.tools import bench
-from medusa_jax.text import data
+from medusa_jax.text import data, prompt_files
 from medusa_jax.training import distill
 from medusa_jax.model import weights
 from medusa_jax.drafters.medusa import heads as heads_lib
@@ -331,7 +330,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
             raise Interrupted(f"{signal.Signals(stop.requested).name}: {message} (checkpoint "
                               f"{step} saved)", stop.requested)
         print(message)
-        return summary
+        return TrainResult(summary, t_start)
 
     final = held_eval(step)
     heads = recipe.heads_artifact(ctx, sharding.to_host(state.params["heads"]))
@@ -349,27 +348,45 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     decode_backbone = recipe.finish(ctx, state, summary)
     distributed.barrier("heads written")
     if not writer:  # the decoding benchmark and the summary are process 0's
-        return summary
-    decode_backbone = jax.device_put(decoding_layout(model_cfg, decode_backbone))
-
+        return TrainResult(summary, t_start)
+    check = None
     if cfg.eval_prompts and not bench_prompts:
         print("no held-out conversations to benchmark decoding on (plain-text data)")
-    if cfg.eval_prompts and bench_prompts:
-        summary["benchmarks"] = []
-        for tree in benchmark_trees(cfg, num_heads):
-            c = bench.compare_decoding(decode_backbone, jax.device_put(heads),
-                                       model_cfg, bench_prompts[:cfg.eval_prompts], tree,
-                                       max_new_tokens=cfg.eval_max_new_tokens, eos=ctx.stops)
-            summary["benchmarks"].append(c.to_json())
-            bench.print_comparison(c, f"greedy decoding ({recipe.name})")
-        summary["benchmark"] = summary["benchmarks"][0]
-        (run_dir / "benchmark.json").write_text(json.dumps(summary["benchmarks"], indent=2))
-        print("\n(on this model a step is bound by per-kernel overhead, not by reading the "
-              "weights; where Medusa pays: README, Performance)")
+    elif cfg.eval_prompts:
+        check = DecodingCheck(
+            backbone=jax.device_put(decoding_layout(model_cfg, decode_backbone)),
+            heads=jax.device_put(heads), cfg=model_cfg, prompts=bench_prompts[:cfg.eval_prompts],
+            trees=benchmark_trees(cfg, num_heads), eos=ctx.stops,
+            max_new_tokens=cfg.eval_max_new_tokens, name=recipe.name)
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\ndone in {summary['wall_seconds']:.0f}s; run directory: {run_dir}")
-    return summary
+    return TrainResult(summary, t_start, finished=True, decoding=check)
+
+
+@dataclasses.dataclass
+class DecodingCheck:
+    """What the decoding benchmark after training needs (`training.report`): the decoding
+    backbone and the trained heads on device, the held-out prompts and the trees."""
+
+    backbone: Params
+    heads: Params
+    cfg: ModelConfig
+    prompts: list
+    trees: list
+    eos: tuple
+    max_new_tokens: int
+    name: str
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """A training run's outcome: its summary (also <run>/summary.json once finished, on the
+    writing process) and, when there are held-out prompts, what to benchmark decoding on."""
+
+    summary: dict
+    t_start: float
+    finished: bool = False  # trained every step, on the writing process
+    decoding: DecodingCheck | None = None
 
 
 def benchmark_trees(cfg: TrainConfig, num_heads: int) -> list[Tree]:
@@ -460,8 +477,8 @@ def self_distill(ctx: Context) -> tuple[Path, Path]:
 
     if not distributed.is_writer():  # process 0 distills and writes; the others read
         distributed.barrier("distilled")
-    train_prompts = distill.read_prompts(assets.prompts_file("train"))
-    held_prompts = distill.read_prompts(assets.prompts_file("heldout"))
+    train_prompts = prompt_files.read_user_turns(assets.prompts_file("train"))
+    held_prompts = prompt_files.read_user_turns(assets.prompts_file("heldout"))
     train_file, stats = distill.distill_cached(
         ctx.run_dir / "distill" / "train.jsonl",
         settings(samples=cfg.distill_samples, temperature=cfg.distill_temperature),

@@ -88,22 +88,23 @@ def test_acceptance_rules_are_looked_up_by_mode(params):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _state(b, width, count, done):
+def _state(b, count, done):
     z = jnp.zeros((b,), jnp.int32)
-    return decode.MedusaState(cache=None, root=z, head_logits=None,
-                              out=jnp.full((b, width), -1, jnp.int32),
+    return decode.DecodeState(cache=None, root=z, draft=None,
                               count=jnp.asarray(count, jnp.int32), steps=z, hist=None,
-                              done=jnp.asarray(done), keys=None)
+                              done=jnp.asarray(done), keys=None,
+                              rows=decode.Rows.of(Sampling(), b, 4, (2,)))
 
 
 def test_emit_appends_the_accepted_chunk_and_stops_at_eos():
-    s = _state(3, 12, [2, 0, 5], [False, False, True])
+    s = _state(3, [2, 0, 5], [False, False, True])
     chunk = jnp.array([[5, 6, 7, 8], [5, 2, 7, 8], [5, 6, 7, 8]], jnp.int32)
     acc_len = jnp.array([2, 3, 3])
-    out, count, done, kept = decode.emit(s, chunk, acc_len, eos=(2,), max_new_tokens=4)
-    out = np.asarray(out)
+    kept, count, done = decode.emit(s, chunk, acc_len + 1)
+    out = np.asarray(decode.step.append(jnp.full((3, 12), -1, jnp.int32), chunk, s.count,
+                                        ~s.done))
     # row 0: root + 2 accepted appended at 2, and the 4-token limit is reached
-    assert list(out[0, 2:5]) == [5, 6, 7] and int(count[0]) == 5 and bool(done[0])
+    assert list(out[0, 2:5]) == [5, 6, 7] and int(count[0]) == 4 and bool(done[0])
     assert int(kept[0]) == 2  # the histogram counts only the tokens that fit
     # row 1: EOS (2) is the 2nd token of the chunk: keep it, stop there
     assert list(out[1, :2]) == [5, 2] and int(count[1]) == 2 and bool(done[1])

@@ -1,5 +1,5 @@
-"""Heads metadata that is not what it claims is named in one line (issue 32; moved from
-commands/test_checks_first)."""
+"""Heads metadata that is not what it claims is named in one line (issue 32; formerly in
+tests/test_checks_first.py)."""
 
 import pytest
 from safetensors.numpy import save_file

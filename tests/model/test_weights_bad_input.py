@@ -1,5 +1,5 @@
 """Broken weights are reported from the safetensors headers, before the tokenizer or anything
-else loads (issue 32; moved from test_checks_first)."""
+else loads (issue 32; formerly in tests/test_checks_first.py)."""
 
 import json
 import shutil

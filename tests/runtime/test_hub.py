@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from medusa_jax.runtime import assets, hub
-from medusa_jax.model import paths
+from medusa_jax.model.paths import check_model_paths
 from medusa_jax.model.config import ModelConfig
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -64,7 +64,7 @@ def test_a_model_id_is_found_in_the_cache_offline(cache):
     snapshot = lay_out(cache, "acme/stories", assets.model_dir())
     assert hub.local("acme/stories") == snapshot
     assert ModelConfig.from_dir("acme/stories") == ModelConfig.from_dir(assets.model_dir())
-    paths.check_model_paths("acme/stories", None)
+    check_model_paths("acme/stories", None)
 
 
 def test_a_missing_id_offline_is_one_line_saying_so(cache):

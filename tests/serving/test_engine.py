@@ -13,7 +13,8 @@ import pytest
 
 from medusa_jax.runtime import assets
 from medusa_jax.decoding.acceptance import Sampling, log_probs
-from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline, row_log_probs
+from medusa_jax.decoding.sampling import row_log_probs
+from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
@@ -177,12 +178,9 @@ def test_limits_are_checked_before_queueing(model):
         e.submit(reqs[3])
 
 
-def test_hydra_heads_are_refused_in_one_line():
-    from medusa_jax.api import Medusa
-
-    with pytest.raises(ValueError, match="the serving engine drafts with Medusa heads; these "
-                                         "are Hydra heads"):
-        Engine(Medusa.load(heads="hydra"), slots=2, max_context=CONTEXT)
+def test_unknown_acceptance_is_refused_in_one_line(model):
+    with pytest.raises(ValueError, match="acceptance must be one of rejection, typical"):
+        Engine(model, slots=2, max_context=CONTEXT, acceptance="beam")
 
 
 def test_max_context_past_the_model_is_refused(model):

@@ -247,6 +247,77 @@ def test_unimplemented_parameters_are_refused_by_name(url, endpoint, extra, para
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+@pytest.mark.parametrize("endpoint, extra, param, message", [
+    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, "
+                                                         "got true"),
+    ("completions", dict(n=True), "n", "n must be an integer, got true"),
+    ("completions", dict(temperature=True), "temperature", "must be a number in [0, 2]"),
+    ("completions", dict(seed="7"), "seed", 'seed must be a 64-bit integer, got "7"'),
+    ("completions", dict(top_p=0), "top_p", "top_p must be a number in (0, 1], got 0"),
+    ("completions", dict(stop_token_ids=[1, True]), "stop_token_ids",
+     "stop_token_ids[1] must be an integer, got true"),
+    ("completions", dict(stream=True, stream_options={"include_usage": 1}),
+     "stream_options.include_usage", "stream_options.include_usage must be a boolean, got 1"),
+    ("completions", dict(model=None), "model", "model is required"),
+    ("chat", dict(messages=[{"role": "user"}]), "messages[0].content",
+     "messages[0].content is required"),
+    ("chat", dict(messages=[{"role": "user", "content": 5}]), "messages[0].content",
+     "messages[0].content must be a string or a list of text parts"),
+    ("chat", dict(messages=[{"role": "robot", "content": "Hi"}]), "messages[0].role",
+     'messages[0].role must be '),
+    ("chat", dict(messages=SHORT + [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), "messages[1].content[0].type",
+     "only text parts are supported"),
+    ("chat", dict(messages=[{"role": "user", "content": "Hi", "name": "Lily"}]),
+     "messages[0].name", "unrecognized request argument: messages[0].name"),
+    ("chat", dict(messages=[]), "messages", "messages must be a non-empty list"),
+    ("completions", dict({f"k{i}": 1 for i in range(50_000)}), "k0",
+     "unrecognized request argument: k0"),  # one error, not 50,000
+])
+def test_types_are_strict_and_errors_name_the_field(url, endpoint, extra, param, message):
+    """A bool is not an integer nor a number, a string is not an integer; a nested field is
+    named by its path."""
+    body = dict(model=MODEL, max_tokens=4)
+    body.update(dict(messages=SHORT + [{"role": "user", "content": "Hi"}]) if endpoint == "chat"
+                else dict(prompt="Once"))
+    body.update(extra)
+    r = httpx.post(f"{url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                   json=body, timeout=30)
+    assert message in _error(r, 400, param)["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_body_that_is_not_an_object_is_refused(url):
+    for data, message in ((b"[1, 2]", "must be a JSON object"), (b"{not json", "not valid JSON"),
+                          (b"[" * 10_000, "not valid JSON")):
+        r = _post_raw(url, data)
+        assert message in _error(r, 400, None)["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_null_is_absent_and_text_parts_are_text(url):
+    """OpenAI's clients send null for what they leave out; a message's content may be text
+    parts, joined."""
+    plain = dict(model=MODEL, prompt="Once", max_tokens=6, temperature=0)
+    nulls = dict(plain, seed=None, stop=None, top_p=None, n=None, stream_options=None,
+                 logit_bias=None, user=None)
+    a, b = (httpx.post(url + "/v1/completions", json=x, timeout=30) for x in (plain, nulls))
+    assert a.status_code == b.status_code == 200, b.text
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    chat = [httpx.post(url + "/v1/chat/completions", timeout=30, json=dict(
+        model=MODEL, max_tokens=4, temperature=0, messages=SHORT + [{"role": "user",
+                                                                     "content": c}]))
+            for c in ("Hi there", [{"type": "text", "text": "Hi"},
+                                   {"type": "text", "text": " there"}])]
+    assert chat[0].status_code == chat[1].status_code == 200, chat[1].text
+    assert chat[0].json()["usage"] == chat[1].json()["usage"]
+    assert chat[0].json()["choices"][0]["message"] == chat[1].json()["choices"][0]["message"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_what_changes_nothing_is_accepted_and_top_k_off_agrees(client):
     ref = client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=0)
     for extra in (dict(presence_penalty=0, frequency_penalty=0, logit_bias={}, user="u"),

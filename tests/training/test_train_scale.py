@@ -12,6 +12,7 @@ import pytest
 from medusa_jax.model import backbone
 from medusa_jax.runtime import sharding
 from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.training import step as ts
 from medusa_jax.model.config import ModelConfig
 
@@ -266,7 +267,6 @@ def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_
 
 
 def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
-    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     heads = heads_lib.init_heads(CFG, backbone.init_params(CFG, jax.random.key(0)),
@@ -371,7 +371,6 @@ def test_reduced_vocabulary_errors_before_any_work(capsys):
 
 def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     from medusa_jax.api import Medusa
-    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     m = Medusa.load()

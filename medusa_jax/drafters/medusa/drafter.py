@@ -8,7 +8,7 @@ import dataclasses
 import jax
 
 from medusa_jax import kernels
-from medusa_jax.decoding.decode import Proposal, propose_candidates
+from medusa_jax.decoding.step import Proposal, propose_candidates
 from medusa_jax.drafters.hydra.heads import is_hydra
 from medusa_jax.drafters.medusa.heads import apply_heads
 from medusa_jax.model.backbone import Params
@@ -27,6 +27,7 @@ class MedusaDrafter:
 
     head_fn: object = standard_heads
     kind = "medusa"
+    batch_axis = 1  # of the carry: [K, B, V] logits
 
     @classmethod
     def matches(cls, heads: Params) -> bool:

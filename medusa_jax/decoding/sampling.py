@@ -1,0 +1,183 @@
+"""How tokens are chosen, per row: the one representation the decoding step uses.
+
+`Rows` holds every row's sampling parameters, stop tokens and token limit as [B] arrays, so
+one compiled step serves rows that sample differently (the serving engine's slots). A static
+`Sampling` (what offline callers pass) is a broadcast of one row (`Rows.of`); the rows then
+also carry it statically, and the compiled program keeps only the rules that row uses (all
+greedy: no filtering, no PRNG work).
+
+`check` holds the validation rules once; `Sampling` and the serving layers call it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.runtime import pytree as struct
+
+MODES = ("greedy", "typical", "rejection")
+# the modes that draw a token at random where plain decoding chooses one (plain decoding has
+# no tree, so "typical" means plain sampling there) and where a tree's root is chosen
+PLAIN_DRAWS = ("typical", "rejection")
+ROOT_DRAWS = ("rejection",)  # typical acceptance keeps the first token greedy (the paper)
+
+
+def check(mode: str = "greedy", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+          epsilon: float = 0.09, delta: float = 0.3) -> None:
+    """Raise a one-line ValueError naming the first field out of range."""
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode != "greedy" and not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
+    if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
+        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not epsilon >= 0:
+        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
+    if not delta >= 0:
+        raise ValueError(f"delta must be >= 0, got {delta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen. Hashable: a static argument of the jitted decoders.
+
+    mode: "greedy" (argmax; lossless), "typical" (the paper's typical acceptance; lossy),
+    "rejection" (lossless speculative sampling from the temperature/top-k/top-p distribution).
+    """
+
+    mode: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1.0: off
+    epsilon: float = 0.09  # typical: hard threshold
+    delta: float = 0.3  # typical: entropy-scaled threshold (the paper's alpha)
+
+    def __post_init__(self):
+        check(self.mode, self.temperature, self.top_k, self.top_p, self.epsilon, self.delta)
+
+
+def log_probs(logits: jax.Array, s: Sampling) -> jax.Array:
+    """The distribution plain sampling draws from: temperature, then top-k, then top-p."""
+    x = logits.astype(jnp.float32) / s.temperature
+    neg = jnp.finfo(jnp.float32).min
+    if s.top_k > 0:
+        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, neg, x)
+    if s.top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        cum = jnp.cumsum(jax.nn.softmax(sorted_x, axis=-1), axis=-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep = (cum - jax.nn.softmax(sorted_x, axis=-1)) < s.top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, neg, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+def row_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> jax.Array:
+    """`log_probs` with per-row parameters: logits [B, ..., V], the rest [B]. Temperature,
+    then top-k, then top-p, as plain sampling does (temperature <= 0 reads as 1)."""
+    v = logits.shape[-1]
+    shape = (-1,) + (1,) * (logits.ndim - 1)
+    t = jnp.where(temperature > 0, temperature, 1.0).reshape(shape)
+    k, p = top_k.reshape(shape), top_p.reshape(shape)
+    x = logits.astype(jnp.float32) / t
+    neg = jnp.finfo(jnp.float32).min
+    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+    idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), sorted_x.shape[:-1] + (1,))
+    kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
+    use_k = k > 0
+    x = jnp.where(use_k & (x < kth), neg, x)
+    sorted_x = jnp.where(use_k & (sorted_x < kth), neg, sorted_x)  # still sorted
+    sm = jax.nn.softmax(sorted_x, axis=-1)
+    keep = (jnp.cumsum(sm, axis=-1) - sm) < p  # the smallest prefix reaching top_p
+    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where((p < 1.0) & (x < cutoff), neg, x)
+    return jax.nn.log_softmax(x, axis=-1)
+
+
+@struct.dataclass
+class Rows:
+    """Every row's sampling and limits (B rows). Row b follows `modes[mode[b]]`."""
+
+    mode: jax.Array  # [B] int32: index into `modes`
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] float32; 1 = off
+    epsilon: jax.Array  # [B] float32 (typical)
+    delta: jax.Array  # [B] float32 (typical)
+    max_tokens: jax.Array  # [B] int32: the row is done once it has emitted this many
+    stop: jax.Array  # [B, N] int32: tokens that end the row (kept), -1 = none
+    # static: the modes rows may follow (a program is compiled for these only), and the one
+    # Sampling every row follows when they all sample alike (its filters then stay static)
+    modes: tuple[str, ...] = struct.static_field(default=("greedy",))
+    same: Sampling | None = struct.static_field(default=None)
+
+    @classmethod
+    def of(cls, s: Sampling, b: int, max_tokens: int, stop: tuple[int, ...] = ()) -> "Rows":
+        """`s` for each of b rows, each ending at `stop` tokens or after `max_tokens`."""
+        full = lambda x, dtype: jnp.full((b,), x, dtype)  # noqa: E731
+        stop_ids = jnp.broadcast_to(jnp.asarray(stop or (-1,), jnp.int32), (b, max(1, len(stop))))
+        return cls(mode=full(0, jnp.int32), temperature=full(s.temperature, jnp.float32),
+                   top_k=full(s.top_k, jnp.int32), top_p=full(s.top_p, jnp.float32),
+                   epsilon=full(s.epsilon, jnp.float32), delta=full(s.delta, jnp.float32),
+                   max_tokens=full(max_tokens, jnp.int32), stop=stop_ids, modes=(s.mode,),
+                   same=s)
+
+    def log_probs(self, logits: jax.Array) -> jax.Array:
+        """Each row's plain-sampling distribution: logits [B, ..., V] -> log-probs."""
+        if self.same is not None:
+            return log_probs(logits, self.same)
+        return row_log_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def draws(self, which: tuple[str, ...]) -> bool:
+        """Whether any row may follow one of the modes `which` (static)."""
+        return any(m in which for m in self.modes)
+
+    def follows(self, which: tuple[str, ...]) -> jax.Array | bool:
+        """[B] bool: the rows that follow one of the modes `which` (True: all of them)."""
+        idx = [i for i, m in enumerate(self.modes) if m in which]
+        if len(idx) == len(self.modes):
+            return True
+        return jnp.isin(self.mode, jnp.asarray(idx, jnp.int32))
+
+    def is_stop(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, C] -> [B, C] bool: which are the row's stop tokens."""
+        return jnp.any(tokens[:, :, None] == self.stop[:, None, :], axis=-1)
+
+
+def split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row keys [B] -> (carried [B], for use now [B])."""
+    both = jax.vmap(jax.random.split)(keys)
+    return both[:, 0], both[:, 1]
+
+
+def next_keys(keys: jax.Array, used: bool) -> tuple[jax.Array, jax.Array]:
+    """(carried keys, keys for this step). Rules that draw nothing do no PRNG work."""
+    return split_rows(keys) if used else (keys, keys)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, rows: Rows,
+                draw: tuple[str, ...] = PLAIN_DRAWS, live: jax.Array | None = None) -> jax.Array:
+    """Each row's next token: logits [B, V] -> [B] int32, drawn from its distribution where
+    it follows a mode in `draw`, else its argmax. Rows of mixed modes draw only when some
+    live row (live [B], default all) needs it (a `cond`: greedy batches skip the filters)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not rows.draws(draw):
+        return greedy
+
+    def drawn(_):
+        logp = rows.log_probs(logits)
+        return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+
+    follows = rows.follows(draw)
+    if follows is True:
+        return drawn(None)
+    some = jnp.any(follows if live is None else follows & live)
+    return jnp.where(follows, jax.lax.cond(some, drawn, lambda _: greedy, None), greedy)

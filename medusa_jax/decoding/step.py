@@ -1,0 +1,276 @@
+"""The decoding step, written once: a plain step and a Medusa step over B rows.
+
+Every row may be live or free (`done`), and follows its own sampling, stop tokens and token
+limit (`sampling.Rows`). Two drivers run these steps: the offline decoders (`decode`: a
+`while_loop` in cache phases until every row is done) and the serving engine (`serving`:
+K steps per call over S slots, requests inserted into free rows).
+
+A row's `root` is its next token, chosen and not yet emitted: a step emits it first, then
+the tokens it accepts, and chooses the next root. A Medusa step is five stages, in the
+paper's order:
+  1. the drafter proposes the tree from its carry and the root (`decoding.drafter`);
+  2. `verify`: one backbone pass over root + tree nodes, the tree mask after the prefix;
+  3. `acceptance.accept_rows`: each row's rule picks a path and the next root;
+  4. `emit` + `commit`: the accepted tokens go out (cut at a stop token or the limit) and
+     the accepted path's keys/values to consecutive cache slots;
+  5. the drafter's carry from the last accepted node's hidden state (`Drafter.start`).
+Each step returns (state, chunk [B, W], n [B]): row b emitted chunk[b, :n[b]].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.decoding import acceptance
+from medusa_jax.decoding.sampling import (PLAIN_DRAWS, ROOT_DRAWS, Rows, next_keys,
+                                          sample_rows, split_rows)
+from medusa_jax.decoding.tree import DynamicTree, Tree
+from medusa_jax.model.backbone import (KVCache, Params, causal_mask, forward, forward_scratch,
+                                       is_decoding_layout, tree_mask_after_prefix, write_kv)
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.runtime import pytree as struct
+from medusa_jax.runtime import sharding
+
+
+def static_tree(tree: Tree | DynamicTree) -> Tree:
+    """The tree acceptance walks: a dynamic tree's pool, else the tree."""
+    return tree.pool if isinstance(tree, DynamicTree) else tree
+
+
+def small_top_k(x: jax.Array, k: int) -> jax.Array:
+    """Indices of the k largest entries along the last axis, largest first.
+
+    k rounds of argmax-and-mask: on CPU, XLA's TopK sorts the whole vocabulary and costs
+    more than the rest of a Medusa step; trees need k <= 10.
+    """
+    picks = []
+    for _ in range(k):
+        idx = jnp.argmax(x, axis=-1)
+        picks.append(idx)
+        x = jnp.where(jnp.arange(x.shape[-1]) == idx[..., None], -jnp.inf, x)
+    return jnp.stack(picks, axis=-1).astype(jnp.int32)
+
+
+@struct.dataclass
+class Proposal:
+    """What stage 1 hands to the others: the tokens to verify and, for acceptance, the tree
+    they form. A static tree verifies every node; a dynamic tree a per-row subset of its
+    pool, and acceptance then works on the pool with the unverified nodes masked out."""
+
+    fed: jax.Array  # [B, T] int32: the tokens verified, root first
+    fed_depth: jax.Array  # [T] or [B, T] int32: each one's position after the root
+    fed_mask: jax.Array  # [T, T] or [B, T, T] bool: which fed tokens each one attends
+    tokens: jax.Array  # [B, N] int32: every node's token (N = tree or pool nodes)
+    valid: jax.Array | None  # [B, N] bool: the nodes verified (None: all)
+    slot: jax.Array | None  # [B, N] int32: each node's index in `fed` (None: the same)
+
+    def fed_index(self, nodes: jax.Array) -> jax.Array:
+        """Node indices [B, ...] -> their indices in `fed`."""
+        return nodes if self.slot is None else jnp.take_along_axis(self.slot, nodes, axis=1)
+
+
+def propose_candidates(root: jax.Array, head_logits: jax.Array,
+                       tree: Tree | DynamicTree) -> Proposal:
+    """Stage 1 (Medusa heads). root [B], head_logits [K, B, V] -> the tokens to verify: node
+    i of the tree takes entry `cand_index[i]` of [root, top-k of head 1, top-k of head 2,
+    ...]. A dynamic tree keeps, per row, the `size` pool nodes whose paths are most probable
+    under the heads (the sum of each node's rank log-probability along its path)."""
+    static = tree.pool if isinstance(tree, DynamicTree) else tree
+    b, depth, k = root.shape[0], static.depth, static.top_k
+    top = small_top_k(head_logits[:depth], k)  # [D, B, k]
+    flat = jnp.concatenate([root[:, None], jnp.transpose(top, (1, 0, 2)).reshape(b, -1)],
+                           axis=1)
+    cand_index = jnp.asarray(static.cand_index)
+    tokens = flat[:, cand_index].astype(jnp.int32)  # [B, N]
+    if not isinstance(tree, DynamicTree):
+        return tree_proposal(tokens, None, tree)
+    logp = jax.nn.log_softmax(head_logits[:depth].astype(jnp.float32), axis=-1)
+    top_logp = jnp.take_along_axis(logp, top, axis=-1)  # [D, B, k]
+    flat_logp = jnp.concatenate([jnp.zeros((b, 1)), jnp.transpose(top_logp, (1, 0, 2))
+                                 .reshape(b, -1)], axis=1)
+    return tree_proposal(tokens, flat_logp[:, cand_index], tree)
+
+
+def tree_proposal(tokens: jax.Array, node_logp: jax.Array | None,
+                  tree: Tree | DynamicTree) -> Proposal:
+    """Stage 1's common end, for any drafter: every node's token [B, N] (and, for a dynamic
+    tree, each node's own log-probability [B, N] at its depth) -> the Proposal. A static tree
+    verifies every node; a dynamic one, per row, the `size` pool nodes of highest path
+    log-probability (a subtree: a child scores strictly below its parent)."""
+    if not isinstance(tree, DynamicTree):
+        return Proposal(fed=tokens, fed_depth=jnp.asarray(tree.node_depth),
+                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None)
+    static = tree.pool
+    b = tokens.shape[0]
+    ancestors = jnp.asarray(static.mask, jnp.float32)  # [N, N]: ancestors and itself
+    depth_of = jnp.asarray(static.node_depth)
+    # a child scores strictly below its parent (ties included): the choice is a subtree
+    score = node_logp @ ancestors.T - 1e-4 * depth_of[None]
+    chosen = jax.lax.top_k(score[:, 1:], tree.size)[1] + 1  # [B, size], the root apart
+    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32),
+                             jnp.sort(chosen, axis=1).astype(jnp.int32)], axis=1)  # [B, T]
+    rows = jnp.arange(b)[:, None]
+    valid = jnp.zeros(tokens.shape, bool).at[rows, nodes].set(True)
+    slot = jnp.zeros(tokens.shape, jnp.int32).at[rows, nodes].set(
+        jnp.arange(tree.num_nodes, dtype=jnp.int32)[None])
+    mask = jnp.asarray(static.mask)[nodes[:, :, None], nodes[:, None, :]]  # [B, T, T]
+    return Proposal(fed=jnp.take_along_axis(tokens, nodes, axis=1), fed_depth=depth_of[nodes],
+                    fed_mask=mask, tokens=tokens, valid=valid, slot=slot)
+
+
+def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache,
+           window: int | None = None):
+    """Stage 2. One backbone pass over the proposed tokens [B, T], each at position
+    length + its depth, attending the prefix (within the first `window` cache slots,
+    default all) and its own ancestors. Returns (logits [B, T, V], hidden [B, T, H], the new
+    keys/values [L, B, KVH, T, D] each, and the cache with them written in the scratch
+    slots past the context, uncommitted: `commit` keeps the accepted path)."""
+    depth = prop.fed_depth if prop.fed_depth.ndim == 2 else prop.fed_depth[None, :]
+    positions = cache.lengths[:, None] + depth
+    mask = tree_mask_after_prefix(cache.lengths, prop.fed_mask, window or cache.capacity)
+    return forward_scratch(params, cfg, prop.fed, positions, mask, cache)
+
+
+def commit(cache: KVCache, k_new: jax.Array, v_new: jax.Array, path: jax.Array,
+           advance: jax.Array) -> KVCache:
+    """Stage 4b. Keep only the accepted path's keys/values: node path[b, j] of the verify
+    pass goes to slot lengths[b] + j; then each row's length grows by advance [B]."""
+    sel = path[None, :, None, :, None]  # [1, B, 1, D+1, 1]
+    cache = write_kv(cache, jnp.take_along_axis(k_new, sel, axis=3),
+                     jnp.take_along_axis(v_new, sel, axis=3))
+    return cache.advance(advance)
+
+
+def _prefill(params, cfg, tokens, lengths, capacity):
+    """Prompts tokens [B, P] -> (the last prompt token's logits [B, V] and hidden state
+    [B, H], the cache with the prompts in it)."""
+    b, p = tokens.shape
+    tokens = sharding.constrain_rows(tokens)  # under `jax.set_mesh`: rows over data axes
+    # the decoding layout (one device) writes a per-layer cache in place
+    cache = KVCache.init(cfg, b, capacity, per_layer=is_decoding_layout(params))
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    logits, hidden, cache = forward(params, cfg, tokens, positions,
+                                    causal_mask(cache.lengths, p, capacity), cache,
+                                    empty_cache=True)
+    last = lengths - 1
+    rows = jnp.arange(b)
+    return logits[rows, last], hidden[rows, last], cache.replace(lengths=lengths)
+
+
+
+
+@struct.dataclass
+class DecodeState:
+    """The rows being decoded (B rows; W tokens a step emits at most: D + 1, or 1 plain)."""
+
+    cache: KVCache
+    root: jax.Array  # [B] int32: the next token, chosen, not yet emitted nor fed
+    # the drafter's carry (any pytree, batch on `batch_axis(drafter)`; None: plain), e.g.
+    # Medusa heads' logits for the tokens after the root [K, B, V]
+    draft: object
+    count: jax.Array  # [B] int32: tokens emitted
+    steps: jax.Array  # [B] int32: steps taken while live
+    hist: jax.Array  # [B, W + 1] int32: steps that emitted 0 .. W tokens
+    done: jax.Array  # [B] bool: finished, or a free row
+    keys: jax.Array  # [B] PRNG keys, one stream per row
+    rows: Rows
+
+
+def batch_axis(drafter) -> int:
+    """The axis of a drafter's carry leaves that holds the rows."""
+    return getattr(drafter, "batch_axis", 1)
+
+
+def select_rows(which: jax.Array, new, old, axis: int):
+    """Per row, `new` where which [B], else `old`: two pytrees with rows on `axis`."""
+    def pick(a, b):
+        shape = [1] * a.ndim
+        shape[axis] = -1
+        return jnp.where(which.reshape(shape), a, b)
+    return jax.tree.map(pick, new, old)
+
+
+def emit(s: DecodeState, chunk: jax.Array, n_valid: jax.Array):
+    """Stage 4a. chunk [B, C], of which the first n_valid [B] are this step's tokens: each
+    live row keeps them up to its first stop token (kept) and its token limit. Returns
+    (tokens kept [B], count [B], done [B])."""
+    live = ~s.done
+    j = jnp.arange(chunk.shape[1])[None]
+    is_stop = s.rows.is_stop(chunk) & (j < n_valid[:, None])
+    hit = jnp.any(is_stop, axis=1)
+    first = jnp.argmax(is_stop, axis=1)
+    n = jnp.where(hit, first + 1, n_valid)
+    n = jnp.where(live, jnp.minimum(n, s.rows.max_tokens - s.count), 0)
+    count = s.count + n
+    done = s.done | (live & ((hit & (first < n)) | (count >= s.rows.max_tokens)))
+    return n, count, done
+
+
+def append(buf: jax.Array, chunk: jax.Array, at: jax.Array, live: jax.Array) -> jax.Array:
+    """Write chunk [B, C] into buf [B, N] at column at [B], in live rows only."""
+    out = jax.vmap(lambda o, c, i: jax.lax.dynamic_update_slice(o, c, (i,)))(buf, chunk, at)
+    return jnp.where(live[:, None], out, buf)
+
+
+def start(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
+          keys: jax.Array, rows: Rows, capacity: int, drafter=None, heads: Params = None,
+          width: int = 1) -> DecodeState:
+    """Prefill prompts tokens [B, P] (right-padded, lengths [B]) into a cache of `capacity`
+    slots, choose each row's root with its own rule (keys [B]: the rows' streams) and start
+    the drafter (None: plain decoding). `heads`: the drafter's prepared parameters; `width`:
+    the tokens a step emits at most."""
+    b = tokens.shape[0]
+    logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
+    keys, sub = split_rows(keys)
+    root = sample_rows(sub, logits, rows, PLAIN_DRAWS if drafter is None else ROOT_DRAWS)
+    draft = None if drafter is None else drafter.start(params, heads, hidden, lengths)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return DecodeState(cache=cache, root=root, draft=draft, count=zeros, steps=zeros,
+                       hist=jnp.zeros((b, width + 1), jnp.int32), done=jnp.zeros((b,), bool),
+                       keys=keys, rows=rows)
+
+
+def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | None = None):
+    """Emit each live row's root, feed it and choose the next, attending over the first
+    `window` cache slots (default all). Returns (state, chunk [B, 1], n [B])."""
+    live = ~s.done
+    chunk = s.root[:, None]
+    n, count, done = emit(s, chunk, jnp.ones_like(s.count))
+    logits, _, cache = forward(params, cfg, chunk, s.cache.lengths[:, None],
+                               causal_mask(s.cache.lengths, 1, window or s.cache.capacity),
+                               s.cache)
+    keys, sub = next_keys(s.keys, s.rows.draws(PLAIN_DRAWS))
+    new = sample_rows(sub, logits[:, 0], s.rows, PLAIN_DRAWS, live)
+    s = s.replace(cache=cache.advance(~done), root=jnp.where(done, s.root, new), count=count,
+                  steps=s.steps + live, done=done, keys=keys)
+    return s, chunk, n
+
+
+def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
+                tree: Tree | DynamicTree, s: DecodeState, window: int | None = None):
+    """One Medusa step for every row, the five stages in order (attending over the first
+    `window` cache slots, default all). `heads`: the drafter's prepared parameters.
+    Returns (state, chunk [B, D+1], n [B])."""
+    static = static_tree(tree)
+    rows = jnp.arange(s.root.shape[0])
+    live = ~s.done
+    prop = drafter.propose(params, heads, s.draft, s.root, tree)  # 1
+    logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)  # 2
+    keys, sub = next_keys(s.keys, s.rows.draws(ROOT_DRAWS))
+    best, acc_len, next_root = acceptance.accept_rows(
+        logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live)  # 3
+    path = jnp.asarray(static.paths)[best]  # [B, D+1] node indices, root first
+    chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
+    n, count, done = emit(s, chunk, acc_len + 1)  # 4
+    fed_path = prop.fed_index(path)
+    cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
+    draft = drafter.start(params, heads, hidden[rows, fed_path[rows, acc_len]],
+                          cache.lengths)  # 5
+    s = s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
+                  draft=select_rows(live, draft, s.draft, batch_axis(drafter)), count=count,
+                  steps=s.steps + live,
+                  hist=s.hist.at[rows, jnp.clip(n, 0, static.depth + 1)].add(
+                      live.astype(jnp.int32)),
+                  done=done, keys=keys)
+    return s, chunk, n
