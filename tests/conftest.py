@@ -1,7 +1,13 @@
 """Test setup (before jax's first use): 8 simulated CPU devices for the sharding tests, and
 one persistent compilation cache for the whole session, shared with the commands the tests
 launch (they inherit it through the environment): .pytest_cache/jax-cache, or
-$MEDUSA_JAX_TEST_CACHE_DIR. Set MEDUSA_JAX_NO_COMPILE_CACHE=1 to run without it."""
+$MEDUSA_JAX_TEST_CACHE_DIR. Set MEDUSA_JAX_NO_COMPILE_CACHE=1 to run without it.
+
+The folders mirror the package (kernels/, runtime/, text/, model/, decoding/, drafters/,
+tools/, training/, serving/; commands/ for the train/ and infer/ entry points; the notebook
+API and the layering at the top). No test module imports another: what several files share
+is a fixture, here or in a folder's conftest.py. Markers (pyproject.toml): slow, subprocess,
+multihost; the fast loop is `python -m pytest -q -n 2 --dist loadfile -m "not slow" tests`."""
 
 import os
 from pathlib import Path

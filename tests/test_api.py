@@ -1,6 +1,7 @@
-"""Hostile input to the notebook API, data files and prompt files: every error is one line
-that names the argument (and the prompt's index) or the file (and line), raised before any
-work is compiled. (Checkpoint, tree and weights cases live in their own test files.)"""
+"""Hostile input to the notebook API (`Medusa.load`, `Medusa.generate`): every error is one
+line that names the argument (and the prompt's index), raised before any work is compiled.
+(Data files: text/test_data_bad_input.py; prompt files: text/test_prompt_files.py;
+checkpoint, tree and weights cases live beside their modules' tests.)"""
 
 import json
 import shutil
@@ -9,10 +10,7 @@ import numpy as np
 import pytest
 
 from medusa_jax import api
-from medusa_jax.text import data
 from medusa_jax.api import Medusa
-from medusa_jax.tools.bench import read_prompt_file
-from medusa_jax.text.data import DataError
 from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 from medusa_jax.model.weights import WeightsError, default_model_dir
 
@@ -101,6 +99,7 @@ def test_generate_rejects(model, no_decoding, prompts, kwargs, error, message):
     assert one_line(e) == message
 
 
+@pytest.mark.slow
 def test_plain_decoding_may_fill_the_whole_context(model):
     """400 + 112 = 512 tokens (like "Lily" + 510): plain decoding feeds no tree, and its last
     token is emitted, never fed, so nothing more is needed."""
@@ -117,6 +116,7 @@ def test_generate_checks_the_tree_against_the_vocabulary(model, no_decoding, tmp
                            f"512 tokens (ranks must be < 512)")
 
 
+@pytest.mark.slow
 def test_generate_accepts_token_ids_as_arrays_and_tuples(model):
     out = model.generate(np.array([[1, 403], [1, 500]]), max_new_tokens=2, medusa=False,
                          batch_size=np.int64(2))
@@ -156,76 +156,28 @@ def test_load_model_without_tokenizer(tmp_path):
                            f"tokenizer.model, tokenizer_config.json)")
 
 
-# ---- data files
+# ---- the first minutes (issue 33; formerly in tests/test_first_minutes.py)
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("zero.jsonl", b"", "the file is empty"),
-    ("blank.json", b" \n\t\n", "the file is empty (whitespace only)"),
-    ("zero.txt", b"", "the file is empty"),
-    ("blank.txt", b"\n\n  \n", "the file is empty (whitespace only)"),
-    ("array.json", b"[]", "the file holds no records (an empty JSON array)"),
-])
-@pytest.mark.parametrize("fmt", ["auto", "sharegpt"])
-def test_empty_data_file(tmp_path, name, content, message, fmt):
-    f = tmp_path / name
-    f.write_bytes(content)
-    if fmt == "sharegpt" and name.endswith(".txt"):
-        fmt = "text"
-    with pytest.raises(DataError) as e:
-        data.read_file(f, fmt)
-    assert one_line(e) == f"{f}: {message}"
+@pytest.mark.slow
+def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys):
+    from medusa_jax.api import Medusa
 
-
-@pytest.mark.parametrize("name", ["chats.jsonl", "stories.txt"])
-def test_non_utf8_data_file_names_the_line(tmp_path, name):
-    f = tmp_path / name
-    good = json.dumps({"conversations": [{"from": "human", "value": "hi"},
-                                         {"from": "gpt", "value": "hello"}]}).encode()
-    f.write_bytes(good + b"\n" + good + b"\n" + b'{"x": "caf\xe9"}\n')
-    with pytest.raises(DataError) as e:
-        data.read_file(f)
-    offset = 2 * (len(good) + 1) + 10
-    assert one_line(e) == (f"{f}:3: not UTF-8 text (byte 0xe9 at offset {offset}: invalid "
-                           f"continuation byte)")
-
-
-def test_data_file_with_a_byte_order_mark(tmp_path):
-    f = tmp_path / "bom.jsonl"
-    rec = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}
-    f.write_bytes(b"\xef\xbb\xbf" + json.dumps(rec).encode() + b"\n")
-    assert data.read_file(f) == [[("user", "hi"), ("assistant", "yo")]]
-
-
-# ---- prompt files (infer.generate --prompts-file, infer.bench --prompts)
-
-
-@pytest.mark.parametrize("content, message", [
-    (b"Once upon a time\nLily \xff\n", "2: not UTF-8 text (byte 0xff at offset 22: invalid "
-                                       "start byte)"),
-    (b'{"prompt": "a"}\n{"prompt": 5}\n', "2: 'prompt' must be a string, got int 5"),
-    (b'{"prompt": null}\n', "1: 'prompt' must be a string, got NoneType None"),
-    (b'{"turns": [["a"]]}\n', "1: 'turns[0]' must be a string, got list ['a']"),
-    (b'{"turns": "abc"}\n', "1: 'turns' must be a non-empty list of strings, got str 'abc'"),
-    (b'{"turns": []}\n', "1: 'turns' must be a non-empty list of strings, got list []"),
-    (b'{"prompt": "  "}\n', "1: 'prompt' is empty"),
-    (b'{"text": "a"}\n', "1: no 'prompt' or 'turns' field"),
-    (b'{"prompt": "a"\n', "1: invalid JSON (Expecting ',' delimiter)"),
-    (b'{"prompt": "a"}\n[1,2,3]\n', "2: a JSON array, not a prompt: give text, or an object "
-                                     "with 'prompt' or 'turns' (token ids are not read from "
-                                     "prompt files)"),
-    (b"", " the file is empty"),
-    (b"\n \n", " the file is empty (whitespace only)"),
-])
-def test_bad_prompt_files(tmp_path, content, message):
-    f = tmp_path / "prompts.jsonl"
-    f.write_bytes(content)
-    with pytest.raises(ValueError) as e:
-        read_prompt_file(f)
-    assert one_line(e) == f"{f}:{message}"
-
-
-def test_good_prompt_file(tmp_path):
-    f = tmp_path / "prompts.jsonl"
-    f.write_bytes(b'\xef\xbb\xbf{"prompt": "a", "category": "c"}\n{"turns": ["b", "x"]}\nplain\n')
-    assert read_prompt_file(f) == [("a", "c"), ("b", None), ("plain", None)]
+    m = Medusa.load(heads="default")
+    capsys.readouterr()
+    first = m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
+    err = capsys.readouterr().err
+    assert err.startswith("compiling the decoder (first call) ...") and err.count("\n") == 1
+    line = m.last_timing.line()
+    assert line.startswith("2 prompts, medusa stories260K_cpu greedy: compiled in ")
+    steps = sum(g.steps for g in first)
+    assert line.endswith(f"tokens/step ({steps} steps)")
+    m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
+    assert capsys.readouterr().err == ""  # compiled already: no line
+    for g in first:
+        assert sum(g.accept_hist) == g.steps
+        assert sum(n * c for n, c in enumerate(g.accept_hist)) == g.new_tokens
+        assert not g.text.startswith(g.prompt)  # the continuation only
+    plain = m.generate(["Lily"], max_new_tokens=8, medusa=False)[0]
+    assert plain.accept_hist == [0, plain.steps, 0]
+    assert m.last_timing.line().startswith("1 prompt, plain greedy: compiled in ")

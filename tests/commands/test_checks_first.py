@@ -1,22 +1,20 @@
 """Bad input is refused before any work, in one line naming the file, field or flag
-(issue 32): config.json's values, broken weights before the tokenizer, output paths before
-benchmarking, flags before work; and nothing written where the user did not ask
-(train.export_heads --force, train.enlarge --output)."""
+(issue 32), by the commands: a bad config.json or broken weights fail infer.generate before
+JAX, output paths before benchmarking, flags before work; and nothing written where the user
+did not ask (train.export_heads --force, train.enlarge --output). The library's own checks
+sit beside their modules' tests: model/test_config_values.py, model/test_weights_bad_input.py,
+drafters/test_heads_metadata.py."""
 
 import json
 import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
 
 from medusa_jax.runtime import assets
 from medusa_jax import cli
-from medusa_jax.text import tokenizer as startup
-from medusa_jax.model.config import ModelConfig
-from medusa_jax.model.weights import WeightsError, check_headers, default_model_dir
+from medusa_jax.model.weights import default_model_dir
 
 
 def model_copy(tmp_path, name="m", **changes):
@@ -35,47 +33,7 @@ def one_line(text: str) -> str:
     return lines[0]
 
 
-# ---- config.json: type, range, finiteness, named
-
-
-GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
-              query_pre_attn_scalar=8)
-
-
-@pytest.mark.parametrize("changes, message", [
-    (dict(rms_norm_eps=float("nan")), "rms_norm_eps must be a finite number > 0, got nan"),
-    (dict(rms_norm_eps=0), "rms_norm_eps must be a finite number > 0, got 0"),
-    (dict(rope_theta=-10000), "rope_theta must be a finite number > 0, got -10000"),
-    (dict(rope_theta=float("inf")), "rope_theta must be a finite number > 0, got inf"),
-    (dict(hidden_size="64"), "hidden_size must be an integer >= 1, got str '64'"),
-    (dict(hidden_size=-64), "hidden_size must be an integer >= 1, got -64"),
-    (dict(hidden_size=64.0), "hidden_size must be an integer >= 1, got float 64.0"),
-    (dict(max_position_embeddings=-1), "max_position_embeddings must be an integer >= 1, "
-                                       "got -1"),
-    (dict(num_hidden_layers=True), "num_hidden_layers must be an integer >= 1, got bool True"),
-    (dict(vocab_size=0), "vocab_size must be an integer >= 1, got 0"),
-    (dict(tie_word_embeddings="false"), "tie_word_embeddings must be true or false, got str "
-                                        "'false'"),
-    (dict(eos_token_id=-2), "eos_token_id must be an integer >= 0, got -2"),
-    (dict(head_dim=None, hidden_size=60), "hidden_size=60 is not a multiple of "
-                                          "num_attention_heads=8 (and no head_dim is given)"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": float("nan")}),
-     "rope_scaling.factor must be a finite number > 0, got nan"),
-    (dict(GEMMA2, sliding_window="4096"), "sliding_window must be an integer >= 1, got str "
-                                          "'4096'"),
-    (dict(model_type="mistral", sliding_window=-4), "sliding_window must be an integer >= 1, "
-                                                    "got -4"),
-])
-def test_config_values_are_checked_and_named(tmp_path, changes, message):
-    d = model_copy(tmp_path, **changes)
-    with pytest.raises(ValueError) as e:
-        ModelConfig.from_dir(d)
-    assert str(e.value) == f"{d / 'config.json'}: {message}"
-
-
-def test_the_embedded_and_shipped_configs_still_pass():
-    cfg = ModelConfig.from_dir(default_model_dir())
-    assert (cfg.hidden_size, cfg.rms_norm_eps, cfg.rope_theta) == (64, 1e-5, 10000.0)
+# ---- config.json and weights: fail infer.generate before JAX
 
 
 def _generate_in_child(model_dir):
@@ -88,6 +46,7 @@ def _generate_in_child(model_dir):
                           timeout=60)
 
 
+@pytest.mark.subprocess
 def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
     """`infer.generate` names config.json and the field, and never imports JAX for it."""
     d = model_copy(tmp_path, rope_theta=-10000)
@@ -97,42 +56,7 @@ def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
                                      f"finite number > 0, got -10000")
 
 
-# ---- broken weights: reported before anything else loads
-
-
-def test_truncated_and_garbage_headers_are_named_from_the_header_alone(tmp_path):
-    d = model_copy(tmp_path)
-    f = d / "model.safetensors"
-    data = f.read_bytes()
-    f.write_bytes(data[: len(data) // 2])
-    with pytest.raises(WeightsError, match=r"model\.safetensors: corrupt or truncated "
-                                           r"safetensors file \(tensor \S+ ends at byte \d+ "
-                                           r"of its data; the file holds \d+: truncated\)"):
-        check_headers(d)
-    f.write_bytes(b"\x07garbage" * 10)
-    with pytest.raises(WeightsError, match="its header claims"):
-        check_headers(d)
-    f.write_bytes((16).to_bytes(8, "little") + b"{not json}      ")
-    with pytest.raises(WeightsError, match="its header is not JSON"):
-        check_headers(d)
-
-
-def test_a_nan_weight_is_refused_before_the_tokenizer_loads(tmp_path, monkeypatch):
-    from medusa_jax.api import Medusa
-
-    d = model_copy(tmp_path)
-    tensors = load_file(d / "model.safetensors")
-    tensors["model.norm.weight"][3] = np.nan
-    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
-
-    def no_tokenizer(path):
-        raise AssertionError("the tokenizer was loaded before the weights were checked")
-
-    monkeypatch.setattr(startup, "load_tokenizer", no_tokenizer)
-    with pytest.raises(WeightsError, match="tensor model.norm.weight holds 1 non-finite"):
-        Medusa.load(d)
-
-
+@pytest.mark.subprocess
 def test_a_truncated_file_fails_generate_before_jax(tmp_path):
     d = model_copy(tmp_path)
     f = d / "model.safetensors"
@@ -140,28 +64,6 @@ def test_a_truncated_file_fails_generate_before_jax(tmp_path):
     proc = _generate_in_child(d)
     assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
     assert "model.safetensors: corrupt or truncated" in one_line(proc.stderr)
-
-
-# ---- heads metadata
-
-
-def test_heads_metadata_that_is_not_a_count_is_named(tmp_path):
-    from medusa_jax.drafters.formats import load_heads
-    from medusa_jax.drafters.formats import HeadsFormatError, HEADS_FILE
-
-    src = assets.heads_dir() / HEADS_FILE
-    out = tmp_path / HEADS_FILE
-    from safetensors import safe_open
-
-    with safe_open(str(src), framework="numpy") as f:
-        meta = dict(f.metadata())
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    cfg = ModelConfig.from_dir(default_model_dir())
-    for key, value in (("num_layers", "abc"), ("num_heads", "-3"), ("extra", "{oops")):
-        save_file(tensors, out, metadata=dict(meta, **{key: value}))
-        with pytest.raises(HeadsFormatError) as e:
-            load_heads(out, cfg)
-        assert str(e.value).startswith(f"{out}: metadata {key}=") and "\n" not in str(e.value)
 
 
 # ---- outputs and flags before work

@@ -30,6 +30,8 @@ def heads_dir(stories, tmp_path_factory):
     return save_heads(tmp_path_factory.mktemp("heads"), heads, cfg).parent
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_generate_json(heads_dir, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Lily"}\n{"turns": ["Once upon a time", "ignored"]}\n')
@@ -47,6 +49,7 @@ def test_generate_json(heads_dir, tmp_path):
     assert f"{sum(r['new_tokens'] for r in rows)} tokens in" in proc.stderr  # compile apart
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("args, message", [
     (["--prompts-file", "/no/such/file"], "--prompts-file /no/such/file: no such file"),
     (["--heads", "/no/such/heads"], "no Medusa heads artifact"),
@@ -60,6 +63,8 @@ def test_generate_errors_are_one_line(heads_dir, args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_bench_reports_identical_greedy_output(heads_dir):
     proc = _run("infer.bench", "--heads", str(heads_dir), "--num-prompts", "2",
                 "--max-new-tokens", "16", "--reps", "1", "--no-transformers", "--json",

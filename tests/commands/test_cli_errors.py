@@ -60,6 +60,7 @@ def test_a_dynamic_tree_deeper_than_the_heads_is_one_line(tmp_path, stories, cap
     assert "depth 4 but there are only 2 Medusa heads" in err[-1]
 
 
+@pytest.mark.slow
 def test_heads_cost_needs_random_weights_and_times_every_projection():
     from medusa_jax.tools.bench import heads_cost
 

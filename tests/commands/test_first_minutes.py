@@ -1,6 +1,6 @@
 """The first five minutes (issue 33): `--help` and flag errors import no JAX, Flax,
-transformers or the model code; transformers' PyTorch notice silenced; the notebook API says
-when it compiles and explains what it returns. (Help timing is measured, not asserted here:
+transformers or the model code; transformers' PyTorch notice silenced. (The notebook API
+saying when it compiles: test_api.py.) (Help timing is measured, not asserted here:
 see the README.)"""
 
 import json
@@ -38,6 +38,7 @@ def probe(module, *argv):
     return json.loads(proc.stderr.strip().splitlines()[-1]), proc
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module", COMMANDS)
 def test_help_imports_nothing_heavy(module):
     result, proc = probe(module, "--help")
@@ -45,6 +46,7 @@ def test_help_imports_nothing_heavy(module):
     assert proc.stdout.startswith("usage: ")
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module, argv", [
     ("infer.generate", ["--model", "/nonexistent/model"]),
     ("infer.bench", ["--model", "/nonexistent/model"]),
@@ -93,6 +95,7 @@ def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
     assert os.environ[quiet.ADVISORY] == ""
 
 
+@pytest.mark.subprocess
 def test_decoding_sets_the_switch_before_transformers_is_imported():
     code = ("import os, sys\nfrom medusa_jax.text.tokenizer import tokenizer_class\n"
             "from medusa_jax.runtime import assets\n"
@@ -106,29 +109,7 @@ def test_decoding_sets_the_switch_before_transformers_is_imported():
     assert proc.stdout.strip() == "1", proc.stderr
 
 
-def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys):
-    from medusa_jax.api import Medusa
-
-    m = Medusa.load(heads="default")
-    capsys.readouterr()
-    first = m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
-    err = capsys.readouterr().err
-    assert err.startswith("compiling the decoder (first call) ...") and err.count("\n") == 1
-    line = m.last_timing.line()
-    assert line.startswith("2 prompts, medusa stories260K_cpu greedy: compiled in ")
-    steps = sum(g.steps for g in first)
-    assert line.endswith(f"tokens/step ({steps} steps)")
-    m.generate(["Once upon a time", "Lily"], max_new_tokens=20, batch_size=2)
-    assert capsys.readouterr().err == ""  # compiled already: no line
-    for g in first:
-        assert sum(g.accept_hist) == g.steps
-        assert sum(n * c for n, c in enumerate(g.accept_hist)) == g.new_tokens
-        assert not g.text.startswith(g.prompt)  # the continuation only
-    plain = m.generate(["Lily"], max_new_tokens=8, medusa=False)[0]
-    assert plain.accept_hist == [0, plain.steps, 0]
-    assert m.last_timing.line().startswith("1 prompt, plain greedy: compiled in ")
-
-
+@pytest.mark.slow
 def test_bench_reports_progress_per_compile_warm_up_and_repetition(stories):
     from medusa_jax.tools.bench import run_decoder
 
@@ -154,6 +135,7 @@ def test_the_step_ratio_column_says_what_it_is(capsys):
     assert "step/plain" in head and "overhead" not in head
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("module, argv", [
     ("infer.generate", ["--prompts-file", "/nonexistent/p.txt"]),
     ("infer.bench", ["--prompts", "/nonexistent/p.txt"]),

@@ -54,6 +54,8 @@ def _wait_for_training(run: Path, proc, timeout=120):
     raise AssertionError("training never started")
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_checkpoints_the_current_step_and_says_how_to_resume(
         tmp_path, data_file, sig, code):
@@ -77,6 +79,8 @@ def test_a_signal_checkpoints_the_current_step_and_says_how_to_resume(
     assert json.loads((run / "summary.json").read_text())["step"] == steps[0] + 2
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_second_run_on_the_same_directory_fails_at_once_naming_the_holder(
         tmp_path, data_file):
     run = tmp_path / "run"
@@ -99,6 +103,7 @@ def test_a_second_run_on_the_same_directory_fails_at_once_naming_the_holder(
     assert steps == sorted(set(steps))
 
 
+@pytest.mark.subprocess
 def test_a_lock_left_by_a_killed_process_is_not_in_the_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from medusa_jax.runtime.rundir import RunLock; "
@@ -114,6 +119,7 @@ def test_a_lock_left_by_a_killed_process_is_not_in_the_way(tmp_path):
     lock.release()
 
 
+@pytest.mark.subprocess
 def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -128,6 +134,7 @@ def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
 # ---- issue 23: the second signal is never lost, and says what it stopped (in-process)
 
 
+@pytest.mark.subprocess
 def test_two_signals_during_one_long_call_are_two(tmp_path):
     """Signals that arrive while the main thread is inside one C call (a compile, a batch of
     self-distillation) reach Python's handler once: the second must still stop at once."""

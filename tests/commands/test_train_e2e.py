@@ -32,6 +32,8 @@ def cli(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_train_stop_resume_and_use_the_heads(tmp_path, stories):
     run = tmp_path / "run"
     first = cli("--output-dir", str(run), "--stop-after", "2", *TINY)

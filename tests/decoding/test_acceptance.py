@@ -15,6 +15,7 @@ from medusa_jax.decoding.tree import Tree
 # drafters/test_hydra use them too.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, cpu_kernel", [(0, False), (1, False), (1, True)],
                          ids=["t1", "t0.7-topk-topp", "t0.7-topk-topp-cpu-kernel"])
 def test_rejection_sampling_matches_plain_sampling_distribution(toy_lm, toy_medusa, chi_square_ok,

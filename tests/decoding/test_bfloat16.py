@@ -4,6 +4,7 @@ from plain bfloat16 greedy; what matters is that it stays as close to float32 gr
 plain bfloat16 decoding does."""
 
 import numpy as np
+import pytest
 
 from medusa_jax.runtime import assets
 from medusa_jax.api import Medusa
@@ -20,6 +21,7 @@ def _agreement(rows, reference):
     return float(np.mean(out))
 
 
+@pytest.mark.slow
 def test_bfloat16_medusa_stays_as_close_to_float32_as_plain_bfloat16(medusa_default):
     prompts = assets.heldout_prompts()[:N_PROMPTS]
     f32 = medusa_default  # Medusa.load(heads="default")

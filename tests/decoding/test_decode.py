@@ -63,6 +63,7 @@ def _perturbed_heads(cfg, params, scale):
     return {k: v + scale * jax.random.normal(kk, v.shape) for (k, v), kk in zip(heads.items(), keys)}
 
 
+@pytest.mark.slow
 def test_plain_greedy_matches_transformers_golden_story(stories):
     cfg, params, tok = stories
     tokens, lengths = pad_prompts([[1]])
@@ -78,6 +79,7 @@ def test_plain_greedy_matches_transformers_golden_story(stories):
                            "play outside in the park.")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("head_noise", [0.0, 0.05])
 def test_medusa_greedy_equals_plain_greedy(stories, plain_rows, batch, head_noise):
@@ -115,6 +117,7 @@ def _table_heads(sign):
     return head_fn
 
 
+@pytest.mark.slow
 def test_oracle_heads_accept_the_full_depth(stories):
     cfg, params, tok = stories
     prompts = _ids(tok)[:4]
@@ -135,6 +138,7 @@ def test_oracle_heads_accept_the_full_depth(stories):
         assert _rows(out)[i] == future[i, len(p): len(p) + n].tolist()
 
 
+@pytest.mark.slow
 def test_wrong_heads_give_one_token_per_step(stories):
     cfg, params, tok = stories
     prompts = _ids(tok)[:4]
@@ -146,6 +150,7 @@ def test_wrong_heads_give_one_token_per_step(stories):
     assert np.all(np.asarray(out.steps) == 30) and np.all(np.asarray(out.num_new) == 30)
 
 
+@pytest.mark.slow
 def test_eos_inside_an_accepted_chunk_truncates_the_row(stories):
     cfg, params, tok = stories
     prompts = _ids(tok)[:2]
@@ -163,6 +168,7 @@ def test_eos_inside_an_accepted_chunk_truncates_the_row(stories):
     assert _rows(out)[1] == _rows(plain)[1]
 
 
+@pytest.mark.slow
 def test_rows_do_not_depend_on_each_other(stories):
     cfg, params, tok = stories
     heads = _perturbed_heads(cfg, params, 0.05)
@@ -174,6 +180,7 @@ def test_rows_do_not_depend_on_each_other(stories):
     assert together[0] == swapped[0]
 
 
+@pytest.mark.slow
 def test_new_prompt_lengths_in_a_bucket_do_not_recompile(stories):
     cfg, params, tok = stories
     heads = _perturbed_heads(cfg, params, 0.0)
@@ -185,6 +192,7 @@ def test_new_prompt_lengths_in_a_bucket_do_not_recompile(stories):
     assert medusa_generate._cache_size() == before + 1
 
 
+@pytest.mark.slow
 def test_api_limits_and_errors(stories):
     cfg, params, tok = stories
     m = Medusa(cfg, params, tok, heads=init_heads(cfg, params, HeadsConfig(num_heads=4)))
@@ -255,6 +263,7 @@ def test_run_phases_widens_the_window_only_when_a_step_would_not_fit():
                                   for n in log[:, 0]]
 
 
+@pytest.mark.slow
 def test_medusa_greedy_equals_plain_greedy_across_cache_phases(stories, medusa_default):
     """A long decode runs in several cache phases (the cache grows between them); the
     tokens must not notice."""

@@ -69,6 +69,7 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
     assert int(cache.lengths[0]) == 4  # verify commits nothing
 
 
+@pytest.mark.slow
 def test_acceptance_rules_are_looked_up_by_mode(params):
     assert set(acceptance.RULES) == set(MODES)
     cache = _prefilled(params, [[1, 2, 3]])
@@ -111,6 +112,7 @@ def test_emit_appends_the_accepted_chunk_and_stops_at_eos():
     assert np.all(out[2] == -1) and int(count[2]) == 5 and int(kept[2]) == 0
 
 
+@pytest.mark.slow
 def test_commit_keeps_only_the_accepted_path_in_consecutive_slots(params):
     cache = _prefilled(params, [[1, 2, 3], [4, 5, 6]])
     cand = jnp.array([[9, 10, 11, 12, 13, 14, 15, 16], [17, 18, 19, 20, 21, 22, 23, 24]],

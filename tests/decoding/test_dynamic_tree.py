@@ -12,6 +12,7 @@ from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4, 8, 16])
 def test_the_chosen_nodes_are_the_most_probable_subtree(size):
     pool = Tree.load("mc_sim_7b_63")
@@ -39,6 +40,7 @@ def test_the_chosen_nodes_are_the_most_probable_subtree(size):
         assert fed[0] == root[b] and list(fed) == list(np.asarray(prop.tokens[b])[nodes])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["dynamic:4", "dynamic:12"])
 def test_dynamic_greedy_equals_plain_greedy(stories, spec, medusa_default):
     m = medusa_default  # Medusa.load(heads="default")
@@ -55,6 +57,7 @@ def test_dynamic_greedy_equals_plain_greedy(stories, spec, medusa_default):
         sum(s.new_tokens for s in static) / sum(s.steps for s in static) - 0.05
 
 
+@pytest.mark.slow
 def test_dynamic_rejection_sampling_is_lossless(toy_lm, toy_medusa, chi_square_ok):
     CFG, PROMPT, ROWS, TREE = toy_lm.CFG, toy_lm.PROMPT, toy_lm.ROWS, toy_lm.TREE
     params, heads = toy_medusa
@@ -81,6 +84,7 @@ def test_bad_dynamic_trees_are_one_line_errors(spec, heads, message):
         Tree.load(spec, num_heads=heads)
 
 
+@pytest.mark.slow
 def test_rejection_never_accepts_an_unverified_node(toy_lm):
     """A dynamic tree's unverified pool nodes have no logits of their own (their rows are
     stand-ins): rejection must never walk into one, however likely its token is. Here the

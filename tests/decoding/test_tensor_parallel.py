@@ -75,6 +75,7 @@ def embedded(stories):
     return cfg, params, heads, prompts, _decode(cfg, params, heads, prompts, medusa=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh_spec", ["model=2", "data=2,model=4", "model=8"])
 def test_embedded_greedy_matches_one_device(embedded, mesh_spec):
     cfg, params, heads, prompts, want = embedded
@@ -83,6 +84,7 @@ def test_embedded_greedy_matches_one_device(embedded, mesh_spec):
     assert got["medusa"] == want["plain"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["rejection", "typical"])
 def test_sampling_modes_match_one_device_with_the_same_key(embedded, mode):
     cfg, params, heads, prompts, _ = embedded
@@ -116,6 +118,7 @@ def _bytes(shape, dtype):
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_random_architectures_match_one_device_on_a_model_share(arch):
     """Tokens as on one device; and the compiled decoder's parameters and KV cache per device

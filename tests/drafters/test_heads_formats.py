@@ -309,6 +309,7 @@ def test_vllm_variants_round_trip(variant, tmp_path, stories):
 PROMPTS = ["Once upon a time", "Lily and Tom", "The dog"]
 
 
+@pytest.mark.slow
 def test_greedy_with_reference_heads_equals_plain_and_our_format(tmp_path):
     shipped = load_heads(default_heads_dir(), load_pretrained()[0])[0]
     sd = {n: torch.from_numpy(np.array(a))
@@ -327,6 +328,7 @@ def test_greedy_with_reference_heads_equals_plain_and_our_format(tmp_path):
     assert sum(g.new_tokens for g in a) / sum(g.steps for g in a) > 1.5
 
 
+@pytest.mark.slow
 def test_greedy_with_reduced_shared_vllm_heads_equals_plain(tmp_path):
     cfg = load_pretrained()[0]
     shipped = {n: np.asarray(a) for n, a in load_heads(default_heads_dir(), cfg)[0].items()}

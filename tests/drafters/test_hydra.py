@@ -41,6 +41,7 @@ def plain_rows(stories):
                           max_new_tokens=MAX_NEW, eos=(2,)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [BIG_TREE, DynamicTree(Tree.load("mc_sim_7b_63:16"), 6)],
                          ids=["static", "dynamic"])
 def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree):
@@ -65,6 +66,7 @@ def tiny_hydra(toy_lm, noisy_hydra):
     return params, jax.jit(lambda p: noisy_hydra(hydra.init_hydra(CFG, p, 2, 2), 0.3, 1))(params)
 
 
+@pytest.mark.slow
 def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok):
     """On a dynamic tree: Hydra's drafts, its per-path choice of nodes and rejection over the
     pool with the unchosen nodes masked (static trees share all but the choice)."""

@@ -24,6 +24,7 @@ def _reference(x, w):  # float64 product and the sum of |terms| (the rounding sc
     return x @ w, np.abs(x) @ np.abs(w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_products_equal_xla_to_float32_rounding(dtype, transposed):
@@ -127,6 +128,7 @@ def test_backbone_is_wrapped_only_in_the_decoding_layout(stories, small_weights_
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
     """The shipped heads and the default tree, batch 3: kernel decoding equals itself
     plain, and equals XLA's plain decoding token for token."""
@@ -144,6 +146,7 @@ def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
     assert sum(g.tokens_per_step for g in fast) / 3 > 1.5  # the heads do draft
 
 
+@pytest.mark.slow
 def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too):
     from medusa_jax.api import Medusa
 
@@ -180,6 +183,8 @@ def _notes(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("note: CPU kernel")]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("case, env, says", [
     ("no compiler", {"CXX": "/nonexistent/g++"}, "no C++ compiler"),
     ("failing compile", {"MEDUSA_JAX_KERNEL_CXXFLAGS": "-march=native -fno-such-flag"},
@@ -198,6 +203,8 @@ def test_fallbacks_are_one_line_and_right(tmp_path, case, env, says):
         assert len(notes) == 1 and says in notes[0], r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_unwritable_cache_falls_back(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
@@ -206,6 +213,8 @@ def test_unwritable_cache_falls_back(tmp_path):
     assert len(_notes(r.stderr)) == 1 and "not writable" in r.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_corrupt_build_is_rebuilt(tmp_path):
     cache = tmp_path / "k"
     first = _child({"MEDUSA_JAX_KERNEL_CACHE": str(cache)})

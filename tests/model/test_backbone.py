@@ -75,6 +75,7 @@ def test_stories260k_logit_parity(stories):
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("narrow", [False, True], ids=["whole-cache", "window"])
 def test_cache_decoding_matches_full_forward_with_ragged_rows(narrow):
     """narrow: each call's mask covers only the cache slots up to its last new token (the
@@ -131,6 +132,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "deep"])
 def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     """The decoding layout (per-layer weights, fused q/k/v and gate/up) of a model of any
@@ -173,6 +175,7 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), back, params)))
 
 
+@pytest.mark.slow
 def test_per_layer_cache_gives_the_same_logits_and_entries():
     """The decoding layout's per-layer cache (written before it is read) against the stacked
     cache: rows at different lengths, a second pass over a window narrower than the cache,

@@ -126,6 +126,7 @@ def test_config_reads_the_architecture(models, arch):
         assert (cfg.rope_theta, cfg.local_rope_theta) == (1000.0, 50.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_prefill_logit_parity_with_ragged_rows(models, arch):
     """Two right-padded prompts (13 and 7 tokens, window 4), both layouts; dropping the
@@ -146,6 +147,7 @@ def test_prefill_logit_parity_with_ragged_rows(models, arch):
         assert np.abs(no_window[0] - ref[0]).max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_cached_decoding_matches_transformers_past_the_window(models, arch):
     """Prefill 5 and 3 tokens, then one token a step (rows at different lengths), per-layer
@@ -186,6 +188,7 @@ def _medusa_cfg(models, arch):
 PROMPTS = [[5, 17, 3, 44, 2, 9, 61], [8, 30, 71, 12, 4, 90, 33, 21, 6, 15], [40, 7, 19, 55, 26]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["stacked", "per-layer"])
 def test_tree_verification_sees_each_layers_window(models, layout):
     """One tree pass after a prefix (Gemma 3, window 2 < the tree's depth): every node's
@@ -261,6 +264,7 @@ def greedy(models):
     return out
 
 
+@pytest.mark.slow
 def test_greedy_medusa_equals_plain_greedy_past_the_window(models, greedy):
     """Gemma 2 in the decoding layout (per-layer cache, what the API runs); Gemma 3's Medusa
     runs in the tensor-parallel test below (stacked layout)."""
@@ -276,6 +280,7 @@ def test_greedy_medusa_equals_plain_greedy_past_the_window(models, greedy):
     assert hist[2:].sum() > 0 and hist[1] > 0  # multi-token steps and single-token ones
 
 
+@pytest.mark.slow
 def test_tensor_parallel_medusa_equals_one_device_plain_greedy(models, greedy):
     """Gemma 3 (local and global layers in one scan; heads, KV heads and MLP split) on
     model=2: greedy Medusa gives the tokens of plain greedy on one device (decoding layout),
@@ -294,6 +299,7 @@ def test_tensor_parallel_medusa_equals_one_device_plain_greedy(models, greedy):
     assert hist[2:].sum() > 0
 
 
+@pytest.mark.slow
 def test_rejection_sampling_is_lossless_on_gemma2(chi_square_ok):
     """A vocabulary of 8, window 2, a 3-token prompt: the (x1, x2) pairs Medusa's rejection
     sampling emits follow plain sampling's exact distribution (chi-square)."""

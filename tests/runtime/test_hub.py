@@ -87,6 +87,7 @@ def test_model_and_heads_ids_load_and_decode_as_the_folders_do(cache):
         [g.token_ids for g in ref.generate(["Lily"], **kw)]
 
 
+@pytest.mark.subprocess
 def test_generate_takes_a_hub_id_and_names_a_missing_one_in_one_line(cache):
     env = dict(os.environ)
     snapshot = lay_out(cache, "acme/stories", assets.model_dir())
@@ -102,6 +103,7 @@ def test_generate_takes_a_hub_id_and_names_a_missing_one_in_one_line(cache):
     assert snapshot.is_dir()
 
 
+@pytest.mark.subprocess
 def test_online_without_a_network_says_the_hub_could_not_be_reached(tmp_path):
     """HF_HUB_OFFLINE=0 and a hub that does not answer (a closed local port)."""
     env = dict(os.environ, HF_HUB_OFFLINE="0", HF_HUB_CACHE=str(tmp_path / "hub"),

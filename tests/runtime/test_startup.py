@@ -62,6 +62,7 @@ def test_speed_line():
     assert not (cached + timing.Compile(3.0, lookups=1, hits=0)).cached
 
 
+@pytest.mark.slow
 def test_generate_compiles_once_and_times_compile_apart(stories):
     """The decoder is compiled ahead of the call, not a second time by it; the call's time
     is decoding only."""
@@ -108,6 +109,8 @@ def test_cache_folder_and_switches(monkeypatch):
     assert not build_parser().parse_args([]).no_compile_cache
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_generate_second_run_loads_from_the_cache(tmp_path):
     args = ["-m", "infer.generate", "--prompt", "Lily", "--max-new-tokens", "4"]
     folder = tmp_path / "xdg" / "medusa_jax" / "jax-cache"
@@ -120,6 +123,7 @@ def test_generate_second_run_loads_from_the_cache(tmp_path):
     assert text(second) == text(first)
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["--no-compile-cache", compile_cache.ENV_OFF])
 def test_the_cache_can_be_turned_off(tmp_path, how):
     """Off, the cache folder is not even looked at (here it could not be used)."""
@@ -134,6 +138,7 @@ def test_the_cache_can_be_turned_off(tmp_path, how):
     assert "note:" not in proc.stderr
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["a file", "read-only", "unwritable"])
 def test_an_unusable_cache_folder_never_breaks_a_run(tmp_path, how):
     xdg = tmp_path / "xdg"
@@ -155,6 +160,8 @@ def test_an_unusable_cache_folder_never_breaks_a_run(tmp_path, how):
     assert ("compilation cache off for this run" in proc.stderr) is not writable
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_corrupt_cache_entry_is_recompiled_and_replaced(tmp_path):
     folder = tmp_path / "medusa_jax" / "jax-cache"
     assert "result: 35" in _run(["-c", SCRIPT], _env(tmp_path)).stdout
@@ -176,6 +183,8 @@ def test_a_corrupt_cache_entry_is_recompiled_and_replaced(tmp_path):
 # ----------------------------------------------------------------------------- start-up
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_decoding_the_embedded_model_imports_no_torch_transformers_or_flax():
     code = ("import sys\nfrom medusa_jax import Medusa\n"
             "m = Medusa.load(heads='default')\n"

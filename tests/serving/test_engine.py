@@ -67,6 +67,7 @@ def _submit(engine, prompt, max_tokens, **kw):
     return req, out, done, reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_staggered_greedy_requests_match_offline_decoding(which, request, prompts, reference):
     engine = request.getfixturevalue(f"{which}_engine")
@@ -121,6 +122,7 @@ def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     assert a == b and a != c
 
 
+@pytest.mark.slow
 def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, prompts,
                                                        reference, exact_pairs, chi_square_ok):
     """Two per-row samplings interleaved with greedy rows in the same batches: each sampled

@@ -74,6 +74,7 @@ def _staggered(engine, prompts, n, **kw):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", ["medusa", "hydra"])
 def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
     """3 slots, 7 prompts of different lengths arriving while others decode: each
@@ -94,6 +95,7 @@ def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
         e.stop()
 
 
+@pytest.mark.slow
 def test_dynamic_tree_slots_equal_offline_greedy(medusa):
     prompts = _prompts(medusa, 4)
     e = Engine(medusa, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
@@ -104,6 +106,7 @@ def test_dynamic_tree_slots_equal_offline_greedy(medusa):
         e.stop()
 
 
+@pytest.mark.slow
 def test_typical_acceptance_slots_equal_offline_typical(medusa):
     """Typical acceptance draws nothing (its roots are greedy), so a typical slot's tokens
     are offline `medusa_generate(sampling=Sampling("typical", ...))`'s whatever the keys,

@@ -109,6 +109,8 @@ def _sse(response) -> list:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_greedy_completions_match_offline_streamed_or_not(client, server, model, offline):
     refs = offline([model.encode(p) for p in PROMPTS[:3]])
     for prompt, ref in zip(PROMPTS[:3], refs):
@@ -136,6 +138,8 @@ def test_greedy_completions_match_offline_streamed_or_not(client, server, model,
     assert all(e["usage"] is None for e in events[:-2])
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_chat_matches_offline_on_the_vicuna_template(client, model, offline):
     from medusa_jax.serving.server import vicuna_prompt
 
@@ -156,6 +160,8 @@ def test_chat_matches_offline_on_the_vicuna_template(client, model, offline):
     assert chunks[-1].usage.completion_tokens == NEW and not chunks[-1].choices
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_staggered_concurrent_requests_beyond_the_slots(client, model, offline):
     prompts = PROMPTS[:SLOTS + QUEUE]
     refs = offline([model.encode(p) for p in prompts])
@@ -176,6 +182,8 @@ def test_staggered_concurrent_requests_beyond_the_slots(client, model, offline):
     assert got == [r.text for r in refs]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_max_tokens_stop_strings_and_stop_tokens_inside_accepted_spans(client, model, offline):
     prompt = PROMPTS[1]
     ref = offline([model.encode(prompt)])[0]
@@ -226,6 +234,8 @@ def test_utf8_text_is_never_split(model):
     assert stopped and out == model._continuation(prompt, ids).split("ï")[0]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(server, model,
                                                                            exact_pairs,
                                                                            chi_square_ok):
@@ -260,6 +270,8 @@ def test_seeded_sampling_is_reproducible_and_distributed_as_plain_sampling(serve
     assert ok, f"not plain sampling's distribution: chi2/critical = {ratio:.2f}"
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("body, status, param", [
     (dict(prompt="Hi", temperature="hot"), 400, "temperature"),
     (dict(prompt="Hi", max_tokens=-1), 400, "max_tokens"),
@@ -281,6 +293,8 @@ def test_bad_requests_get_openai_shaped_errors(server, body, status, param):
     assert err["message"] and "\n" not in err["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_openai_client_sees_the_errors(client, server):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="nope", prompt="Hi")
@@ -290,6 +304,8 @@ def test_openai_client_sees_the_errors(client, server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_full_queue_answers_429(server):
     url = server[1] + "/v1/completions"
 
@@ -314,6 +330,8 @@ def _metric(url, name) -> float:
     raise KeyError(name)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_disconnects_free_their_slots(server, client, model, offline):
     url = server[1]
     before = _metric(url, 'medusa_requests_total{finish="cancelled"}')
@@ -332,6 +350,8 @@ def test_disconnects_free_their_slots(server, client, model, offline):
     assert r.choices[0].text == ref.text
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_bench_serve_reports_each_level(server, capsys):
     from infer.bench_serve import main
 
@@ -343,6 +363,8 @@ def test_bench_serve_reports_each_level(server, capsys):
     assert all(r["accepted"] > 1.3 and r["ttft_med"] > 0 and r["tpot_med"] > 0 for r in rows)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     h = httpx.get(server[1] + "/health", timeout=10).json()
@@ -356,6 +378,8 @@ def test_models_health_and_metrics(client, server):
     assert _metric(server[1], 'medusa_requests_total{finish="length"}') > 10
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sigterm_ends_streams_with_an_error_and_exits(server):
     proc, url = server
     with httpx.stream("POST", url + "/v1/completions", timeout=30, json=dict(

@@ -105,6 +105,8 @@ def _error(r, status, param):
     return err
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_health_answers_starting_while_the_programs_compile(launched):
     """The port opens before compiling; a request sent meanwhile waits and is answered."""
     first = {}
@@ -178,6 +180,8 @@ def _post_raw(url, data: bytes | object, **kw):
         return None
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_one_huge_request_stalls_nobody(url):
     big = b'{"model": "stories260K", "prompt": "' + b"a" * 50_000_000 + b'"}'
     ids = json.dumps(dict(model=MODEL, prompt=[5] * 1_000_000)).encode()
@@ -210,6 +214,8 @@ def test_one_huge_request_stalls_nobody(url):
     assert len(watch.times) > 5
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("endpoint, extra, param, message", [
     ("completions", dict(presence_penalty=0.5), "presence_penalty", "not supported"),
     ("completions", dict(presence_penalty=-3), "presence_penalty", "in [-2, 2]"),
@@ -239,6 +245,8 @@ def test_unimplemented_parameters_are_refused_by_name(url, endpoint, extra, para
     assert message in _error(r, 400, param)["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("endpoint, extra, param, message", [
     ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, "
                                                          "got true"),
@@ -278,6 +286,8 @@ def test_types_are_strict_and_errors_name_the_field(url, endpoint, extra, param,
     assert message in _error(r, 400, param)["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_body_that_is_not_an_object_is_refused(url):
     for data, message in ((b"[1, 2]", "must be a JSON object"), (b"{not json", "not valid JSON"),
                           (b"[" * 10_000, "not valid JSON")):
@@ -285,6 +295,8 @@ def test_a_body_that_is_not_an_object_is_refused(url):
         assert message in _error(r, 400, None)["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_null_is_absent_and_text_parts_are_text(url):
     """OpenAI's clients send null for what they leave out; a message's content may be text
     parts, joined."""
@@ -304,6 +316,8 @@ def test_null_is_absent_and_text_parts_are_text(url):
     assert chat[0].json()["choices"][0]["message"] == chat[1].json()["choices"][0]["message"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_what_changes_nothing_is_accepted_and_top_k_off_agrees(client):
     ref = client.completions.create(model=MODEL, prompt="Once", max_tokens=6, temperature=0)
     for extra in (dict(presence_penalty=0, frequency_penalty=0, logit_bias={}, user="u"),
@@ -320,6 +334,8 @@ def test_what_changes_nothing_is_accepted_and_top_k_off_agrees(client):
         client.completions.create(model=MODEL, prompt="Once", logit_bias={"5": 1})
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_echo_returns_the_prompt_before_the_completion(client):
     plain = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=8,
                                       temperature=0).choices[0].text
@@ -332,6 +348,8 @@ def test_echo_returns_the_prompt_before_the_completion(client):
     assert "".join(c.choices[0].text for c in chunks) == "Once upon" + plain
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_user_text_cannot_hold_control_tokens(url, client):
     from medusa_jax.serving.server import TextEncoder, vicuna_prompt
     from medusa_jax.text.tokenizer import load_tokenizer
@@ -378,6 +396,8 @@ def test_a_chat_template_keeps_its_own_control_tokens_only():
     assert clean == list(whole)  # without control text in messages: the template as it was
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_server_app_for_the_embedded_model_imports_no_transformers():
     """Asking the embedded tokenizer for a chat template loaded transformers: a second of
     start-up before the port opened."""
@@ -399,6 +419,8 @@ def _metrics(url) -> dict:
     return out
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client):
     key = 'medusa_requests_total{finish="%s"}'
     before = _metrics(url)
@@ -431,6 +453,8 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
         before["medusa_time_to_first_token_seconds_count"]
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("flags, message", [
     (["--max-context", "100000"], "--max-context 100000 is longer than the model's context"),
     (["--port", "99999"], "--port"),
@@ -456,6 +480,8 @@ def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
     assert time.time() - t < 5  # no model loaded, nothing compiled
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_the_rest_compiled_in_the_background(launched, url):
     deadline = time.time() + 120
     while not any(line.startswith("all 4 programs compiled") for line in launched.lines):
@@ -468,6 +494,8 @@ def test_the_rest_compiled_in_the_background(launched, url):
     assert h["status"] == "ok" and h["compiled"] == h["programs"] == 4
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_sigint_ends_an_idle_server_within_two_seconds(launched, client):
     client.completions.create(model=MODEL, prompt="Once", max_tokens=4)  # a kept-alive client
     time.sleep(0.5)

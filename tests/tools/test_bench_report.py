@@ -31,6 +31,7 @@ def test_pass_cost_counts_the_bytes_a_pass_reads(tied):
     assert bench.pass_cost(cfg, 5, 0)[1] > 5 * flops * 0.99  # 5 tokens: 5x the products
 
 
+@pytest.mark.slow
 def test_hardware_report_runs_and_extrapolates(tmp_path, monkeypatch):
     from infer.bench import main
 
@@ -59,6 +60,7 @@ def test_hardware_report_runs_and_extrapolates(tmp_path, monkeypatch):
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_step_curve_prints_the_bound(capsys):
     from infer.bench import main
 
@@ -70,6 +72,7 @@ def test_step_curve_prints_the_bound(capsys):
     assert r["bandwidth_gb_per_s"] > 0.1
 
 
+@pytest.mark.slow
 def test_compare_layouts_gives_identical_tokens(capsys):
     from infer.bench import main
 

@@ -34,6 +34,7 @@ def _grown(cfg, params, shape, rotate=None):
     return dst, jax.tree.map(jnp.asarray, big)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rotate", [None, 7])
 def test_embedded_model_keeps_its_logits(stories, rotate):
     cfg, params, _ = stories
@@ -65,6 +66,7 @@ ARCHS = {  # source config, target shape
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("rotate", [None, 1])
 def test_every_architecture_keeps_its_logits(arch, rotate):
@@ -158,6 +160,7 @@ def test_command_refuses_bad_input_before_any_work(tmp_path, written):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_enlarged_hydra_heads_draft_and_decode_as_the_source(noisy_hydra):
     """Random backbone + random Hydra heads, both enlarged: the same draft log-probabilities
     on a tree, and greedy Hydra decoding with the same tokens and the same steps."""

@@ -18,6 +18,7 @@ TRAINED = ("heads",)
 # setup, toy_rows and train: tests/training/conftest.py's toy_train
 
 
+@pytest.mark.slow
 def test_resume_equals_straight_run(toy_train, tmp_path):
     setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     rows, n = toy_rows(), 3
@@ -53,6 +54,7 @@ def test_resume_equals_straight_run(toy_train, tmp_path):
     assert not np.array_equal(np.asarray(resumed.params["heads"]["w"]), restored_w)
 
 
+@pytest.mark.slow
 def test_keeps_last_n_and_async_save_survives_donation(toy_train, tmp_path):
     setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     state, step, shardings, _ = setup()
@@ -114,6 +116,8 @@ KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_killed_save_leaves_no_valid_checkpoint(tmp_path, toy_train):
     setup = toy_train.setup
     ckdir, saved = tmp_path / "ckpt", tmp_path / "w1.npy"
@@ -137,6 +141,7 @@ def test_killed_save_leaves_no_valid_checkpoint(tmp_path, toy_train):
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["w"]), np.load(saved))
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(toy_train, tmp_path):
     """Saved on data=1,fsdp=8, restored onto data=2,fsdp=2,model=2 and onto one device:
     the restore target's shardings decide, the values are the saved ones."""

@@ -45,6 +45,7 @@ def _batch(b=4, t=24, seed=0):
             "segments": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), bool)}
 
 
+@pytest.mark.slow
 def test_teacher_forced_logits_are_the_drafting_logits(tiny):
     """Head i at position t in training reads exactly what it reads when drafting the path
     x_{t+1} .. x_{t+i+1} (a chain tree along the data's own tokens)."""
@@ -66,6 +67,7 @@ def test_teacher_forced_logits_are_the_drafting_logits(tiny):
                                    np.asarray(forced[i, 0, t]), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
     params, _ = tiny
     p = {"backbone": params, "heads": hydra.init_hydra(CFG, params, 3, 2)}
@@ -91,6 +93,7 @@ def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
                  jax.tree.map(np.asarray, state.params["backbone"]))
 
 
+@pytest.mark.slow
 def test_teacher_loss_is_the_soft_cross_entropy_against_the_base_model(tiny):
     """Hydra++'s loss: heads that equal the base model's output layer, read at the position
     of their target, would score exactly the base model's entropy; here it is checked
@@ -138,6 +141,7 @@ TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "2
         "--tree", "stories260K_cpu"]
 
 
+@pytest.mark.slow
 def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories):
     run = tmp_path / "run"
     cfg, _, stop_after = train_hydra.command.parse_args(

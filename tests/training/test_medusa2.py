@@ -87,6 +87,7 @@ def host(tree):
     return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
+@pytest.mark.slow
 def test_kl_term_is_zero_with_zero_gradient_at_the_original():
     params = make_params("kl")
     batch = medusa2.with_step(random_batch(), 0)
@@ -103,6 +104,7 @@ def test_kl_term_is_zero_with_zero_gradient_at_the_original():
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g["backbone"])) > 1e-3
 
 
+@pytest.mark.slow
 def test_lm_only_rows_train_the_lm_term_but_not_the_heads():
     params = make_params("kl", perturb=0.05)
     loss_fn = medusa2.make_loss_fn(CFG, medusa2.LossConfig("kl"))
@@ -149,6 +151,7 @@ def test_head_weight_schedules_and_heads_train_the_backbone():
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g["backbone"])) > 1e-4
 
 
+@pytest.mark.slow
 def test_heads_learning_rate_is_ratio_times_backbones(ce_trainer):
     lr, ratio = 1e-3, 4.0  # make_trainer's
     fresh, step, _ = ce_trainer
@@ -171,6 +174,7 @@ def test_heads_learning_rate_is_ratio_times_backbones(ce_trainer):
     np.testing.assert_allclose(np.median(hd) / np.median(bb), ratio, rtol=0.02)
 
 
+@pytest.mark.slow
 def test_teacher_is_frozen_and_has_no_optimizer_state(kl_trainer):
     fresh, step, _ = kl_trainer
     params = make_params("kl")
@@ -229,6 +233,7 @@ def test_exported_backbone_loads_in_transformers_with_equal_logits(ce_trainer, t
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_step_equals_single_device(kl_trainer):
     fresh1, step1, _ = kl_trainer
@@ -276,6 +281,8 @@ def test_bad_flags_are_one_line_errors(tmp_path, capsys):
         assert message in err and "Traceback" not in err, (args, err)
 
 
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_end_to_end_run_writes_model_and_heads_that_generate_loads(stories, tmp_path):
     from infer import generate
 

@@ -20,6 +20,7 @@ def report(command, args, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_medusa1_report_counts_params_and_adam_moments_exactly(capsys):
     from train.medusa1 import command
 
@@ -38,6 +39,7 @@ def test_medusa1_report_counts_params_and_adam_moments_exactly(capsys):
     assert r["layers"] == 6 and r["layers_compiled"] == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_fsdp_splits_the_state_and_the_chunked_loss_cuts_temporaries(capsys):
     from train.medusa1 import command
@@ -56,6 +58,7 @@ def test_fsdp_splits_the_state_and_the_chunked_loss_cuts_temporaries(capsys):
     assert list(one["loss_chunking"]) == ["one", 128]
 
 
+@pytest.mark.slow
 def test_medusa2_report_keeps_float32_master_weights_and_a_bfloat16_teacher(capsys):
     from train.medusa2 import command
 

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+pytestmark = [pytest.mark.multihost, pytest.mark.subprocess]
+
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 STEPS = 6
 FLAGS = ["--steps", str(STEPS), "--batch-size", "8", "--seq-len", "32", "--num-heads", "2",
@@ -97,6 +99,7 @@ def two_processes(tmp_path_factory, data_file):
     return run
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_process_and_one_device(tmp_path, data_file, two_processes):
     one8 = _launch(tmp_path / "one8", data_file, 1, devices=8)
     one1 = _launch(tmp_path / "one1", data_file, 1, devices=1, mesh="1,1")
@@ -111,6 +114,7 @@ def test_two_processes_equal_one_process_and_one_device(tmp_path, data_file, two
         list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_kill_one_process_and_resume_all_equals_uninterrupted(tmp_path, data_file,
                                                               two_processes):
     run = tmp_path / "run"

@@ -54,6 +54,7 @@ def _unchunked(heads, hidden, targets, valid):
     return ts.medusa_loss(heads_lib.apply_heads(heads, hidden), targets, valid, 0.8)
 
 
+@pytest.mark.slow
 def test_chunked_loss_equals_unchunked_loss_metrics_and_gradients():
     chunk = 7  # 16 tokens per row: 2 full chunks and a padded last one
     _, heads = trained_heads()
@@ -191,6 +192,7 @@ def _step(grad_accum, mesh_spec="1,1"):
     return jax.device_put(ts.init_state(params, tx), shardings), step
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_larger_batch():
     # on two devices: each micro-batch's rows stay split over the batch axis
     mesh_spec = "data=2" if jax.device_count() >= 2 else "1,1"
@@ -265,7 +267,6 @@ def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_
 
 
 def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
-    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     heads = heads_lib.init_heads(CFG, backbone.init_params(CFG, jax.random.key(0)),
@@ -278,6 +279,7 @@ def test_shared_projection_refuses_heads_with_their_own(tmp_path, capsys):
     assert "--shared-proj: the heads in" in err[-1] and "have their own projections" in err[-1]
 
 
+@pytest.mark.slow
 def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not():
     """The reduced heads' loss = the full-vocabulary loss of the same heads restricted to
     those columns (-inf elsewhere), over the positions whose target is kept; a target
@@ -325,6 +327,7 @@ def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not
     del bb, reduced
 
 
+@pytest.mark.slow
 def test_reduced_vocabulary_run_writes_token_map_heads_that_decode_exactly(tmp_path):
     """train.medusa1 --reduced-vocab on the embedded model: the artifact holds token_index,
     exports to vLLM's token_map form, and greedy Medusa with it equals plain greedy."""
@@ -368,7 +371,6 @@ def test_reduced_vocabulary_errors_before_any_work(capsys):
 
 def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     from medusa_jax.api import Medusa
-    from medusa_jax.drafters import formats as heads_formats
     from train.medusa2 import command
 
     m = Medusa.load()
@@ -398,6 +400,7 @@ def test_remat_gives_the_same_backbone_gradients():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_medusa2_accumulation_equals_one_batch_and_bfloat16_keeps_float32_state():
     from medusa_jax.training.recipes import medusa2
 

@@ -1,0 +1,55 @@
+"""Broken weights are reported from the safetensors headers, before the tokenizer or anything
+else loads (issue 32; formerly in tests/test_checks_first.py)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from medusa_jax.text import tokenizer as startup
+from medusa_jax.model.weights import WeightsError, check_headers, default_model_dir
+
+
+def model_copy(tmp_path, name="m", **changes):
+    d = tmp_path / name
+    shutil.copytree(default_model_dir(), d)
+    if changes:
+        conf = json.loads((d / "config.json").read_text())
+        conf.update(changes)
+        (d / "config.json").write_text(json.dumps(conf))
+    return d
+
+
+def test_truncated_and_garbage_headers_are_named_from_the_header_alone(tmp_path):
+    d = model_copy(tmp_path)
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(WeightsError, match=r"model\.safetensors: corrupt or truncated "
+                                           r"safetensors file \(tensor \S+ ends at byte \d+ "
+                                           r"of its data; the file holds \d+: truncated\)"):
+        check_headers(d)
+    f.write_bytes(b"\x07garbage" * 10)
+    with pytest.raises(WeightsError, match="its header claims"):
+        check_headers(d)
+    f.write_bytes((16).to_bytes(8, "little") + b"{not json}      ")
+    with pytest.raises(WeightsError, match="its header is not JSON"):
+        check_headers(d)
+
+
+def test_a_nan_weight_is_refused_before_the_tokenizer_loads(tmp_path, monkeypatch):
+    from medusa_jax.api import Medusa
+
+    d = model_copy(tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"][3] = np.nan
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+
+    def no_tokenizer(path):
+        raise AssertionError("the tokenizer was loaded before the weights were checked")
+
+    monkeypatch.setattr(startup, "load_tokenizer", no_tokenizer)
+    with pytest.raises(WeightsError, match="tensor model.norm.weight holds 1 non-finite"):
+        Medusa.load(d)
