@@ -29,10 +29,10 @@ import sys
 from collections import defaultdict
 
 from medusa_jax import cli
+from medusa_jax.kernels.flags import add_flag as kernels_flag
+from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import options
-from medusa_jax.runtime import compile_cache, quiet
-from medusa_jax.kernels.flags import add_flag as kernels_flag, apply_flag as kernels_apply
+from medusa_jax.runtime import compile_cache, options, quiet
 
 
 def build_parser():
@@ -114,7 +114,8 @@ def build_parser():
 
 
 def heads_cost(args) -> int:
-    from medusa_jax.tools.bench import SHAPES, heads_cost as measure
+    from medusa_jax.tools.bench import SHAPES
+    from medusa_jax.tools.bench import heads_cost as measure
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: unknown shape {args.shape!r}; known: {', '.join(SHAPES)}")
@@ -163,9 +164,15 @@ def sizing(args) -> int:
 def step_curve(args) -> int:
     import jax
 
-    from medusa_jax.tools.bench import (bound_seconds, measure_bandwidth, measure_peak,
-                                  pass_cost, random_backbone, step_time_curve)
     from medusa_jax.model.weights import load_pretrained
+    from medusa_jax.tools.bench import (
+        bound_seconds,
+        measure_bandwidth,
+        measure_peak,
+        pass_cost,
+        random_backbone,
+        step_time_curve,
+    )
 
     with options.errors_to_exit():
         if args.random_weights:
@@ -222,8 +229,8 @@ def step_curve(args) -> int:
 
 def hardware_report(args) -> int:
     """--hardware-report: does Medusa pay on this device, at --shape?"""
-    from medusa_jax.tools.bench import hardware_report as measure, predicted_speedups, \
-        shipped_tokens_per_step
+    from medusa_jax.tools.bench import hardware_report as measure
+    from medusa_jax.tools.bench import predicted_speedups, shipped_tokens_per_step
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     with options.errors_to_exit():
@@ -262,8 +269,8 @@ def hardware_report(args) -> int:
 
 
 def compare_layouts(args) -> int:
-    from medusa_jax.tools.bench import compare_layouts as measure
     from medusa_jax.model.weights import load_pretrained, load_tokenizer
+    from medusa_jax.tools.bench import compare_layouts as measure
 
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
     with options.errors_to_exit():
@@ -424,10 +431,9 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
     from medusa_jax import api
-    from medusa_jax.drafters.medusa import heads as heads_lib
-    from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.decoding.drafter import kind_of
-    from medusa_jax.decoding.tree import Tree
+    from medusa_jax.drafters import formats as heads_formats
+    from medusa_jax.drafters.medusa import heads as heads_lib
 
     out = []
     for name in args.also_heads.split(","):

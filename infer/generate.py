@@ -12,10 +12,9 @@ import json
 import sys
 
 from medusa_jax import cli
-from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import options
-from medusa_jax.runtime import compile_cache, quiet
 from medusa_jax.kernels import flags as kernel_flags
+from medusa_jax.model.paths import check_model_paths
+from medusa_jax.runtime import compile_cache, options, quiet
 
 MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
 

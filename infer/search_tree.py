@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 
 from medusa_jax import cli
-from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import options
-from medusa_jax.runtime import compile_cache
 from medusa_jax.kernels import flags as kernel_flags
+from medusa_jax.model.paths import check_model_paths
+from medusa_jax.runtime import compile_cache, options
 
 
 def build_parser():
@@ -56,9 +55,9 @@ def main(argv=None) -> int:
         ap.error(str(e))
     kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
+    from medusa_jax.decoding.tree import Tree
     from medusa_jax.runtime import timing
     from medusa_jax.tools.bench import compare_decoding, run_decoder
-    from medusa_jax.decoding.tree import Tree
     from medusa_jax.tools.tree_search import expected_tokens_per_step, grow_tree, head_rank_accuracy
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]

@@ -30,10 +30,9 @@ import sys
 import time
 from pathlib import Path
 
-from medusa_jax.runtime import assets, compile_cache
 from medusa_jax import cli
-from medusa_jax.runtime import options
 from medusa_jax.kernels import flags as kernel_flags
+from medusa_jax.runtime import assets, compile_cache, options
 
 WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
 ACCEPTANCE = ("rejection", "typical")  # as engine.ACCEPTANCE

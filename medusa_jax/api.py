@@ -22,18 +22,23 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
-from medusa_jax.text import tokenizer as text_tokenizer
+from medusa_jax.decoding import drafter
+from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
 from medusa_jax.decoding.sampling import MODES, Sampling
 from medusa_jax.decoding.sampling import check as check_sampling
-from medusa_jax.model.backbone import (Params, decoding_layout, head_units, param_axes, param_specs)
-from medusa_jax.model.config import ModelConfig, stop_tokens
-from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.decoding import drafter
-from medusa_jax.drafters.medusa.heads import heads_config_of
-from medusa_jax.drafters.formats import is_medusa2_model, load_heads
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.model.weights import check_headers, default_model_dir, load_pretrained, tokenizer_files
+from medusa_jax.drafters.formats import is_medusa2_model, load_heads
+from medusa_jax.drafters.medusa.heads import heads_config_of
+from medusa_jax.model.backbone import Params, decoding_layout, head_units, param_axes, param_specs
+from medusa_jax.model.config import ModelConfig, stop_tokens
+from medusa_jax.model.weights import (
+    check_headers,
+    default_model_dir,
+    load_pretrained,
+    tokenizer_files,
+)
+from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
+from medusa_jax.text import tokenizer as text_tokenizer
 
 
 @dataclasses.dataclass

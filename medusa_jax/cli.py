@@ -30,8 +30,8 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
 def load_with_heads(model: str | None, heads: str | None, mesh: str | None = None):
     """`Medusa.load` for the benchmarking commands: heads are required, and default to the
     shipped ones for the embedded model. Errors exit with one line."""
-    from medusa_jax.runtime import assets
     from medusa_jax.api import Medusa
+    from medusa_jax.runtime import assets
 
     with errors_to_exit():
         m = Medusa.load(model, heads or assets.default_heads(model), mesh=mesh)

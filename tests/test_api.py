@@ -156,7 +156,7 @@ def test_load_model_without_tokenizer(tmp_path):
                            f"tokenizer.model, tokenizer_config.json)")
 
 
-# ---- the first minutes (issue 33; formerly in tests/test_first_minutes.py)
+# ---- the first minutes
 
 
 @pytest.mark.slow

@@ -12,8 +12,7 @@ import argparse
 from pathlib import Path
 
 from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import options
-from medusa_jax.runtime import compile_cache
+from medusa_jax.runtime import compile_cache, options
 from medusa_jax.text import data, prompt_files
 
 
@@ -49,9 +48,9 @@ def main(argv=None):
     except (ValueError, OSError) as e:
         ap.error(str(e))
     compile_cache.enable_from_args(args)
-    from medusa_jax.training import distill
-    from medusa_jax.runtime import timing
     from medusa_jax.model import weights
+    from medusa_jax.runtime import timing
+    from medusa_jax.training import distill
 
     with options.errors_to_exit():  # DataError, WeightsError: ValueErrors
         prompts = prompt_files.read_user_turns(args.prompts)

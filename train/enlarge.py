@@ -84,8 +84,8 @@ def check_output(out: Path) -> None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from medusa_jax.runtime import assets
     from medusa_jax.model.shapes import SHAPES
+    from medusa_jax.runtime import assets
 
     if args.shape not in SHAPES:
         raise SystemExit(f"error: --shape {args.shape!r} is unknown; known: "
@@ -118,10 +118,10 @@ def main(argv=None) -> int:
     import jax
     import numpy as np
 
-    from medusa_jax.tools import enlarge
     from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.model import weights
     from medusa_jax.model.config import ModelConfig
+    from medusa_jax.tools import enlarge
 
     shape = dict(SHAPES[args.shape])
     shape["num_layers"] = args.layers or shape["num_layers"]

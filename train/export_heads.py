@@ -129,8 +129,8 @@ def earlier_export(fmt: str):
 
 
 def export(args: argparse.Namespace) -> list[Path]:
-    from medusa_jax.runtime import assets, hub
     from medusa_jax.model.config import ModelConfig
+    from medusa_jax.runtime import assets, hub
     from medusa_jax.runtime.rundir import check_new_folder
 
     out = Path(args.output)

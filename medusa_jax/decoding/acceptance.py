@@ -22,7 +22,6 @@ from medusa_jax.decoding.sampling import MODES, Rows, Sampling, log_probs  # noq
 from medusa_jax.decoding.tree import Tree
 
 
-
 def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
     """Plain next-token choice: argmax in greedy mode, else a draw from `log_probs`.
 

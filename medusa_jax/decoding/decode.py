@@ -25,9 +25,18 @@ from medusa_jax import kernels
 from medusa_jax.decoding import step
 from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
+
 # the stages, for callers that run or test them one by one
-from medusa_jax.decoding.step import (DecodeState, Proposal, commit, emit,  # noqa: F401
-                                      propose_candidates, small_top_k, tree_proposal, verify)
+from medusa_jax.decoding.step import (  # noqa: F401
+    DecodeState,
+    Proposal,
+    commit,
+    emit,
+    propose_candidates,
+    small_top_k,
+    tree_proposal,
+    verify,
+)
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -41,7 +50,8 @@ def prompt_bucket(length: int) -> int:
     return max(MIN_BUCKET, 1 << (max(1, length) - 1).bit_length())
 
 
-def pad_prompts(prompts: list[list[int]], bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(prompts: list[list[int]],
+                bucket: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token lists to a bucket. Returns (tokens [B, bucket], lengths [B])."""
     if not prompts:
         raise ValueError("no prompts given")

@@ -23,11 +23,25 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.decoding import acceptance
-from medusa_jax.decoding.sampling import (PLAIN_DRAWS, ROOT_DRAWS, Rows, next_keys,
-                                          sample_rows, split_rows)
+from medusa_jax.decoding.sampling import (
+    PLAIN_DRAWS,
+    ROOT_DRAWS,
+    Rows,
+    next_keys,
+    sample_rows,
+    split_rows,
+)
 from medusa_jax.decoding.tree import DynamicTree, Tree
-from medusa_jax.model.backbone import (KVCache, Params, causal_mask, forward, forward_scratch,
-                                       is_decoding_layout, tree_mask_after_prefix, write_kv)
+from medusa_jax.model.backbone import (
+    KVCache,
+    Params,
+    causal_mask,
+    forward,
+    forward_scratch,
+    is_decoding_layout,
+    tree_mask_after_prefix,
+    write_kv,
+)
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
 from medusa_jax.runtime import sharding

@@ -46,28 +46,48 @@ with L > 1 are read here as L independent blocks (as vLLM and TensorRT-LLM read 
 
 from __future__ import annotations
 
-from pathlib import Path
 import json
 import re
+from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors import safe_open
 import jax.numpy as jnp
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from medusa_jax.decoding import drafter
 from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.drafters.hydra.formats import HYDRA_PT, HYDRA_ST, read_hydra, write_hydra
 from medusa_jax.drafters.io import (  # noqa: F401 - HeadsFormatError, base_model_of: here too
-    Found, HeadsFormatError, PICKLES, base_model_of, clip, meta_count, read_json, safetensors_names, sizes_cfg, warn_base_model)
+    PICKLES,
+    Found,
+    HeadsFormatError,
+    base_model_of,
+    clip,
+    meta_count,
+    read_json,
+    safetensors_names,
+    sizes_cfg,
+    warn_base_model,
+)
 from medusa_jax.drafters.medusa.formats import (  # noqa: F401 - the writers, here too
-    MEDUSA2_PREFIX, REFERENCE_PT, REFERENCE_ST, VLLM_PREFIX, check_heads, is_medusa2_model, model_shards, read_reference, read_vllm, reference_tensors, write_medusa2_model, write_reference, write_vllm)
-from medusa_jax.drafters.medusa.heads import HEADS_FILE
-from medusa_jax.drafters.medusa.heads import heads_config_of
+    MEDUSA2_PREFIX,
+    REFERENCE_PT,
+    REFERENCE_ST,
+    VLLM_PREFIX,
+    check_heads,
+    is_medusa2_model,
+    model_shards,
+    read_reference,
+    read_vllm,
+    reference_tensors,
+    write_medusa2_model,
+    write_reference,
+    write_vllm,
+)
+from medusa_jax.drafters.medusa.heads import HEADS_FILE, heads_config_of
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
-
 
 LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm", "hydra")
 
@@ -151,7 +171,8 @@ def _detect_file(p: Path) -> Found:
                            f"looked for: {LOOKED_FOR}")
 
 
-def save_heads(path: str | Path, heads: Params, cfg: ModelConfig, extra: dict | None = None) -> Path:
+def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
+               extra: dict | None = None) -> Path:
     """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
 
     `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.

@@ -5,21 +5,19 @@ dispatches; `drafters.medusa.formats` and `drafters.hydra.formats` hold the layo
 
 from __future__ import annotations
 
-from pathlib import Path
 import dataclasses
 import importlib.util
 import json
 import os
 import re
 import warnings
+from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors import safe_open
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from medusa_jax.model import weights
 from medusa_jax.model.config import ModelConfig
-
 
 PICKLES = (".pt", ".bin", ".pth")
 
@@ -56,7 +54,8 @@ def safetensors_names(file: Path) -> tuple[list[str], dict]:
         with safe_open(str(file), framework="numpy") as f:
             return list(f.keys()), dict(f.metadata() or {})
     except (SafetensorError, OSError) as e:
-        raise HeadsFormatError(f"{file}: corrupt or truncated heads file ({first_line(e)})") from None
+        raise HeadsFormatError(f"{file}: corrupt or truncated heads file "
+                               f"({first_line(e)})") from None
 
 
 def read_safetensors(file: Path, keep=None) -> dict[str, np.ndarray]:
@@ -164,7 +163,8 @@ class Expect:
             raise HeadsFormatError(f"{file}: unexpected tensor {extra[0]}{more} ({self.what})")
 
 
-def tensor_sizes(cfg: ModelConfig | None, tensors: dict, name: str, found: Found) -> tuple[int, int]:
+def tensor_sizes(cfg: ModelConfig | None, tensors: dict, name: str,
+                 found: Found) -> tuple[int, int]:
     """(hidden, vocab): the backbone's, or read off the projection `name` [V, H] without one."""
     if cfg is not None:
         return cfg.hidden_size, cfg.vocab_size

@@ -37,11 +37,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from medusa_jax.runtime import pytree as struct  # flax.struct without importing Flax
 
 from medusa_jax import kernels
-from medusa_jax.runtime import sharding
 from medusa_jax.model.config import ModelConfig, as_dtype
+from medusa_jax.runtime import pytree as struct  # flax.struct without importing Flax
+from medusa_jax.runtime import sharding
 
 Params = dict
 

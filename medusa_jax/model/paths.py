@@ -13,9 +13,9 @@ def check_model_paths(model: str | None, heads: str | None = None,
     config.json fields and its weights' headers checked, and --heads present. Raises
     ValueError / FileNotFoundError in one line naming the flag or file. `tokenizer`: the
     folder must hold a tokenizer (every command that encodes text)."""
-    from medusa_jax.runtime import hub
     from medusa_jax.model.config import ModelConfig
     from medusa_jax.model.weights import check_headers, tokenizer_files
+    from medusa_jax.runtime import hub
 
     if model is not None:
         folder = Path(hub.local(model, "--model"))

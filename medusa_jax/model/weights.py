@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from safetensors import SafetensorError
 
-from medusa_jax.runtime import assets, hub
 from medusa_jax import kernels
 from medusa_jax.model.config import ModelConfig, as_dtype
+from medusa_jax.runtime import assets, hub
 from medusa_jax.text import tokenizer as tokenizer_lib
 
 if TYPE_CHECKING:

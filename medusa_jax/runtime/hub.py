@@ -63,9 +63,13 @@ def local(value: str | os.PathLike | None, what: str = "model",
 def _snapshot(repo_id: str, what: str, files: tuple[str, ...], is_offline: bool,
               cache: str) -> str:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError,
-                                        LocalEntryNotFoundError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     where = f"{what} {repo_id}: no such file or folder here, and as a Hugging Face hub id"
     try:

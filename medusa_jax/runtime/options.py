@@ -64,8 +64,8 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (
 def add_run_flags(ap: argparse.ArgumentParser):
     """--resume, --stop-after, --no-compile-cache and --no-cpu-kernels (the closing
     benchmark's decoding), which every training command takes."""
-    from medusa_jax.runtime import compile_cache
     from medusa_jax.kernels import flags as kernel_flags
+    from medusa_jax.runtime import compile_cache
 
     ap.add_argument("--resume", metavar="RUN_DIR",
                     help="continue the run in RUN_DIR from its last checkpoint")

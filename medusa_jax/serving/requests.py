@@ -13,8 +13,16 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4  # as OpenAI

@@ -34,14 +34,19 @@ import re
 import time
 import uuid
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
-from medusa_jax.text.templates import vicuna_pieces
 from medusa_jax.serving.engine import Engine, QueueFull, Request
-from medusa_jax.serving.requests import (ChatCompletionRequest, CompletionRequest,
-                                         GenerationRequest, describe)
+from medusa_jax.serving.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    describe,
+)
+from medusa_jax.text.templates import vicuna_pieces
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 
-
 class TokenizerError(ValueError):
     """A model folder whose tokenizer is missing or unreadable (one line, naming it)."""
 

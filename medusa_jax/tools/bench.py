@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.runtime import timing
 from medusa_jax.decoding.acceptance import Sampling
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
-from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.decoding.decode import generate, medusa_capacity, medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters.medusa.drafter import standard_heads
-
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
+from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.model.shapes import SHAPES  # noqa: E402 - the named shapes (no JAX there)
+from medusa_jax.runtime import timing
 
 
 def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
@@ -450,10 +449,10 @@ PREDICTION_TREES = {4: "mc_sim_7b_63:4", 8: "mc_sim_7b_63:8", 16: "mc_sim_7b_63:
 def shipped_tokens_per_step(num_prompts: int = 8, max_new_tokens: int = 128,
                             max_nodes: int | None = None) -> dict[int, float]:
     """Tokens per step of the embedded model with its shipped heads, greedy, held-out
-    openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real model's trained
-    heads reach is of the same order: docs/performance.md)."""
-    from medusa_jax.runtime import assets
+    openings, for each tree of `PREDICTION_TREES` (up to `max_nodes`; the acceptance a real
+    model's trained heads reach is of the same order: docs/performance.md)."""
     from medusa_jax.api import Medusa
+    from medusa_jax.runtime import assets
 
     m = Medusa.load(heads="default")
     prompts = assets.heldout_prompts()[:num_prompts]
@@ -507,8 +506,8 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
     extrapolated from their growth between a compile at `layers` and one at `layers + 1`
     (from shapes only)."""
     from medusa_jax import api
-    from medusa_jax.runtime import sharding
     from medusa_jax.drafters.medusa.heads import HeadsConfig
+    from medusa_jax.runtime import sharding
 
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")

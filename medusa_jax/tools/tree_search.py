@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.model.backbone import KVCache, Params, causal_mask, forward
-from medusa_jax.model.config import ModelConfig
 from medusa_jax.decoding.decode import generate, pad_prompts
 from medusa_jax.drafters.medusa.heads import apply_heads
+from medusa_jax.model.backbone import KVCache, Params, causal_mask, forward
+from medusa_jax.model.config import ModelConfig
 
 
 def head_rank_accuracy(params: Params, cfg: ModelConfig, heads: Params,

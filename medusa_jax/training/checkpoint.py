@@ -33,7 +33,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from medusa_jax.runtime import sharding
-
 from medusa_jax.training.step import TrainState
 
 ITEMS = ("params", "opt_state", "meta")

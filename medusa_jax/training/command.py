@@ -13,10 +13,9 @@ import math
 import signal
 import sys
 
-from medusa_jax.runtime import assets, quiet
-from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import options
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.paths import check_model_paths
+from medusa_jax.runtime import assets, options, quiet
 
 
 def add_memory_flags(ap: argparse.ArgumentParser):

@@ -1,11 +1,12 @@
 """The training commands' configs: one frozen dataclass per method, its fields the
-command's flags (`options.add_config_flags`), saved as <run>/config.json and reused by --resume.
+command's flags (`options.add_config_flags`), saved as <run>/config.json and reused by
+--resume.
 
 `TrainConfig` (every method), `Medusa1Config` (train.medusa1), `HydraConfig` (train.hydra),
 `Medusa2Config` (train.medusa2). This module imports no JAX, so `--help` and flag errors
 are immediate; `validate` imports what it checks with (the mesh spec, the tree). The
-methods themselves are `medusa_jax.training.recipes.medusa1`, `hydra_train` and `medusa2` (which re-export
-their config from here).
+methods themselves are `training.recipes.medusa1`, `.hydra` and `.medusa2` (which
+re-export their config from here).
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from pathlib import Path
 from typing import ClassVar
 
 from medusa_jax.runtime import assets
-from medusa_jax.text import data
 from medusa_jax.runtime.options import option
+from medusa_jax.text import data
 from medusa_jax.text.data import FORMATS, TEMPLATES  # names: the config has a field called data
-
 
 DTYPES = ("float32", "bfloat16")  # --dtype: the backbone's
 
@@ -124,7 +124,6 @@ class TrainConfig:
                 raise ValueError(msg)
         if self.model is not None:  # a path or hub id, its config.json and weights' headers
             from medusa_jax.model.paths import check_model_paths
-            from medusa_jax.runtime import options
 
             check_model_paths(self.model)
         need(self.data_format in data.FORMATS, f"--data-format must be one of {data.FORMATS}")
@@ -155,8 +154,8 @@ class TrainConfig:
         need(-2**63 <= self.seed < 2**63, f"--seed must be in -2**63..2**63-1, got {self.seed}")
         need(self.num_processes is None or self.num_processes >= 1,
              "--num-processes must be >= 1")
-        from medusa_jax.runtime import sharding  # imports JAX: not before the flags are parsed
         from medusa_jax.decoding.tree import Tree
+        from medusa_jax.runtime import sharding  # imports JAX: not before the flags are parsed
 
         sharding.parse_mesh_spec(self.mesh)
         # the benchmark's tree, before the run rather than after training (its depth only

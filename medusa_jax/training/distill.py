@@ -24,11 +24,11 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from medusa_jax.text import data
 from medusa_jax.decoding import decode
-from medusa_jax.runtime import timing
 from medusa_jax.decoding.acceptance import Sampling
 from medusa_jax.model.config import stop_tokens
+from medusa_jax.runtime import timing
+from medusa_jax.text import data
 
 
 def sampling_for(temperature: float) -> Sampling:

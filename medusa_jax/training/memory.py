@@ -32,10 +32,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.runtime import sharding
-from medusa_jax.training import step as ts
 from medusa_jax.model.backbone import head_units, init_params
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
 
 GB, GIB = 10 ** 9, 2 ** 30
 

@@ -26,12 +26,12 @@ import numpy as np
 import optax
 from flax import struct
 
-from medusa_jax.runtime import sharding
+from medusa_jax.decoding import drafter
+from medusa_jax.drafters.medusa.heads import apply_heads, head_states
 from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.model.backbone import param_axes as backbone_param_axes
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.decoding import drafter
-from medusa_jax.drafters.medusa.heads import apply_heads, head_states
+from medusa_jax.runtime import sharding
 
 Batch = dict  # tokens, positions, segments [B, T] int32; loss_mask [B, T] bool
 LossFn = Callable[[Params, Batch], tuple[jax.Array, dict]]

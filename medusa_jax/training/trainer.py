@@ -32,23 +32,22 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.model import backbone as backbone_lib
+from medusa_jax.model import weights
+from medusa_jax.model.backbone import Params, decoding_layout
+from medusa_jax.model.config import ModelConfig, stop_tokens
 from medusa_jax.runtime import assets, distributed, rundir, sharding
 from medusa_jax.text import data, prompt_files
 from medusa_jax.training import distill
-from medusa_jax.model import weights
-from medusa_jax.drafters.medusa import heads as heads_lib
-from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.training import step as ts
-from medusa_jax.model import backbone as backbone_lib
-from medusa_jax.model.backbone import Params, decoding_layout
-from medusa_jax.training.checkpoint import CheckpointError, Checkpointer
-from medusa_jax.model.config import ModelConfig, stop_tokens
+from medusa_jax.training.checkpoint import Checkpointer, CheckpointError
 from medusa_jax.training.config import DTYPES, TrainConfig, check_batch  # noqa: F401 - re-exported
 
 __all__ = ["DTYPES", "TrainConfig"]  # the configs live in train_config (no JAX there)
-from medusa_jax.runtime.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSignals
 from medusa_jax.decoding.tree import Tree
-
+from medusa_jax.runtime.rundir import LOCK_FILE, Interrupted, RunLock, StopNow, StopSignals
 
 # ----------------------------------------------------------------------------- the run
 

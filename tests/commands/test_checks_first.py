@@ -1,5 +1,5 @@
-"""Bad input is refused before any work, in one line naming the file, field or flag
-(issue 32), by the commands: a bad config.json or broken weights fail infer.generate before
+"""Bad input is refused before any work, in one line naming the file, field or flag,
+by the commands: a bad config.json or broken weights fail infer.generate before
 JAX, output paths before benchmarking, flags before work; and nothing written where the user
 did not ask (train.export_heads --force, train.enlarge --output). The library's own checks
 sit beside their modules' tests: model/test_config_values.py, model/test_weights_bad_input.py,
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from medusa_jax.runtime import assets
 from medusa_jax import cli
 from medusa_jax.model.weights import default_model_dir
+from medusa_jax.runtime import assets
 
 
 def model_copy(tmp_path, name="m", **changes):

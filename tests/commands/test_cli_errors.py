@@ -1,4 +1,4 @@
-"""Bad command-line input is refused before any work, with one line (issue: hostile input)."""
+"""Bad command-line input is refused before any work, with one line."""
 
 import pytest
 
@@ -72,7 +72,7 @@ def test_heads_cost_needs_random_weights_and_times_every_projection():
     assert all(t > 0 for t in times.values())
 
 
-# ---- issue 23: checked against the model before any measurement
+# ---- checked against the model before any measurement
 
 
 @pytest.mark.parametrize("main, argv, message", [

@@ -8,8 +8,8 @@ import stat
 
 import pytest
 
-from medusa_jax.drafters import formats as hf
 from medusa_jax.api import Medusa, default_heads_dir
+from medusa_jax.drafters import formats as hf
 from medusa_jax.drafters.formats import load_heads, save_heads
 from medusa_jax.model.weights import default_model_dir, load_pretrained
 from train import export_heads

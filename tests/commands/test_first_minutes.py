@@ -1,4 +1,4 @@
-"""The first five minutes (issue 33): `--help` and flag errors import no JAX, Flax,
+"""The first five minutes: `--help` and flag errors import no JAX, Flax,
 transformers or the model code; transformers' PyTorch notice silenced. (The notebook API
 saying when it compiles: test_api.py.) (Help timing is measured, not asserted here:
 see the README.)"""

@@ -131,7 +131,7 @@ def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
     assert not run.exists()
 
 
-# ---- issue 23: the second signal is never lost, and says what it stopped (in-process)
+# ---- the second signal is never lost, and says what it stopped (in-process)
 
 
 @pytest.mark.subprocess
@@ -156,8 +156,8 @@ def test_two_signals_during_one_long_call_are_two(tmp_path):
 
 def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resume(
         tmp_path, monkeypatch, capsys):
-    from medusa_jax.training import trainer
     from medusa_jax.runtime.rundir import StopNow
+    from medusa_jax.training import trainer
     from train import medusa1
 
     def second_signal(*a, **k):  # as if during self-distillation
@@ -174,8 +174,8 @@ def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resum
 
 def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, monkeypatch,
                                                                     capsys):
-    from medusa_jax.training import trainer
     from medusa_jax.runtime.rundir import StopNow
+    from medusa_jax.training import trainer
     from train import medusa1
 
     run = tmp_path / "run"

@@ -34,7 +34,7 @@ def test_shipped_assets_are_what_the_script_builds(tmp_path):
         assert (tmp_path / name).read_text() == (d / name).read_text(), name
 
 
-# ---- hostile sources (issue 23): one line, and nothing written
+# ---- hostile sources: one line, and nothing written
 
 
 def _run(argv, capsys):

@@ -12,10 +12,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from medusa_jax.decoding import decode
-from medusa_jax.drafters.medusa import heads as heads_lib
-from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.decoding.acceptance import Sampling
 from medusa_jax.decoding.tree import Tree
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.drafters.medusa import heads as heads_lib
 from train import medusa1
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository

@@ -26,8 +26,8 @@ def test_rejection_sampling_matches_plain_sampling_distribution(toy_lm, toy_medu
     params, heads = toy_medusa
     if cpu_kernel:  # the decoding layout with every product on the CPU kernel
         from medusa_jax import kernels
-        from medusa_jax.model.backbone import decoding_layout
         from medusa_jax.kernels import fewrow
+        from medusa_jax.model.backbone import decoding_layout
 
         if not kernels.available():
             pytest.skip("the CPU kernel could not be built here")

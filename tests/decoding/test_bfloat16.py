@@ -6,8 +6,8 @@ plain bfloat16 decoding does."""
 import numpy as np
 import pytest
 
-from medusa_jax.runtime import assets
 from medusa_jax.api import Medusa
+from medusa_jax.runtime import assets
 
 N_PROMPTS, NEW = 8, 48
 

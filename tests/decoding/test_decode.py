@@ -8,12 +8,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from medusa_jax.api import Medusa
-from medusa_jax.decoding.decode import (CACHE_BLOCK, MAX_CACHE_PHASES, cache_phases, generate,
-                               medusa_generate, pad_prompts, run_phases)
+from medusa_jax.decoding.decode import (
+    CACHE_BLOCK,
+    MAX_CACHE_PHASES,
+    cache_phases,
+    generate,
+    medusa_generate,
+    pad_prompts,
+    run_phases,
+)
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 from medusa_jax.model.backbone import KVCache
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
-from medusa_jax.decoding.tree import Tree
 from medusa_jax.model.weights import default_model_dir
 
 PROMPTS = [

@@ -7,9 +7,9 @@ import pytest
 
 from medusa_jax.decoding import acceptance, decode
 from medusa_jax.decoding.acceptance import MODES, Sampling
+from medusa_jax.decoding.tree import Tree
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.decoding.tree import Tree
 
 V = 32
 CFG = ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,

@@ -1,4 +1,4 @@
-"""The decoders and train steps lower for GPU and TPU without the hardware (issue 13, part 4).
+"""The decoders and train steps lower for GPU and TPU without the hardware.
 
 `jax.export` lowers for other platforms on this CPU machine. It refuses custom calls that are
 not stable across platforms (host callbacks among them); on top of that the lowered module
@@ -14,15 +14,15 @@ import pytest
 from jax.sharding import NamedSharding
 
 from medusa_jax import api
-from medusa_jax.training.recipes import medusa2
-from medusa_jax.runtime import sharding
-from medusa_jax.training import step as ts
 from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.decoding.decode import generate, medusa_generate
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 from medusa_jax.model.backbone import init_params
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.decoding.decode import generate, medusa_generate
-from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
-from medusa_jax.decoding.tree import Tree
+from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa2
 
 PLATFORMS = ("cuda", "tpu")
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,

@@ -1,4 +1,4 @@
-"""Tensor-parallel decoding (issue 13, part 1) on 8 simulated CPU devices.
+"""Tensor-parallel decoding on 8 simulated CPU devices.
 
 Plain and Medusa decoding under `data x model` meshes give the tokens of the 1-device run
 (greedy, and rejection/typical with the same key), on the embedded model and on random small
@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from medusa_jax import api
-from medusa_jax.runtime import sharding
 from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 from medusa_jax.model.backbone import init_params
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
-from medusa_jax.decoding.tree import Tree
+from medusa_jax.runtime import sharding
 
 TREE = Tree.load("mc_sim_7b_63:8")
 NEW = 10

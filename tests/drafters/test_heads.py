@@ -5,10 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
-from medusa_jax.model.config import ModelConfig
 from medusa_jax.drafters.formats import load_heads, save_heads
 from medusa_jax.drafters.medusa.heads import HeadsConfig, apply_heads, init_heads
+from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.model.config import ModelConfig
 
 CFG = ModelConfig(model_type="llama", vocab_size=40, hidden_size=16, intermediate_size=24,
                   num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,

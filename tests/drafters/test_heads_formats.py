@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch")
 from safetensors.numpy import load_file  # noqa: E402
 from safetensors.torch import save_file as save_torch  # noqa: E402
 
-from medusa_jax.drafters import formats as hf  # noqa: E402
 from medusa_jax.api import Medusa, default_heads_dir  # noqa: E402
+from medusa_jax.drafters import formats as hf  # noqa: E402
 from medusa_jax.drafters.formats import load_heads, save_heads  # noqa: E402
 from medusa_jax.drafters.medusa.heads import apply_heads  # noqa: E402
 from medusa_jax.model.weights import default_model_dir, load_pretrained, save_pretrained  # noqa: E402

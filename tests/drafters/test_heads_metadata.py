@@ -1,17 +1,15 @@
-"""Heads metadata that is not what it claims is named in one line (issue 32; formerly in
-tests/test_checks_first.py)."""
+"""Heads metadata that is not what it claims is named in one line."""
 
 import pytest
 from safetensors.numpy import save_file
 
-from medusa_jax.runtime import assets
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.weights import default_model_dir
+from medusa_jax.runtime import assets
 
 
 def test_heads_metadata_that_is_not_a_count_is_named(tmp_path):
-    from medusa_jax.drafters.formats import load_heads
-    from medusa_jax.drafters.formats import HeadsFormatError, HEADS_FILE
+    from medusa_jax.drafters.formats import HEADS_FILE, HeadsFormatError, load_heads
 
     src = assets.heads_dir() / HEADS_FILE
     out = tmp_path / HEADS_FILE

@@ -6,16 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from medusa_jax.api import Medusa, default_hydra_heads_dir
 from medusa_jax.decoding import decode
-from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.decoding.acceptance import Sampling, rejection
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.drafters.hydra.drafter import HydraDrafter
-from medusa_jax.decoding.acceptance import Sampling, rejection
-from medusa_jax.api import Medusa, default_hydra_heads_dir
+from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.model.backbone import init_params
-from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
-from medusa_jax.decoding.tree import DynamicTree, Tree
 
 BIG_TREE = Tree.load("mc_sim_7b_63")
 PROMPTS = [[1, 400, 30], [1, 50], [1, 9, 9, 9, 100, 7, 300]]

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config)
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
 from medusa_jax.model.config import ModelConfig

@@ -1,5 +1,5 @@
 """config.json's values are checked and named before any work: type, range, finiteness, in
-one line naming the file and the field (issue 32; formerly in tests/test_checks_first.py)."""
+one line naming the file and the field."""
 
 import json
 import shutil

@@ -14,16 +14,22 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GemmaConfig
 
 from medusa_jax import api
-from medusa_jax.runtime import sharding
 from medusa_jax.decoding.acceptance import Sampling
-from medusa_jax.model.backbone import (KVCache, causal_mask, decoding_layout, forward, layer_kinds,
-                                 param_shapes)
-from medusa_jax.model.config import ModelConfig
 from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.tree import Tree
 from medusa_jax.drafters.formats import load_heads, save_heads
 from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
-from medusa_jax.decoding.tree import Tree
+from medusa_jax.model.backbone import (
+    KVCache,
+    causal_mask,
+    decoding_layout,
+    forward,
+    layer_kinds,
+    param_shapes,
+)
+from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.weights import WeightsError, load_pretrained
+from medusa_jax.runtime import sharding
 
 V, WINDOW, TOTAL = 97, 4, 13
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=3,

@@ -10,7 +10,12 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from medusa_jax.model.weights import WeightsError, default_model_dir, load_pretrained, save_pretrained
+from medusa_jax.model.weights import (
+    WeightsError,
+    default_model_dir,
+    load_pretrained,
+    save_pretrained,
+)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +174,7 @@ def test_load_tokenizer(small_model_dir, tmp_path):
         load_tokenizer(tmp_path / "nope")
 
 
-# ---- corrupted weights and tokenizers that say less than the model (issue 23)
+# ---- corrupted weights and tokenizers that say less than the model
 
 
 def _random_data(file, seed=0):

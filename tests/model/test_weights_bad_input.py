@@ -1,5 +1,5 @@
 """Broken weights are reported from the safetensors headers, before the tokenizer or anything
-else loads (issue 32; formerly in tests/test_checks_first.py)."""
+else loads."""
 
 import json
 import shutil
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from medusa_jax.text import tokenizer as startup
 from medusa_jax.model.weights import WeightsError, check_headers, default_model_dir
+from medusa_jax.text import tokenizer as startup
 
 
 def model_copy(tmp_path, name="m", **changes):

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from medusa_jax.runtime import assets, hub
-from medusa_jax.model.paths import check_model_paths
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.model.paths import check_model_paths
+from medusa_jax.runtime import assets, hub
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

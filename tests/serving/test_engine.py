@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.runtime import assets
 from medusa_jax.decoding.acceptance import Sampling, log_probs
 from medusa_jax.decoding.sampling import row_log_probs
+from medusa_jax.runtime import assets
 from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline
 
 # the server tests use the same engine shapes: their compiled programs come from the cache

@@ -351,9 +351,9 @@ def test_echo_returns_the_prompt_before_the_completion(client):
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_user_text_cannot_hold_control_tokens(url, client):
+    from medusa_jax.runtime.assets import model_dir
     from medusa_jax.serving.server import TextEncoder, vicuna_prompt
     from medusa_jax.text.tokenizer import load_tokenizer
-    from medusa_jax.runtime.assets import model_dir
 
     tok = load_tokenizer(model_dir())
     enc = TextEncoder(tok)
@@ -375,9 +375,9 @@ def test_user_text_cannot_hold_control_tokens(url, client):
 
 def test_a_chat_template_keeps_its_own_control_tokens_only():
     """A template's control tokens are parsed; the same text in a message is text."""
+    from medusa_jax.runtime.assets import model_dir
     from medusa_jax.serving.server import TextEncoder, template_prompt
     from medusa_jax.text.tokenizer import load_tokenizer
-    from medusa_jax.runtime.assets import model_dir
 
     tok = load_tokenizer(model_dir()).full
     tok.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>"

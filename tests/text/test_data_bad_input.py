@@ -1,6 +1,5 @@
 """Hostile data files (`medusa_jax.text.data.read_file`): empty, not UTF-8, a byte order
-mark; every error is one line naming the file (and line). (Formerly in
-tests/test_hostile_input.py.)"""
+mark; every error is one line naming the file (and line)."""
 
 import json
 

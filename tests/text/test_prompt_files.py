@@ -1,6 +1,5 @@
 """Hostile prompt files (`infer.generate --prompts-file`, `infer.bench --prompts`, read by
-`read_prompt_file`): every error is one line naming the file and line. (Formerly in
-tests/test_hostile_input.py.)"""
+`read_prompt_file`): every error is one line naming the file and line."""
 
 import pytest
 

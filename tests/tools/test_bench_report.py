@@ -7,9 +7,9 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax.tools import bench
 from medusa_jax.model.backbone import init_params
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.tools import bench
 
 TINY = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
             num_layers=6, num_heads=4, num_kv_heads=2, head_dim=16,

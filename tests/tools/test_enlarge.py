@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.tools import bench, enlarge
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.tools import bench, enlarge
 
 # from stories260K (hidden 64, MLP 172, 5 layers, 8 query / 4 KV heads, head_dim 8): every
 # dimension grows, the KV grouping changes (2 -> 1 query heads per KV head), two identities
@@ -164,9 +164,9 @@ def test_command_refuses_bad_input_before_any_work(tmp_path, written):
 def test_enlarged_hydra_heads_draft_and_decode_as_the_source(noisy_hydra):
     """Random backbone + random Hydra heads, both enlarged: the same draft log-probabilities
     on a tree, and greedy Hydra decoding with the same tokens and the same steps."""
-    from medusa_jax.drafters.hydra import heads as hydra
     from medusa_jax.decoding.decode import medusa_generate, pad_prompts
     from medusa_jax.decoding.tree import Tree
+    from medusa_jax.drafters.hydra import heads as hydra
 
     cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

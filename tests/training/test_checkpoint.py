@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.text import data
-from medusa_jax.training.checkpoint import CheckpointError, Checkpointer
+from medusa_jax.training.checkpoint import Checkpointer, CheckpointError
 
 TRAINED = ("heads",)
 

@@ -6,12 +6,11 @@ import json
 
 import pytest
 
-from medusa_jax.runtime import assets
-from medusa_jax.runtime import options
 from medusa_jax.model.config import stop_tokens
+from medusa_jax.runtime import assets, options
+from medusa_jax.training.command import Command
 from medusa_jax.training.recipes.medusa1 import Medusa1Config
 from medusa_jax.training.recipes.medusa2 import Medusa2Config
-from medusa_jax.training.command import Command
 from medusa_jax.training.trainer import Recipe, TrainConfig
 
 

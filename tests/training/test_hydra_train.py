@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from medusa_jax.decoding import decode
-from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.decoding.tree import Tree
 from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.hydra import heads as hydra
-from medusa_jax.training import step as ts
+from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.model.backbone import init_params
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.training import step as ts
 from medusa_jax.training.recipes.hydra import HydraConfig, hydra_loss_fn
-from medusa_jax.decoding.tree import Tree
 from train import hydra as train_hydra
 
 CFG = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,

@@ -11,13 +11,13 @@ import numpy as np
 import optax
 import pytest
 
-from medusa_jax.model import backbone
-from medusa_jax.training.recipes import medusa2
-from medusa_jax.runtime import sharding
-from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.drafters import formats as heads_formats
-from medusa_jax.training import step as ts
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.model import backbone
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa2
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 # every sharded dim (vocab 64, mlp 32, qkv 16/8, hidden 16) divides by fsdp=4

@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax.training import memory
 from medusa_jax.model.backbone import param_shapes
+from medusa_jax.training import memory
 
 SHAPE = "llama-15m"  # hidden 288, 6 layers, 32,000 words: compiles in seconds
 SMALL = ["--shape", SHAPE, "--batch-size", "4", "--seq-len", "128", "--num-heads", "3",

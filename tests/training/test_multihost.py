@@ -1,4 +1,4 @@
-"""Multi-host training (issue 13, part 2): 2 processes x 4 CPU devices on 127.0.0.1.
+"""Multi-host training: 2 processes x 4 CPU devices on 127.0.0.1.
 
 The same run as 2 processes (gloo collectives, a free port per launch), as 1 process x 8
 devices and as 1 device gives the same losses and heads; killing a process mid-run and

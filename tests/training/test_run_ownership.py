@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from medusa_jax.drafters.formats import write_reference
+from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
 from medusa_jax.runtime import assets, rundir
 from medusa_jax.training import trainer
 from medusa_jax.training.checkpoint import Checkpointer
-from medusa_jax.drafters.medusa.heads import HeadsConfig, init_heads
-from medusa_jax.drafters.formats import write_reference
 from medusa_jax.training.recipes.medusa1 import Medusa1Config
 from medusa_jax.training.step import TrainState
 from train import medusa1, medusa2

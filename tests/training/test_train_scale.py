@@ -9,12 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.model import backbone
-from medusa_jax.runtime import sharding
-from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.drafters import formats as heads_formats
-from medusa_jax.training import step as ts
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.model import backbone
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -331,8 +331,8 @@ def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not
 def test_reduced_vocabulary_run_writes_token_map_heads_that_decode_exactly(tmp_path):
     """train.medusa1 --reduced-vocab on the embedded model: the artifact holds token_index,
     exports to vLLM's token_map form, and greedy Medusa with it equals plain greedy."""
-    from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.api import Medusa
+    from medusa_jax.drafters import formats as heads_formats
     from train.medusa1 import command
 
     run = tmp_path / "run"

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.runtime import sharding
 from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.runtime import sharding
 from medusa_jax.training import step as ts
 
 # CFG, K, make_params, random_batch and setup: tests/training/conftest.py's toy_train

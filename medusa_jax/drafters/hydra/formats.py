@@ -3,24 +3,34 @@ the strict reader and the writer. The table of every layout is in `drafters.form
 
 from __future__ import annotations
 
-from pathlib import Path
 import warnings
+from pathlib import Path
 
 import numpy as np
 
 from medusa_jax.drafters.hydra import heads as hydra
-from medusa_jax.drafters.io import Found, HeadsFormatError, Expect, contiguous, config_count, read_json, heads_meta, as_float32, read_files, tensor_sizes, write_json, write_tensors
+from medusa_jax.drafters.io import (
+    Expect,
+    Found,
+    HeadsFormatError,
+    as_float32,
+    config_count,
+    contiguous,
+    heads_meta,
+    read_files,
+    read_json,
+    tensor_sizes,
+    write_json,
+    write_tensors,
+)
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
-
 
 HYDRA_PT, HYDRA_ST = "hydra_lm_head.pt", "hydra_lm_head.safetensors"  # zankner/Hydra
 
 
 def read_hydra(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
     """zankner/Hydra's grounded MLP heads (hydra_head_arch "mlp") -> our Hydra heads."""
-    from medusa_jax.drafters.hydra import heads as hydra
-
     conf, cf = read_json(found.config), found.config
     k = config_count(conf, ("hydra_num_heads",), cf)
     lyr = config_count(conf, ("hydra_num_layers",), cf)

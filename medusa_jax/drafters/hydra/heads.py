@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
-from medusa_jax.model.backbone import ParamSpec, Params, output_projection
+from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
 
 KIND = "hydra"

@@ -4,21 +4,36 @@ layout's tensors. The table of every layout is in `drafters.formats`."""
 
 from __future__ import annotations
 
-from pathlib import Path
 import json
 import os
 import re
 import warnings
+from pathlib import Path
 
-from safetensors import safe_open
 import numpy as np
+from safetensors import safe_open
 
-from medusa_jax.drafters.io import Found, HeadsFormatError, Expect, contiguous, config_count, read_json, heads_meta, names_counts, as_float32, read_files, tensor_sizes, file_of, write_json, write_safetensors, write_tensors
+from medusa_jax.drafters.io import (
+    Expect,
+    Found,
+    HeadsFormatError,
+    as_float32,
+    config_count,
+    contiguous,
+    file_of,
+    heads_meta,
+    names_counts,
+    read_files,
+    read_json,
+    tensor_sizes,
+    write_json,
+    write_safetensors,
+    write_tensors,
+)
 from medusa_jax.drafters.medusa.heads import HEADS_FILE
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
-
 
 REFERENCE_ST = "medusa_lm_head.safetensors"
 

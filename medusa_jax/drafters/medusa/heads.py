@@ -26,9 +26,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.decoding import drafter
 from medusa_jax import kernels
-from medusa_jax.model.backbone import ParamSpec, Params, output_projection
+from medusa_jax.decoding import drafter
+from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
 
 

@@ -15,11 +15,12 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.drafters.hydra import heads as hydra
-from medusa_jax.training import step as ts
 from medusa_jax.model.backbone import logits_from_hidden
 from medusa_jax.model.config import ModelConfig
+from medusa_jax.training import step as ts
 from medusa_jax.training.config import HydraConfig  # noqa: F401 - re-exported
 from medusa_jax.training.trainer import Context, Method, Recipe
+
 
 def teacher_ce(head_logits: jax.Array, base_logits: jax.Array, valid: jax.Array,
                decay: float, count: jax.Array | None = None) -> jax.Array:

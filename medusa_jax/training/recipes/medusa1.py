@@ -14,6 +14,7 @@ from medusa_jax.training import step as ts
 from medusa_jax.training.config import DEFAULT_LR, SELF_DISTILL_LR, Medusa1Config  # noqa: F401
 from medusa_jax.training.trainer import Context, Method, Recipe
 
+
 def check_reduced_vocab(cfg: Medusa1Config, vocab: int):
     if cfg.reduced_vocab >= vocab:
         raise ValueError(f"--reduced-vocab {cfg.reduced_vocab} is not below the model's "

@@ -42,21 +42,33 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from medusa_jax.runtime import assets, distributed, sharding
-from medusa_jax.text import data
-from medusa_jax.training import trainer
-from medusa_jax.model import weights
-from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.drafters import formats as heads_formats
-from medusa_jax.training import step as ts
+from medusa_jax.drafters.medusa import heads as heads_lib
+from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params, logits_from_hidden
 from medusa_jax.model.config import ModelConfig, as_dtype
-from medusa_jax.training.recipes.medusa1 import Medusa1
-from medusa_jax.training.config import (HEAD_SCHEDULES, LM_LOSSES, Init,  # noqa: F401
-                                         Medusa2Config, check_shared, resolve_init)
+from medusa_jax.runtime import assets, distributed, sharding
 from medusa_jax.runtime.rundir import Interrupted
-from medusa_jax.training.step import (Batch, LossFn, OptimConfig, TrainState, backbone_hidden,
-                                   medusa_targets)
+from medusa_jax.text import data
+from medusa_jax.training import step as ts
+from medusa_jax.training import trainer
+from medusa_jax.training.config import (  # noqa: F401
+    HEAD_SCHEDULES,
+    LM_LOSSES,
+    Init,
+    Medusa2Config,
+    check_shared,
+    resolve_init,
+)
+from medusa_jax.training.recipes.medusa1 import Medusa1
+from medusa_jax.training.step import (
+    Batch,
+    LossFn,
+    OptimConfig,
+    TrainState,
+    backbone_hidden,
+    medusa_targets,
+)
 
 DEFAULT_HEAD_WEIGHT = {"constant": 0.2, "sine": 0.01}  # the paper's two settings
 
