@@ -1,4 +1,5 @@
-"""Backbone parity with transformers' PyTorch models, and KV-cache consistency."""
+"""Backbone parity with transformers' PyTorch models (logits, and the residual stream at
+chosen layers: `aux_layers`), and KV-cache consistency."""
 
 import json
 

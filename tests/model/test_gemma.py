@@ -1,6 +1,6 @@
 """The Gemma family (gemma, gemma2, gemma3_text) on tiny random configs: logit parity with
 transformers' PyTorch models (prefill and cached decoding, ragged rows, contexts longer than
-the sliding window), greedy Medusa == plain greedy with prompts longer than the window,
+the sliding window; the residual stream at chosen layers), greedy Medusa == plain greedy with prompts longer than the window,
 rejection sampling lossless, tensor-parallel decoding == one device, strict config, weight
 and heads errors."""
 
