@@ -15,7 +15,9 @@ pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
     lm_head      [H, V]                                   (absent with tied embeddings)
 
 Decoding on one device uses `decoding_layout` (a tuple of per-layer dicts run as a straight
-line, fused q/k/v and gate/up); `forward` takes either layout.
+line, fused q/k/v and gate/up); `forward` takes either layout. The forward functions can
+also return the residual stream entering chosen layers (`aux_layers`; EAGLE-3 drafters read
+three of them, `eagle3_layers`).
 
 The caller passes explicit positions and an explicit boolean attention mask over the cache
 slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -363,12 +366,14 @@ def _write_layer(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Arr
     return cache
 
 
-def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq):
+def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq,
+                             aux_layers=()):
     """The decoding layout over a per-layer cache (`KVCache.init(..., per_layer=True)`):
     each layer first writes its new keys/values into its own cache buffer, at slots
     lengths .. lengths + T - 1, then attends over the first W slots of that buffer with
     the caller's mask [B, T, W]. Writing before reading lets XLA update the buffers in
-    place (no copy of the cache per step). Returns (x, new keys, new values, cache)."""
+    place (no copy of the cache per step). Returns (x, new keys, new values, cache, aux):
+    aux [B, T, len(aux_layers) * H] the inputs of the `aux_layers`, None without any."""
     if not is_decoding_layout(params):
         raise ValueError("a per-layer KV cache goes with the decoding layout "
                          "(backbone.decoding_layout)")
@@ -392,7 +397,10 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
     freqs = {w: inv_freq if w is None else rope_frequencies(cfg, local=True)
              for w in set(kinds)}
     ks, vs, new_k, new_v = [], [], [], []
+    captured = {}  # layer -> its input [B, T, H]
     for i, layer in enumerate(params["layers"]):
+        if i in aux_layers:
+            captured[i] = x
         dt = x.dtype
         kc, vc = cache.k[i], cache.v[i]
         q, k, v = _qkv(cfg, x, layer, positions, freqs[kinds[i]], kc.dtype)
@@ -405,7 +413,9 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
             kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
             attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]])
         x = _residual_and_mlp(cfg, x, attn, layer)
-    return x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs))
+    aux = _concat_aux(captured, aux_layers) if aux_layers else None
+    return (x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs)),
+            aux)
 
 
 def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
@@ -429,6 +439,37 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> j
     return _softcap(logits, cfg.final_softcap)
 
 
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose inputs an EAGLE-3 drafter reads (low, mid, high), as `aux_layers`:
+    (2, L // 2, L - 3), the rule of EAGLE's `modeling_llama_kv.py`, SGLang and vLLM (the
+    outputs of layers 1, L // 2 - 1, L - 4: SpecForge's ids). Below 7 layers two of them
+    coincide (or fall outside the model), which gives no three distinct features."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if not layers[0] < layers[1] < layers[2]:
+        raise ValueError(f"EAGLE-3 reads the inputs of layers (2, L//2, L-3), three distinct "
+                         f"layers only when L >= 7; this backbone has {num_layers} layers")
+    return layers
+
+
+def check_aux_layers(cfg: ModelConfig, aux_layers) -> tuple[int, ...]:
+    """`aux_layers` as a tuple of distinct layer indices 0 <= i < L (a static argument of
+    the forward functions), or a one-line ValueError naming the bad value."""
+    layers = tuple(aux_layers)
+    for i in layers:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral) \
+                or not 0 <= i < cfg.num_layers:
+            raise ValueError(f"aux_layers: {i!r} is not a layer index of this "
+                             f"{cfg.num_layers}-layer backbone (0 <= i < {cfg.num_layers})")
+        if layers.count(i) > 1:
+            raise ValueError(f"aux_layers: layer {i} appears more than once in {layers}")
+    return tuple(int(i) for i in layers)
+
+
+def _concat_aux(captured: dict, aux_layers: tuple) -> jax.Array:
+    """{layer: its input [B, T, H]} -> [B, T, len(aux_layers) * H], in `aux_layers` order."""
+    return jnp.concatenate([captured[i] for i in aux_layers], axis=-1)
+
+
 def forward_uncommitted(
     params: Params,
     cfg: ModelConfig,
@@ -441,7 +482,8 @@ def forward_uncommitted(
     empty_cache: bool = False,
     unroll: int = 1,
     remat: bool = False,
-) -> tuple[jax.Array | None, jax.Array, tuple[jax.Array, jax.Array]]:
+    aux_layers: tuple[int, ...] = (),
+) -> tuple:
     """Like `forward`, but leaves the cache untouched and returns the new tokens' keys and
     values ([L, B, KVH, T, D] each) so the caller can commit only some of them (Medusa keeps
     just the accepted path).
@@ -456,12 +498,19 @@ def forward_uncommitted(
     decoding layout has no scan: see `decoding_layout`). `remat=True` (training the
     backbone) wraps each layer in `jax.checkpoint` saving nothing inside it: the backward
     pass keeps only the layers' inputs and recomputes each layer (attention scores included)
-    instead of holding every layer's intermediates."""
+    instead of holding every layer's intermediates.
+
+    `aux_layers` (static; `check_aux_layers`): also return the residual stream at the input
+    of these layers, concatenated in that order, [B, T, len(aux_layers) * H] in the compute
+    dtype, as a fourth element (layer 0's input is the embedding; EAGLE-3 drafters read
+    `eagle3_layers(L)`). With none (the default) the result and the program are those of a
+    plain forward pass."""
+    aux_layers = check_aux_layers(cfg, aux_layers)
     if isinstance(cache.k, tuple):  # a per-layer cache is written as it is read
-        logits, hidden, new_kv, _ = forward_scratch(
+        logits, hidden, new_kv, _, *aux = forward_scratch(
             params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-            empty_cache=empty_cache)
-        return logits, hidden, new_kv
+            empty_cache=empty_cache, aux_layers=aux_layers)
+        return (logits, hidden, new_kv, *aux)
     x = embed_tokens(cfg, params, tokens)
     t = tokens.shape[1]
     # Split the caller's mask: committed slots come from the cache, the T new tokens (which
@@ -487,9 +536,12 @@ def forward_uncommitted(
     if remat:
         one_layer = jax.checkpoint(one_layer, policy=jax.checkpoint_policies.nothing_saveable,
                                    prevent_cse=False)
+    captured = {}  # layer -> its input [B, T, H]
     if is_decoding_layout(params):  # a straight line, each layer's weights read in place
         outs = []
         for i, layer in enumerate(params["layers"]):
+            if i in aux_layers:
+                captured[i] = x
             kc, vc = (None, None) if empty_cache else (cache.k[i], cache.v[i])
             w = kinds[i]  # static
             x, kv = one_layer(x, layer, kc, vc, prefix_masks[w], new_masks[w], freqs[w])
@@ -515,10 +567,40 @@ def forward_uncommitted(
 
             xs = ((params["layers"], kind) if empty_cache
                   else (params["layers"], cache.k, cache.v, kind))
-        x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
+        if aux_layers:
+            x, new_kv, captured = _scan_capturing(body, x, xs, aux_layers, cfg.num_layers,
+                                                  unroll)
+        else:
+            x, new_kv = jax.lax.scan(body, x, xs, unroll=unroll)
     hidden = _norm(cfg, x, params["final_norm"])
     logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
+    if aux_layers:
+        return logits, hidden, new_kv, _concat_aux(captured, aux_layers)
     return logits, hidden, new_kv
+
+
+def _scan_capturing(body, x, xs, aux_layers: tuple, num_layers: int, unroll: int):
+    """`lax.scan(body, x, xs)` over the stacked layers that also keeps the carry entering
+    each of `aux_layers`. Returns (x, the scan's outputs, {layer: its input [B, T, H]}).
+
+    One scan still (one compiled layer): a static per-layer slot [L] tells each iteration
+    where its input goes, slot n (one past the kept ones) taking the layers not asked for,
+    so every iteration does the same single [B, T, H] in-place write and nothing is
+    stacked per layer ([L, B, T, H] at 7B and 2,048 tokens: 0.5 GB a row in bfloat16)."""
+    n = len(aux_layers)
+    slot = jnp.asarray([aux_layers.index(i) if i in aux_layers else n
+                        for i in range(num_layers)], jnp.int32)  # [L]
+
+    def step(carry, xs_slot):
+        x, kept = carry  # kept [n + 1, B, T, H]
+        layer_xs, s = xs_slot
+        kept = jax.lax.dynamic_update_index_in_dim(kept, x, s, axis=0)
+        x, ys = body(x, layer_xs)
+        return (x, kept), ys
+
+    kept = jnp.zeros((n + 1, *x.shape), x.dtype)
+    (x, kept), ys = jax.lax.scan(step, (x, kept), (xs, slot), unroll=unroll)
+    return x, ys, {i: kept[j] for j, i in enumerate(aux_layers)}
 
 
 def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
@@ -533,31 +615,36 @@ def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
 
 def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
                     mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-                    empty_cache: bool = False, unroll: int = 1, remat: bool = False):
+                    empty_cache: bool = False, unroll: int = 1, remat: bool = False,
+                    aux_layers: tuple[int, ...] = ()):
     """`forward_uncommitted` that also returns the cache with the new tokens' keys/values
     written at slots lengths .. lengths + T - 1 (`lengths` unchanged): scratch slots past
     the committed context, which Medusa overwrites with the accepted path (`write_kv`).
-    Returns (logits or None, hidden, (new keys, new values) [L, B, KVH, T, D], cache).
+    Returns (logits or None, hidden, (new keys, new values) [L, B, KVH, T, D], cache), and
+    with `aux_layers` the inputs of those layers [B, T, len(aux_layers) * H] last (see
+    `forward_uncommitted`).
 
     With a per-layer cache each layer writes before it reads (in place); with a stacked
     one the new entries are written after all layers."""
+    aux_layers = check_aux_layers(cfg, aux_layers)
     if isinstance(cache.k, tuple):
         x = embed_tokens(cfg, params, tokens)
-        x, k_new, v_new, cache = _forward_per_layer_cache(
-            params, cfg, x, positions, mask, cache, empty_cache, rope_frequencies(cfg))
+        x, k_new, v_new, cache, aux = _forward_per_layer_cache(
+            params, cfg, x, positions, mask, cache, empty_cache, rope_frequencies(cfg),
+            aux_layers)
         hidden = _norm(cfg, x, params["final_norm"])
         logits = logits_from_hidden(cfg, params, hidden) if return_logits else None
-        return logits, hidden, (k_new, v_new), cache
-    logits, hidden, (k_new, v_new) = forward_uncommitted(
+        return (logits, hidden, (k_new, v_new), cache) + ((aux,) if aux_layers else ())
+    logits, hidden, (k_new, v_new), *aux = forward_uncommitted(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache, unroll=unroll, remat=remat)
-    return logits, hidden, (k_new, v_new), write_kv(cache, k_new, v_new)
+        empty_cache=empty_cache, unroll=unroll, remat=remat, aux_layers=aux_layers)
+    return (logits, hidden, (k_new, v_new), write_kv(cache, k_new, v_new), *aux)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             mask: jax.Array, cache: KVCache, *, return_logits: bool = True,
-            empty_cache: bool = False, unroll: int = 1, remat: bool = False
-            ) -> tuple[jax.Array | None, jax.Array, KVCache]:
+            empty_cache: bool = False, unroll: int = 1, remat: bool = False,
+            aux_layers: tuple[int, ...] = ()) -> tuple:
     """Run the decoder on T new tokens per row (tokens, positions [B, T]; mask [B, T, S]).
 
     Slot s of the mask is cache slot s (the mask may cover only the first W slots: see
@@ -565,11 +652,13 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     lengths[b] + T - 1, so a causal mask, a tree mask or any other pattern is just a mask.
     Returns (logits [B, T, V] float32 or None, hidden [B, T, H] after the final norm, cache
     with the new keys/values written at those slots; `lengths` is left to the caller).
+    `aux_layers` adds a fourth element, the inputs of those layers [B, T, len * H] (see
+    `forward_uncommitted`).
     """
-    logits, hidden, _, cache = forward_scratch(
+    logits, hidden, _, cache, *aux = forward_scratch(
         params, cfg, tokens, positions, mask, cache, return_logits=return_logits,
-        empty_cache=empty_cache, unroll=unroll, remat=remat)
-    return logits, hidden, cache
+        empty_cache=empty_cache, unroll=unroll, remat=remat, aux_layers=aux_layers)
+    return (logits, hidden, cache, *aux)
 
 
 class ParamSpec(NamedTuple):

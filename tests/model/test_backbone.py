@@ -1,4 +1,5 @@
-"""Backbone parity with transformers' PyTorch models, and KV-cache consistency."""
+"""Backbone parity with transformers' PyTorch models (logits, and the residual stream at
+chosen layers: `aux_layers`), and KV-cache consistency."""
 
 import json
 
@@ -17,13 +18,15 @@ SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_lay
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500000.0}
-ARCHS = {
-    "llama-gqa-untied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=False),
-    "llama-tied": lambda: LlamaConfig(**SMALL, tie_word_embeddings=True),
-    "llama3-rope-headdim": lambda: LlamaConfig(**SMALL, head_dim=16, rope_scaling=LLAMA3_ROPE),
-    "mistral": lambda: MistralConfig(**SMALL, sliding_window=None),
-    "qwen2-bias": lambda: Qwen2Config(**SMALL, tie_word_embeddings=False),
-    "qwen3-qknorm": lambda: Qwen3Config(**SMALL, head_dim=12, tie_word_embeddings=False),
+ARCHS = {  # keyword arguments override SMALL's
+    "llama-gqa-untied": lambda **kw: LlamaConfig(**{**SMALL, **kw}, tie_word_embeddings=False),
+    "llama-tied": lambda **kw: LlamaConfig(**{**SMALL, **kw}, tie_word_embeddings=True),
+    "llama3-rope-headdim": lambda **kw: LlamaConfig(**{**SMALL, **kw}, head_dim=16,
+                                                    rope_scaling=LLAMA3_ROPE),
+    "mistral": lambda **kw: MistralConfig(**{**SMALL, **kw}, sliding_window=None),
+    "qwen2-bias": lambda **kw: Qwen2Config(**{**SMALL, **kw}, tie_word_embeddings=False),
+    "qwen3-qknorm": lambda **kw: Qwen3Config(**{**SMALL, **kw}, head_dim=12,
+                                             tie_word_embeddings=False),
 }
 
 
@@ -37,16 +40,22 @@ def _run_ours(cfg, params, ids, capacity=None):
     return np.asarray(logits), cache
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_logit_parity_with_transformers(arch, tmp_path):
+def _hf_and_ours(arch, folder, **config):
+    """A random transformers model of `arch` (SMALL overridden by `config`) with
+    non-trivial norms and biases, so a dropped one shows, and (cfg, params) loaded from it."""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(ARCHS[arch]()).eval()
-    with torch.no_grad():  # non-trivial norms and biases, so a dropped one shows
+    model = AutoModelForCausalLM.from_config(ARCHS[arch](**config)).eval()
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.2 * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    cfg, params = load_pretrained(tmp_path)
+    model.save_pretrained(folder)
+    return model, *load_pretrained(folder)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_logit_parity_with_transformers(arch, tmp_path):
+    model, cfg, params = _hf_and_ours(arch, tmp_path)
     if arch == "qwen2-bias":
         assert cfg.attention_bias
     if arch == "qwen3-qknorm":
@@ -206,3 +215,125 @@ def test_per_layer_cache_gives_the_same_logits_and_entries():
         out[name] = (np.asarray(logits), np.asarray(k_new), np.asarray(k).reshape(3, 2, 2, 32, 8))
     for a, b in zip(out["stacked"], out["per-layer"]):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- aux layers
+
+AUX = (2, 0, 3)  # out of order, layer 0 (the embedding) and the last layer of 4
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa-untied", "qwen2-bias"])
+def test_aux_layers_are_transformers_hidden_states(arch, tmp_path):
+    """`aux_layers` returns the inputs of those layers, which are transformers'
+    `hidden_states[i]`, concatenated in the order asked: a ragged prefill and one cached
+    step per row, stacked layout (one scan) and decoding layout (per-layer cache)."""
+    from medusa_jax.model.backbone import decoding_layout
+
+    model, cfg, params = _hf_and_ours(arch, tmp_path, num_hidden_layers=4)
+    lens, cap = [9, 6], 16
+    ids = np.random.RandomState(3).randint(0, SMALL["vocab_size"], (2, max(lens) + 1))
+    with torch.no_grad():  # causal: position p's states depend on ids[:p + 1] only
+        states = model(input_ids=torch.tensor(ids), output_hidden_states=True).hidden_states
+    ref = np.concatenate([states[i].numpy() for i in AUX], axis=-1)  # [B, T, 3H]
+    step = jax.jit(lambda p, t, pos, m, c, empty: forward(p, cfg, t, pos, m, c,
+                                                          empty_cache=empty, aux_layers=AUX),
+                   static_argnames="empty")
+    t = max(lens)
+    for name, p in (("stacked", params), ("decoding", decoding_layout(cfg, params))):
+        cache = KVCache.init(cfg, 2, cap, per_layer=name == "decoding")
+        pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+        _, _, cache, aux = step(p, jnp.asarray(ids[:, :t]), pos,
+                                causal_mask(cache.lengths, t, cap), cache, empty=True)
+        assert aux.shape == (2, t, 3 * SMALL["hidden_size"]) and aux.dtype == jnp.float32
+        for row, n in enumerate(lens):
+            np.testing.assert_allclose(np.asarray(aux[row, :n]), ref[row, :n], atol=1e-5,
+                                       rtol=0, err_msg=name)
+        cache = cache.replace(lengths=jnp.asarray(lens))  # slots past a row's length: stale
+        tok = jnp.asarray(ids[np.arange(2), lens])[:, None]
+        _, _, _, aux = step(p, tok, cache.lengths[:, None], causal_mask(cache.lengths, 1, cap),
+                            cache, empty=False)
+        for row, n in enumerate(lens):
+            np.testing.assert_allclose(np.asarray(aux[row, 0]), ref[row, n], atol=1e-5,
+                                       rtol=0, err_msg=f"{name} step")
+
+
+def test_aux_layers_on_the_training_path_with_remat():
+    """`forward_uncommitted` as training calls it (empty cache, rematerialised layers, no
+    logits) returns the same features as `forward`, and they carry gradients."""
+    from medusa_jax.model.backbone import forward_uncommitted
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 61, (2, 7)))
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    cache = KVCache.init(cfg, 2, 7)
+    mask = causal_mask(cache.lengths, 7, 7)
+
+    def features(p, **kw):
+        return forward_uncommitted(p, cfg, ids, pos, mask, cache, return_logits=False,
+                                   empty_cache=True, aux_layers=AUX, **kw)[3]
+
+    want = jax.jit(lambda p: forward(p, cfg, ids, pos, mask, cache, aux_layers=AUX)[3])(params)
+
+    def loss(p):
+        f = features(p, remat=True)
+        return jnp.sum(f ** 2), f
+
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=0)
+    # layer 3 feeds the features (its input, from layers 0-2), the last layer does not
+    assert float(jnp.abs(grads["layers"]["wq"][2]).max()) > 0
+    assert float(jnp.abs(grads["layers"]["wq"][3]).max()) == 0
+
+
+def test_no_aux_layers_lowers_to_the_same_program():
+    """aux_layers=() is the plain forward pass: the same lowered program, both layouts, for
+    `forward`, `forward_scratch` and `forward_uncommitted`."""
+    from medusa_jax.model.backbone import decoding_layout, forward_scratch, forward_uncommitted
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    ids = jnp.zeros((2, 3), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(3), (2, 3))
+
+    def program(fn, p, cache, **kw):
+        def run(p, ids, pos, cache):
+            return fn(p, cfg, ids, pos, causal_mask(cache.lengths, 3, 8), cache, **kw)
+
+        return jax.jit(run).lower(p, ids, pos, cache).as_text()
+
+    for per_layer, p in ((False, params), (True, decoding_layout(cfg, params))):
+        cache = KVCache.init(cfg, 2, 8, per_layer=per_layer)
+        for fn in (forward, forward_scratch, forward_uncommitted):
+            plain = program(fn, p, cache)
+            assert program(fn, p, cache, aux_layers=()) == plain
+            assert program(fn, p, cache, aux_layers=(1,)) != plain
+
+
+def test_aux_layer_choices_are_checked():
+    from medusa_jax.model.backbone import check_aux_layers, eagle3_layers
+
+    assert eagle3_layers(32) == (2, 16, 29)  # Llama 3.1 8B: the inputs of layers 2, 16, 29
+    assert eagle3_layers(7) == (2, 3, 4)
+    for tiny in (6, 4, 2):
+        with pytest.raises(ValueError, match=f"this backbone has {tiny} layers$"):
+            eagle3_layers(tiny)
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    assert check_aux_layers(cfg, [np.int64(3), 0]) == (3, 0)
+    for bad, needle in ((4, "4 is not a layer index of this 4-layer"), (-1, "-1 is not"),
+                        (1.0, "1.0 is not"), (True, "True is not")):
+        with pytest.raises(ValueError, match=needle):
+            check_aux_layers(cfg, (0, bad))
+    with pytest.raises(ValueError, match=r"layer 2 appears more than once in \(2, 1, 2\)"):
+        check_aux_layers(cfg, (2, 1, 2))
+    params = init_params(cfg, jax.random.key(0))
+    cache = KVCache.init(cfg, 1, 4)
+    with pytest.raises(ValueError, match="aux_layers: 9 is not"):  # before any tracing
+        forward(params, cfg, jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                causal_mask(cache.lengths, 2, 4), cache, aux_layers=(9,))

@@ -1,6 +1,6 @@
 """The Gemma family (gemma, gemma2, gemma3_text) on tiny random configs: logit parity with
 transformers' PyTorch models (prefill and cached decoding, ragged rows, contexts longer than
-the sliding window), greedy Medusa == plain greedy with prompts longer than the window,
+the sliding window; the residual stream at chosen layers), greedy Medusa == plain greedy with prompts longer than the window,
 rejection sampling lossless, tensor-parallel decoding == one device, strict config, weight
 and heads errors."""
 
@@ -176,6 +176,35 @@ def test_cached_decoding_matches_transformers_past_the_window(models, arch):
                 np.testing.assert_allclose(np.asarray(logits[row, 0]), ref[row, lengths[row]],
                                            atol=1e-4, rtol=0)
             cache = cache.advance(jnp.ones(2, jnp.int32))
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2"])
+def test_aux_layers_are_transformers_hidden_states(models, arch):
+    """The inputs of layers (2, 0) (layer 0's: the scaled embedding) are transformers'
+    `hidden_states[i]`, past the window: a prefill and one cached step, stacked layout
+    (gemma2: the scan that picks each layer's window) and decoding layout."""
+    model, _, cfg, params = models[arch]
+    aux_layers, prompt, cap = (2, 0), [9, 6], 16
+    ids = np.random.RandomState(4).randint(0, V, (2, TOTAL))
+    with torch.no_grad():  # causal: position p's states depend on ids[:p + 1] only
+        states = model(input_ids=torch.tensor(ids), output_hidden_states=True).hidden_states
+    ref = np.concatenate([states[i].numpy() for i in aux_layers], axis=-1)  # [B, T, 2H]
+    run = jax.jit(lambda p, t, pos, m, c, empty: forward(
+        p, cfg, t, pos, m, c, empty_cache=empty, aux_layers=aux_layers), static_argnames="empty")
+    t = max(prompt)
+    for name, p in (("stacked", params), ("decoding", decoding_layout(cfg, params))):
+        cache = KVCache.init(cfg, 2, cap, per_layer=name == "decoding")
+        pos = jnp.broadcast_to(jnp.arange(t), (2, t))
+        _, _, cache, aux = run(p, jnp.asarray(ids[:, :t]), pos,
+                               causal_mask(cache.lengths, t, cap), cache, empty=True)
+        np.testing.assert_allclose(np.asarray(aux), ref[:, :t], atol=1e-4, rtol=0,
+                                   err_msg=name)
+        cache = cache.replace(lengths=jnp.asarray(prompt))  # slots past a row's length: stale
+        tok = jnp.asarray(ids[np.arange(2), prompt])[:, None]
+        _, _, _, aux = run(p, tok, cache.lengths[:, None], causal_mask(cache.lengths, 1, cap),
+                           cache, empty=False)
+        np.testing.assert_allclose(np.asarray(aux[:, 0]), ref[np.arange(2), prompt],
+                                   atol=1e-4, rtol=0, err_msg=f"{name} step")
 
 
 # ----------------------------------------------------------------------------- Medusa
