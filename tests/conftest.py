@@ -179,3 +179,25 @@ def medusa_default():
     from medusa_jax.api import Medusa
 
     return Medusa.load(heads="default")
+
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A copy of the embedded model's folder to break: `model_folder(name="m", **changes)`
+    copies it into tmp_path and sets the given config.json fields."""
+    import json
+    import shutil
+
+    from medusa_jax.runtime import assets
+
+    def make(name="m", **changes):
+        d = tmp_path / name
+        shutil.copytree(assets.model_dir(), d)
+        if changes:
+            conf = json.loads((d / "config.json").read_text())
+            conf.update(changes)
+            (d / "config.json").write_text(json.dumps(conf))
+        return d
+
+    return make
+

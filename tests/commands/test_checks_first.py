@@ -5,7 +5,6 @@ did not ask (train.export_heads --force, train.enlarge --output). The library's 
 sit beside their modules' tests: model/test_config_values.py, model/test_weights_bad_input.py,
 drafters/test_heads_metadata.py."""
 
-import json
 import shutil
 import subprocess
 import sys
@@ -13,18 +12,8 @@ import sys
 import pytest
 
 from medusa_jax import cli
-from medusa_jax.model.weights import default_model_dir
 from medusa_jax.runtime import assets
 
-
-def model_copy(tmp_path, name="m", **changes):
-    d = tmp_path / name
-    shutil.copytree(default_model_dir(), d)
-    if changes:
-        conf = json.loads((d / "config.json").read_text())
-        conf.update(changes)
-        (d / "config.json").write_text(json.dumps(conf))
-    return d
 
 
 def one_line(text: str) -> str:
@@ -47,9 +36,9 @@ def _generate_in_child(model_dir):
 
 
 @pytest.mark.subprocess
-def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
+def test_a_bad_config_value_fails_generate_before_jax(model_folder):
     """`infer.generate` names config.json and the field, and never imports JAX for it."""
-    d = model_copy(tmp_path, rope_theta=-10000)
+    d = model_folder(rope_theta=-10000)
     proc = _generate_in_child(d)
     assert proc.stdout.split() == ["no", "jax", "2"], proc.stderr
     assert one_line(proc.stderr) == (f"error: {d / 'config.json'}: rope_theta must be a "
@@ -57,8 +46,8 @@ def test_a_bad_config_value_fails_generate_before_jax(tmp_path):
 
 
 @pytest.mark.subprocess
-def test_a_truncated_file_fails_generate_before_jax(tmp_path):
-    d = model_copy(tmp_path)
+def test_a_truncated_file_fails_generate_before_jax(model_folder):
+    d = model_folder()
     f = d / "model.safetensors"
     f.write_bytes(f.read_bytes()[:5000])
     proc = _generate_in_child(d)

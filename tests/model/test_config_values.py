@@ -1,23 +1,12 @@
 """config.json's values are checked and named before any work: type, range, finiteness, in
 one line naming the file and the field."""
 
-import json
-import shutil
 
 import pytest
 
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.weights import default_model_dir
 
-
-def model_copy(tmp_path, name="m", **changes):
-    d = tmp_path / name
-    shutil.copytree(default_model_dir(), d)
-    if changes:
-        conf = json.loads((d / "config.json").read_text())
-        conf.update(changes)
-        (d / "config.json").write_text(json.dumps(conf))
-    return d
 
 
 GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
@@ -48,8 +37,8 @@ GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
     (dict(model_type="mistral", sliding_window=-4), "sliding_window must be an integer >= 1, "
                                                     "got -4"),
 ])
-def test_config_values_are_checked_and_named(tmp_path, changes, message):
-    d = model_copy(tmp_path, **changes)
+def test_config_values_are_checked_and_named(changes, message, model_folder):
+    d = model_folder(**changes)
     with pytest.raises(ValueError) as e:
         ModelConfig.from_dir(d)
     assert str(e.value) == f"{d / 'config.json'}: {message}"

@@ -1,29 +1,18 @@
 """Broken weights are reported from the safetensors headers, before the tokenizer or anything
 else loads."""
 
-import json
-import shutil
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from medusa_jax.model.weights import WeightsError, check_headers, default_model_dir
+from medusa_jax.model.weights import WeightsError, check_headers
 from medusa_jax.text import tokenizer as startup
 
 
-def model_copy(tmp_path, name="m", **changes):
-    d = tmp_path / name
-    shutil.copytree(default_model_dir(), d)
-    if changes:
-        conf = json.loads((d / "config.json").read_text())
-        conf.update(changes)
-        (d / "config.json").write_text(json.dumps(conf))
-    return d
 
-
-def test_truncated_and_garbage_headers_are_named_from_the_header_alone(tmp_path):
-    d = model_copy(tmp_path)
+def test_truncated_and_garbage_headers_are_named_from_the_header_alone(model_folder):
+    d = model_folder()
     f = d / "model.safetensors"
     data = f.read_bytes()
     f.write_bytes(data[: len(data) // 2])
@@ -39,10 +28,10 @@ def test_truncated_and_garbage_headers_are_named_from_the_header_alone(tmp_path)
         check_headers(d)
 
 
-def test_a_nan_weight_is_refused_before_the_tokenizer_loads(tmp_path, monkeypatch):
+def test_a_nan_weight_is_refused_before_the_tokenizer_loads(monkeypatch, model_folder):
     from medusa_jax.api import Medusa
 
-    d = model_copy(tmp_path)
+    d = model_folder()
     tensors = load_file(d / "model.safetensors")
     tensors["model.norm.weight"][3] = np.nan
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})

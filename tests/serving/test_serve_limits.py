@@ -214,6 +214,18 @@ def test_one_huge_request_stalls_nobody(url):
     assert len(watch.times) > 5
 
 
+def _refusal(url, endpoint: str, extra: dict, param) -> str:
+    """A short request to `endpoint` ("chat" or "completions") with `extra` fields: the 400
+    it must get, naming `param`; returns the error message."""
+    body = dict(model=MODEL, max_tokens=4)
+    body.update(dict(messages=SHORT + [{"role": "user", "content": "Hi"}]) if endpoint == "chat"
+                else dict(prompt="Once"))
+    body.update(extra)
+    r = httpx.post(f"{url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
+                   json=body, timeout=30)
+    return _error(r, 400, param)["message"]
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("endpoint, extra, param, message", [
@@ -236,13 +248,7 @@ def test_one_huge_request_stalls_nobody(url):
     ("completions", dict(frobnicate=1), "frobnicate", "unrecognized request argument"),
 ])
 def test_unimplemented_parameters_are_refused_by_name(url, endpoint, extra, param, message):
-    body = dict(model=MODEL, max_tokens=4)
-    body.update(dict(messages=SHORT + [{"role": "user", "content": "Hi"}]) if endpoint == "chat"
-                else dict(prompt="Once"))
-    body.update(extra)
-    r = httpx.post(f"{url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
-                   json=body, timeout=30)
-    assert message in _error(r, 400, param)["message"]
+    assert message in _refusal(url, endpoint, extra, param)
 
 
 @pytest.mark.slow
@@ -277,13 +283,7 @@ def test_unimplemented_parameters_are_refused_by_name(url, endpoint, extra, para
 def test_types_are_strict_and_errors_name_the_field(url, endpoint, extra, param, message):
     """A bool is not an integer nor a number, a string is not an integer; a nested field is
     named by its path."""
-    body = dict(model=MODEL, max_tokens=4)
-    body.update(dict(messages=SHORT + [{"role": "user", "content": "Hi"}]) if endpoint == "chat"
-                else dict(prompt="Once"))
-    body.update(extra)
-    r = httpx.post(f"{url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}",
-                   json=body, timeout=30)
-    assert message in _error(r, 400, param)["message"]
+    assert message in _refusal(url, endpoint, extra, param)
 
 
 @pytest.mark.slow
