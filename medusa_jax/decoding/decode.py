@@ -81,9 +81,8 @@ def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_toke
 
 # Cache phases: each widens the attention window by at least CACHE_BLOCK slots, a decode
 # whose cache is at most 2 * CACHE_BLOCK slots past the prompt has one phase, and no decode
-# has more than MAX_CACHE_PHASES (each compiles the step once more). On the 2-core CPU,
-# stories260K: no gain at 128 new tokens; at 400, plain 1.5x and Medusa 1.2x tokens/s
-# (README, Performance).
+# has more than MAX_CACHE_PHASES (each compiles the step once more). What they gain:
+# docs/benchmarks/2026-12-01-stories260K.md.
 CACHE_BLOCK = 128
 MAX_CACHE_PHASES = 4
 

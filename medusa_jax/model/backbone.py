@@ -698,10 +698,8 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
     - the layers as a tuple of per-layer dicts, which `forward` runs as a straight line:
       each layer's weights are read in place. In a `lax.scan` over stacked weights, slicing
       layer i out of a stacked array inside the decoding `while_loop` copies every weight of
-      every layer at every step (llama-110m shape, 2-core CPU: 2.0-2.7 ms per layer scanned
-      against 1.2-1.5 ms unrolled);
-    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer (on
-      stories260K, 2-core CPU: Medusa +10%, plain +6% tokens/s in one alternating run).
+      every layer at every step (docs/benchmarks/2026-12-01-decoding-layout.md);
+    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer.
 
     Converting stacked arrays holds a second copy of each stacked weight while its layers
     are sliced out; `weights.load_pretrained(..., decoding_layout=True)` builds this layout

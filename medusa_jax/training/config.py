@@ -192,8 +192,8 @@ class TrainConfig:
 
 # The self-distilled stories260K job trains only a few hundred steps to fit its time budget;
 # at the Medusa paper's lr of 1e-3 the heads are still far from converged there, so that job
-# defaults to a larger lr (tuned: 1e-3 -> 2.55, 1e-2 -> 3.15, 3e-2 -> 3.26 tokens/step at
-# 400 steps). Runs on user data keep the paper's 1e-3.
+# defaults to a larger lr, tuned on that job (docs/benchmarks/2026-11-30-medusa1-medusa2.md).
+# Runs on user data keep the paper's 1e-3.
 DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
 
 
@@ -201,9 +201,9 @@ DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
 class Medusa1Config(TrainConfig):
     """Medusa-1 adds --reduced-vocab; its other defaults differ."""
 
-    # two residual blocks per head: on the default job +4.5% tokens/step over one block
-    # (2.56 vs 2.45 with the 4-node CPU tree, held-out head-1 top-1 0.767 vs 0.746), for a
-    # negligible cost per step (the heads run on one token)
+    # two residual blocks per head: more tokens/step than one on the default job
+    # (docs/benchmarks/2026-11-30-medusa1-medusa2.md), for a negligible cost per step (the
+    # heads run on one token)
     num_layers: int = option(2, "residual blocks per head (default {default})")
     reduced_vocab: int = option(0, "heads predict only the N most frequent label tokens of "
                                    "the training data (their projection K x H x N instead "
