@@ -11,13 +11,14 @@ chunk, then the server exits.
 Start-up: the flags, paths and the address are checked first (before JAX is imported),
 the port opens as soon as the model is loaded, and the engine's programs compile while it
 is open (--warmup): one prefill and insert per prompt bucket, one step per attention
-window, a line each with its time. /health answers 503 {"status": "starting"} until the
-programs a short first request needs are in, then 200 {"status": "ok"}; a request that
-needs a program not compiled yet waits for it. What trades start-up for coverage: fewer
---prefill-buckets and a larger --window-block mean fewer programs (more padding, wider
-attention per step); a smaller --max-context means fewer of both; --warmup all compiles
-everything before the port opens (no waiting later). The persistent compilation cache
-turns a later start's compiles into loads.
+window and slot bucket (a call computes only the leading slots in use), a line each with
+its time. /health answers 503 {"status": "starting"} until the programs a short first
+request needs are in, then 200 {"status": "ok"}; a request that needs a program not
+compiled yet waits for it. What trades start-up for coverage: fewer --prefill-buckets or
+--slot-buckets and a larger --window-block mean fewer programs (more padding, wider
+attention per step, more idle rows per call); a smaller --max-context means fewer of both;
+--warmup all compiles everything before the port opens (no waiting later). The persistent
+compilation cache turns a later start's compiles into loads.
 """
 
 from __future__ import annotations
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
                         "of two from 16, and the context; fewer: a faster start, more "
                         "padding)")
+    p.add_argument("--slot-buckets", type=_buckets, default=None,
+                   help="slot counts a step is compiled for, e.g. 1,4,16 (default: powers of "
+                        "two below --slots, and --slots): a call computes the smallest that "
+                        "holds the slots in use; fewer: a faster start, more idle rows")
     p.add_argument("--window-block", type=options.positive_int, default=128,
                    help="attention windows are compiled in multiples of this (larger: fewer "
                         "step programs, more attention work per step)")
@@ -142,6 +147,9 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
         ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
                  f"({limit} tokens)")
+    if args.slot_buckets and max(args.slot_buckets) > args.slots:
+        ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots "
+                 f"({args.slots})")
     try:
         infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
@@ -191,7 +199,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         engine = Engine(model, slots=args.slots, tree=args.tree,
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
-                        buckets=args.prefill_buckets, acceptance=args.acceptance, log=log)
+                        buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
+                        acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -201,7 +210,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     n = len(engine.programs())
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
-        f"{args.warmup}; --prefill-buckets, --window-block and --max-context set how many)")
+        f"{args.warmup}; --prefill-buckets, --slot-buckets, --window-block and --max-context "
+        f"set how many)")
 
     def ready_note():
         engine._ready.wait()

@@ -119,17 +119,58 @@ def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, *,
     return state.replace(cache=cache, draft=draft, done=state.done.at[slot].set(ended), **put)
 
 
+def leading_rows(s: DecodeState, rows: int, window: int, axis: int) -> DecodeState:
+    """The first `rows` slots of `s`, their caches cut to the first `window` slots (all a
+    step attends or writes there); `axis`: the drafter carry's batch axis."""
+    c = s.cache
+    if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]
+        kvh = c.k[0].shape[0] // s.root.shape[0]
+        k = tuple(a[:rows * kvh, :window] for a in c.k)
+        v = tuple(a[:rows * kvh, :window] for a in c.v)
+    else:  # [L, S, KVH, C, D]
+        k, v = c.k[:, :rows, :, :window], c.v[:, :rows, :, :window]
+    head = lambda a: a[:rows]  # noqa: E731
+    draft = None if s.draft is None else jax.tree.map(
+        lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=axis), s.draft)
+    fields = ("root", "count", "steps", "hist", "done", "keys", "rows")
+    return s.replace(cache=KVCache(k=k, v=v, lengths=c.lengths[:rows]), draft=draft,
+                     **{f: jax.tree.map(head, getattr(s, f)) for f in fields})
+
+
+def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeState:
+    """`leading_rows`' inverse: write `sub` back over the first slots of `full` (donated,
+    so in place)."""
+    c, sc = full.cache, sub.cache
+    at = lambda a, b: jax.lax.dynamic_update_slice(a, b, (0,) * a.ndim)  # noqa: E731
+    if isinstance(c.k, tuple):
+        k, v = tuple(map(at, c.k, sc.k)), tuple(map(at, c.v, sc.v))
+    else:
+        k, v = at(c.k, sc.k), at(c.v, sc.v)
+    draft = None if full.draft is None else jax.tree.map(
+        lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis), full.draft, sub.draft)
+    fields = ("root", "count", "steps", "hist", "done", "keys", "rows")
+    put = {f: jax.tree.map(lambda a, b: a.at[:b.shape[0]].set(b), getattr(full, f),
+                           getattr(sub, f)) for f in fields}
+    return full.replace(cache=KVCache(k=k, v=v, lengths=at(c.lengths, sc.lengths)),
+                        draft=draft, **put)
+
+
 def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tree, k: int,
-                window: int) -> tuple[DecodeState, StepOut]:
-    """`k` shared steps (`decoding.step`) for every slot in one call: Medusa steps (a
-    drafter and its prepared `heads`, `tree`) or plain steps (drafter None), attending
-    over the first `window` cache slots. Returns the state and each slot's tokens."""
+                window: int, rows: int | None = None) -> tuple[DecodeState, StepOut]:
+    """`k` shared steps (`decoding.step`) in one call: Medusa steps (a drafter and its
+    prepared `heads`, `tree`) or plain steps (drafter None), attending over the first
+    `window` cache slots, for the first `rows` slots (default all: the others must be free).
+    Returns the state and those slots' tokens (`rows` rows)."""
     if drafter is not None:
         one = functools.partial(step.medusa_step, params, cfg, drafter, heads, tree,
                                 window=window)
         width = static_tree(tree).depth + 1
     else:
         one, width = functools.partial(step.plain_step, params, cfg, window=window), 1
+    full, axis = s, batch_axis(drafter)
+    part = rows is not None and rows < s.root.shape[0]
+    if part:  # one client pays for one row, not S
+        s = leading_rows(s, rows, window, axis)
     b = s.root.shape[0]
 
     def body(_, carry):
@@ -141,8 +182,9 @@ def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tre
     s0 = s
     s, buf, counts = jax.lax.fori_loop(0, k, body, (s, jnp.zeros((b, k * width), jnp.int32),
                                                     zeros))
-    return s, StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
-                      lengths=s.cache.lengths, done=s.done)
+    out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
+                  lengths=s.cache.lengths, done=s.done)
+    return (put_leading_rows(full, s, axis) if part else s), out
 
 
 # ----------------------------------------------------------------------------- host side
@@ -194,6 +236,7 @@ class Metrics:
         self.slot_steps = 0  # live slot-steps
         self.step_tokens = 0  # tokens those steps emitted
         self.calls = 0
+        self.calls_by_slots = collections.Counter()  # slot bucket -> step calls computing it
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -210,12 +253,16 @@ class Engine:
     context). window_block: attention windows are compiled in multiples of this.
     max_queue: waiting requests past which `submit` raises QueueFull. buckets: the prompt
     lengths prefill is compiled for (default: powers of two from 16, and the context); a
-    prompt is padded to the smallest that holds it."""
+    prompt is padded to the smallest that holds it. slot_buckets: the slot counts `step` is
+    compiled for (default: powers of two below `slots`, and `slots`): a call computes the
+    smallest that holds the highest slot in use (requests take the lowest free slot), so
+    one client pays for one row."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
                  buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
+                 slot_buckets: tuple[int, ...] | None = None,
                  log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
@@ -259,6 +306,12 @@ class Engine:
             raise ValueError(f"prefill buckets must be in 1..{self.capacity} (the context), "
                              f"got {list(buckets)}")
         self.buckets = sorted(set(int(b) for b in buckets))
+        if slot_buckets is None:
+            slot_buckets = [slots] + [2**i for i in range(slots.bit_length()) if 2**i < slots]
+        if not slot_buckets or any(not 1 <= int(r) <= slots for r in slot_buckets):
+            raise ValueError(f"slot buckets must be in 1..{slots} (the slots), "
+                             f"got {list(slot_buckets)}")
+        self.slot_buckets = sorted({int(r) for r in slot_buckets} | {slots})
         self.metrics = Metrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -269,8 +322,9 @@ class Engine:
         self._warm_thread: threading.Thread | None = None
         self.compile_seconds = 0.0  # summed over the programs compiled so far
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        # compiled programs by (kind, size): ("prefill" | "insert", bucket), ("step", window)
-        self._programs: dict[tuple[str, int], object] = {}
+        # compiled programs by (kind, size): ("prefill" | "insert", bucket),
+        # ("step", (window, slot bucket))
+        self._programs: dict[tuple[str, object], object] = {}
         self._compile_lock = threading.RLock()  # one compile at a time
         self._demand_cv = threading.Condition()
         self._demand = 0  # requests' compiles waiting for the lock
@@ -321,17 +375,17 @@ class Engine:
         """Every program the engine can use, in the order a warm-up compiles them: what a
         first short request needs (`first_programs`), then what serves any request (the
         longest bucket, the widest window), then the rest from small to large."""
-        b, w = self.buckets, self.windows
-        cover = [("step", w[-1]), ("prefill", b[-1]), ("insert", b[-1])]
+        b, w, r = self.buckets, self.windows, self.slot_buckets
+        cover = [("step", (w[-1], r[-1])), ("prefill", b[-1]), ("insert", b[-1])]
         rest = [(k, x) for x in b[1:-1] for k in ("prefill", "insert")] + \
-            [("step", x) for x in w[1:-1]]
+            [("step", (x, y)) for y in r for x in w]
         return list(dict.fromkeys(self.first_programs() + cover + rest))
 
     def first_programs(self) -> list[tuple[str, int]]:
         """The programs a request with a short prompt needs: the smallest prefill bucket,
-        its insert, the narrowest step window."""
+        its insert, the step over the narrowest window and the fewest slots."""
         return [("prefill", self.buckets[0]), ("insert", self.buckets[0]),
-                ("step", self.windows[0])]
+                ("step", (self.windows[0], self.slot_buckets[0]))]
 
     def status(self) -> dict:
         """Compile progress: ready (the first requests' programs are compiled), compiled /
@@ -339,7 +393,7 @@ class Engine:
         now = self.compiling
         return {"ready": self._ready.is_set(), "compiled": len(self._programs),
                 "programs": len(self.programs()),
-                "compiling": None if now is None else f"{now[0]} {now[1]}"}
+                "compiling": None if now is None else f"{now[0]} {self._size_name(*now)}"}
 
     def _setup(self):
         """The decode state and the jitted functions (under the compile lock)."""
@@ -375,8 +429,8 @@ class Engine:
             state=spec, pre_info={}, prefill=prefill_fn,
             insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
                            donate_argnums=(0,)),
-            step=jax.jit(engine_step, static_argnames=("cfg", "drafter", "tree", "k", "window"),
-                         donate_argnums=(2,)))
+            step=jax.jit(engine_step, donate_argnums=(2,),
+                         static_argnames=("cfg", "drafter", "tree", "k", "window", "rows")))
         self.compile_seconds += time.perf_counter() - t0
 
     def _program(self, kind: str, size: int, background: bool = False):
@@ -406,7 +460,12 @@ class Engine:
                     self._demand_cv.notify_all()
         return prog
 
-    def _build(self, kind: str, size: int):
+    def _size_name(self, kind: str, size) -> str:
+        if kind == "step":
+            return f"window {size[0]}, {size[1]} slot{'s' if size[1] > 1 else ''}"
+        return f"bucket {size}"
+
+    def _build(self, kind: str, size):
         self._setup()
         j, m = self._jits, self.model
         if kind == "insert" and size not in j["pre_info"]:
@@ -422,9 +481,10 @@ class Engine:
             elif kind == "insert":
                 prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0)).compile()
             elif kind == "step":
+                window, rows = size
                 prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
                                        drafter=self.drafter, tree=self.tree, k=self.k,
-                                       window=size).compile()
+                                       window=window, rows=rows).compile()
             else:
                 raise ValueError(f"no program {kind!r}")
         finally:
@@ -433,8 +493,7 @@ class Engine:
         self.compile_seconds += seconds
         self._programs[(kind, size)] = prog
         if self.log is not None:
-            what = "window" if kind == "step" else "bucket"
-            self.log(f"compiled {kind} ({what} {size}) in {seconds:.1f} s "
+            self.log(f"compiled {kind} ({self._size_name(kind, size)}) in {seconds:.1f} s "
                      f"[{len(self._programs)}/{len(self.programs())}]")
         if all(p in self._programs for p in self.first_programs()):
             self._ready.set()
@@ -653,20 +712,27 @@ class Engine:
             elif self._deliver(req, [int(np.asarray(root)[0])]):
                 self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
 
-    def _window(self) -> int:
-        need = 0
+    def _step_size(self) -> tuple[int, int]:
+        """(window, slot bucket) of the next call: the narrowest window every live slot's
+        K steps fit in, over the fewest slots that hold the highest one in use; a compiled
+        program that covers both if the smallest is not compiled yet."""
+        need, used = 0, 0
         per_call = self.k * self.width
-        for s in self._slots:
+        for i, s in enumerate(self._slots):
             if s.req is not None:
+                used = i + 1
                 start = min(s.known_len + s.unread * per_call, s.limit)
                 need = max(need, min(start + (self.k - 1) * self.width, s.limit) + self.fed)
-        fits = [w for w in self.windows if w >= need] or self.windows[-1:]
-        return next((w for w in fits if ("step", w) in self._programs), fits[0])
+        windows = [w for w in self.windows if w >= need] or self.windows[-1:]
+        counts = [r for r in self.slot_buckets if r >= used]
+        fits = [(w, r) for r in counts for w in windows]
+        compiled = [x for x in fits if ("step", x) in self._programs]
+        return min(compiled, key=lambda x: x[0] * x[1]) if compiled else fits[0]
 
     def _process(self, out, owners: list[Request | None]):
         tokens, counts, steps, lengths = (np.asarray(x) for x in
                                           (out.tokens, out.counts, out.steps, out.lengths))
-        for i, req in enumerate(owners):
+        for i, req in enumerate(owners[:len(counts)]):  # the call's slots: the others are free
             slot = self._slots[i]
             if req is None or slot.req is not req:
                 continue  # the slot changed hands: these tokens belong to nobody now
@@ -703,7 +769,8 @@ class Engine:
                 nxt = None
                 if any(s.req is not None for s in self._slots):
                     owners = [s.req for s in self._slots]
-                    step = self._program("step", self._window())
+                    size = self._step_size()
+                    step = self._program("step", size)
                     self._state, out = step(self.model.params, self._heads_d, self._state)
                     for x in (out.tokens, out.counts, out.steps, out.lengths):
                         x.copy_to_host_async()
@@ -711,6 +778,7 @@ class Engine:
                         if s.req is not None:
                             s.unread += 1
                     self.metrics.calls += 1
+                    self.metrics.calls_by_slots[size[1]] += 1
                     nxt = (out, owners)
                 self._first_tokens(admitted)  # while the step runs
                 if pending is not None:

@@ -28,6 +28,7 @@ a stop string.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import json
 import re
@@ -335,6 +336,12 @@ class ServerMetrics:
                                    registry=r),
             "calls": Counter("medusa_step_calls", "Engine step calls", registry=r)}
         self._synced = dict.fromkeys(self._engine_counters, 0)
+        self.calls_by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by "
+                                      "the slot bucket they computed (the rows a call "
+                                      "pays for)", ["slots"], registry=r)
+        for n in e.slot_buckets:
+            self.calls_by_slots.labels(slots=str(n))
+        self._synced_by_slots = collections.Counter()
         m = e.metrics
         Gauge("medusa_tokens_per_step", "Tokens per live slot step (accepted length + 1)",
               registry=r).set_function(lambda: m.step_tokens / max(m.slot_steps, 1))
@@ -360,6 +367,10 @@ class ServerMetrics:
             if now > self._synced[name]:
                 counter.inc(now - self._synced[name])
                 self._synced[name] = now
+        for n, now in list(m.calls_by_slots.items()):
+            if now > self._synced_by_slots[n]:
+                self.calls_by_slots.labels(slots=str(n)).inc(now - self._synced_by_slots[n])
+                self._synced_by_slots[n] = now
         return generate_latest(self.registry).decode()
 
 

@@ -3,6 +3,7 @@ plain), whatever else shares the batch; max_tokens / stop tokens cut inside an a
 sampled slots are reproducible by seed and keep plain sampling's distribution; a reused slot
 never sees its previous request's tokens."""
 
+import collections
 import threading
 import time
 
@@ -113,6 +114,51 @@ def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, promp
         assert done.wait(10) and reason[0] in ("cancelled", "length", "stop")
 
 
+def _started(out, timeout=30):
+    """Wait until a request has tokens from a step call (past its prefill's first token)."""
+    deadline = time.time() + timeout
+    while len(out) < 2:
+        assert time.time() < deadline, "the request produced no step tokens"
+        time.sleep(0.0005)
+
+
+@pytest.mark.slow
+def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, plain_engine,
+                                                                prompts, reference):
+    """Requests take the lowest free slot and a call computes the fewest leading slots that
+    hold the highest one in use: as clients arrive, finish and cancel mid-stream the calls
+    move across slot buckets 1, 2 and 4, and every request keeps offline decoding's tokens."""
+    e = medusa_engine
+    assert e.slot_buckets == [1, 2, 4]
+    before = collections.Counter(e.metrics.calls_by_slots)
+    a = _submit(e, prompts[0], 90)  # slot 0, alone: bucket 1
+    _started(a[1])
+    b = _submit(e, prompts[1], 90)  # slot 1: bucket 2
+    _started(b[1])
+    c = _submit(e, prompts[2], NEW)  # slot 2: bucket 4, and back to 2 when it ends
+    d = _submit(e, prompts[3], 90)  # slot 3, cancelled mid-stream
+    _started(d[1])
+    e.cancel(d[0])
+    for _, _, done, _ in (a, b, c, d):
+        assert done.wait(60)
+    last = generate_offline(e, [prompts[4]], NEW)  # alone again: slot 0, bucket 1
+    used = collections.Counter(e.metrics.calls_by_slots)
+    used.subtract(before)
+    assert all(used[n] > 0 for n in (1, 2, 4)), used
+    *long, long_d = generate_offline(plain_engine, [prompts[0], prompts[1], prompts[3]], 90)
+    assert [a[1], b[1]] == long and [t[:NEW] for t in long] == reference[:2]
+    assert c[1] == reference[2] and last == [reference[4]]
+    assert d[3][0] in ("cancelled", "length") and d[1] == long_d[:len(d[1])]
+
+
+def test_slot_buckets_out_of_range_are_refused_in_one_line(model):
+    with pytest.raises(ValueError,
+                       match=r"slot buckets must be in 1..4 \(the slots\), got \[0, 2\]"):
+        Engine(model, slots=4, max_context=CONTEXT, slot_buckets=(0, 2))
+    with pytest.raises(ValueError, match=r"got \[8\]"):
+        Engine(model, slots=4, max_context=CONTEXT, slot_buckets=(8,))
+
+
 def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     kw = dict(temperature=0.9, top_k=20, seed=1234)
     a = generate_offline(medusa_engine, [prompts[0]], NEW, **kw)[0]
@@ -198,7 +244,7 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=(16, 64),
                window_block=WINDOW, max_queue=64)
     assert e.programs()[:3] == e.first_programs() == [("prefill", 16), ("insert", 16),
-                                                      ("step", 64)]
+                                                      ("step", (64, 1))]
     e.start(warmup)
     try:
         if warmup == "lazy":
@@ -208,7 +254,8 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
             assert e._all_compiled.wait(180)
         else:
             e.compile()  # the rest, now
-        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 6
+        # prefill and insert for 2 buckets, a step for 2 windows x 3 slot buckets (1, 2, 4)
+        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 10
         traced = []
         listener = lambda event, *a, **k: traced.append(event) \
             if "compile" in event else None  # noqa: E731

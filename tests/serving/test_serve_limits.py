@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 MODEL = "stories260K"
 LIMIT = 1 << 20  # the default --max-request-bytes
 # plain decoding: its programs compile faster than Medusa's, and the limits are the same
-ARGS = ["--slots", "4", "--max-context", "128", "--prefill-buckets", "64", "--window-block",
-        "64", "--max-queue", "4"]
+ARGS = ["--slots", "4", "--slot-buckets", "1,4", "--max-context", "128", "--prefill-buckets",
+        "64", "--window-block", "64", "--max-queue", "4"]
 SHORT = [{"role": "system", "content": "Short stories."}]
 
 
@@ -132,8 +132,8 @@ def test_health_answers_starting_while_the_programs_compile(launched):
     progress = [x for x in launched.lines if x.startswith("compiled ")]
     assert [x.split(" in ")[0] for x in progress[:3]] == [
         "compiled prefill (bucket 64)", "compiled insert (bucket 64)",
-        "compiled step (window 64)"], launched.lines
-    assert all(x.endswith(("[1/4]", "[2/4]", "[3/4]")) for x in progress[:3])
+        "compiled step (window 64, 1 slot)"], launched.lines
+    assert all(x.endswith(("[1/6]", "[2/6]", "[3/6]")) for x in progress[:3])
     assert any(x.startswith("ready for requests") for x in launched.lines)
     # the last program compiles in the background while the next tests run:
     # test_the_rest_compiled_in_the_background checks it
@@ -463,6 +463,8 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--model", "/nonexistent/model"], "--model /nonexistent/model"),
     (["--heads", "/nonexistent/heads"], "--heads /nonexistent/heads"),
     (["--prefill-buckets", "1024"], "--prefill-buckets 1024"),
+    (["--slot-buckets", "16"], "--slot-buckets 16 is more than --slots (8)"),
+    (["--slot-buckets", "0,4"], "--slot-buckets: expected positive integers"),
     (["--port", "TAKEN"], "cannot listen there"),
 ])
 def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
@@ -484,14 +486,17 @@ def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
 @pytest.mark.subprocess
 def test_the_rest_compiled_in_the_background(launched, url):
     deadline = time.time() + 120
-    while not any(line.startswith("all 4 programs compiled") for line in launched.lines):
+    while not any(line.startswith("all 6 programs compiled") for line in launched.lines):
         assert time.time() < deadline and launched.proc.poll() is None, launched.lines
         time.sleep(0.2)
     progress = [x for x in launched.lines if x.startswith("compiled ")]
-    assert progress[3].startswith("compiled step (window 128) in ") and \
-        progress[3].endswith("[4/4]"), launched.lines
+    # what serves any request next (the widest window over every slot), then the rest
+    assert progress[3].startswith("compiled step (window 128, 4 slots) in ") and \
+        progress[3].endswith("[4/6]"), launched.lines
+    assert sorted(x.split(" in ")[0] for x in progress[4:]) == [
+        "compiled step (window 128, 1 slot)", "compiled step (window 64, 4 slots)"]
     h = httpx.get(url + "/health", timeout=5).json()
-    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 4
+    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 6
 
 
 @pytest.mark.slow
