@@ -573,3 +573,101 @@ def test_writing_checks_first(tmp_path, drafter):
     assert not (tmp_path / "w").exists()
     one_line_error(ValueError, lambda: eagle3.check(heads, BACKBONE, CFG.replace(
         aux_layers=(2, 4))), "exactly three")
+
+
+# ----------------------------------------------------------------------------- drafting
+
+from medusa_jax.decoding import drafter as drafters  # noqa: E402
+from medusa_jax.decoding.tree import Tree  # noqa: E402
+from medusa_jax.drafters.eagle3.drafter import Eagle3Drafter, draft_tree, extend, init_carry  # noqa: E402
+
+TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 1]])
+
+
+def drafting_inputs(seed=6, p=7, lengths=(7, 5)):
+    rng = np.random.default_rng(seed)
+    aux = rng.normal(size=(B, p, 3 * H)).astype(np.float32)
+    tokens = rng.integers(3, V, size=(B, p)).astype(np.int32)
+    root = rng.integers(3, V, size=(B,)).astype(np.int32)
+    table = rng.normal(size=(V, H)).astype(np.float32)
+    return aux, tokens, root, np.asarray(lengths, np.int32), table
+
+
+def reference_tree(ref, heads, table, aux, tokens, root, n):
+    """One row through the torch reference, as topK_genrate feeds it (input_ids[:, 1:] with
+    the root last, then one call per node on its path with past_key_value), every path of
+    TREE drafted on its own: {node: (target token, its draft log-probability)}."""
+    nxt = np.append(tokens[1:n], root)
+    with torch.no_grad():
+        hid = ref.fc(t_(aux[None, :n]))
+        out, kv = ref.midlayer(t_(table[nxt])[None], hid, lambda m, x: m.forward_kv(
+            x, make_causal_mask(1, n), torch.arange(n)[None], None))
+        index = {(): 0, **{p: i + 1 for i, p in enumerate(TREE.paths_ranks)}}
+        state = {(): (out[:, -1:], kv)}  # path -> (the output predicting its children, cache)
+        got = {}
+        for path in TREE.paths_ranks:
+            prev, past = state[path[:-1]]
+            lp = torch.log_softmax(ref.lm_head(ref.norm(prev))[0, 0], -1)
+            draft = torch.topk(lp, path[-1] + 1).indices[-1]
+            token = int(draft + ref.d2t[draft])
+            got[index[path]] = (token, float(lp[draft]))
+            add = torch.zeros(1, 1, 1, past[0].shape[2] + 1)  # the path is all it sees
+            o, kv2 = ref.midlayer(t_(table[[token]])[None], prev, lambda m, x: m.forward_kv(
+                x, add, torch.tensor([[n - 1 + len(path)]]), past))
+            state[path] = (o, kv2)
+    return got
+
+
+def test_draft_tree_equals_the_reference_drafting_each_path_alone(drafter):
+    heads, _ = drafter
+    aux, tokens, root, lengths, table = drafting_inputs()
+    ref = torch_model(heads)
+    embed = lambda t: jnp.asarray(table)[t]  # noqa: E731
+    carry = extend(heads, CFG, embed, init_carry(CFG, B, 16), aux,
+                   np.where(np.arange(7)[None] == lengths[:, None] - 1, root[:, None],
+                            np.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)), lengths)
+    ours, logp = jax.jit(lambda cr: draft_tree(heads, CFG, embed, cr, root, TREE.paths_ranks,
+                                               TREE.num_nodes))(carry)
+    for b in range(B):
+        want = reference_tree(ref, heads, table, aux[b], tokens[b], root[b], int(lengths[b]))
+        assert int(ours[b, 0]) == root[b]
+        assert [int(ours[b, i]) for i in sorted(want)] == [want[i][0] for i in sorted(want)]
+        assert max_diff([logp[b, i] for i in sorted(want)], [want[i][1] for i in sorted(want)]) \
+            < 1e-5
+    assert np.all(np.asarray(heads["t2d"])[np.asarray(ours)[:, 1:]])  # draft-vocabulary tokens
+
+
+def test_extending_in_pieces_equals_extending_at_once(drafter):
+    """A prompt at once, or its first 4 tokens then the rest with one row shorter (the
+    entries past a row's count are written but not counted, as a step's unaccepted nodes)."""
+    heads, _ = drafter
+    aux, tokens, root, lengths, table = drafting_inputs()
+    d = Eagle3Drafter(CFG)
+    params = {"embed": jnp.asarray(table)}
+    whole = d.begin(params, heads, aux, tokens, lengths, root, 16)
+    first = extend(heads, CFG, d.embed(params), init_carry(CFG, B, 16), aux[:, :4],
+                   tokens[:, 1:5], np.array([4, 4]))
+    path = tokens[:, 4:]  # the rest as an accepted path: acc_len = count - 1
+    rest = d.advance(params, heads, first, aux[:, 4:], path, lengths - 5, root)
+    assert np.array_equal(rest.length, lengths) and np.array_equal(whole.length, lengths)
+    assert max_diff(rest.out, whole.out) < 1e-5
+    for b in range(B):
+        n = int(lengths[b])
+        assert max_diff(rest.k[b, :n], whole.k[b, :n]) < 1e-5
+        assert max_diff(rest.v[b, :n], whole.v[b, :n]) < 1e-5
+
+
+def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafter):
+    heads, _ = drafter
+    assert drafters.kind_of(heads) == "eagle3"
+    assert drafters.drafter_class("eagle3") is Eagle3Drafter
+    d = drafters.drafter_for(heads)
+    one_line_error(NotImplementedError, lambda: d.start({}, heads, None, None),
+                   "aux_layers", "Eagle3Drafter.advance")
+    aux, tokens, root, lengths, table = drafting_inputs()
+    params = {"embed": jnp.asarray(table)}
+    dd = Eagle3Drafter(CFG)
+    carry = dd.begin(params, heads, aux, tokens, lengths, root, 16)
+    prop = jax.jit(lambda cr: dd.propose(params, heads, cr, jnp.asarray(root), TREE))(carry)
+    assert prop.fed.shape == (B, TREE.num_nodes) and np.array_equal(prop.fed, prop.tokens)
+    assert np.array_equal(prop.fed_mask, TREE.mask)

@@ -332,12 +332,12 @@ def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
 
 def to_target(heads: Params, draft_ids: jax.Array) -> jax.Array:
     """Draft-vocabulary ids -> the backbone's token ids (id + d2t[id], as the reference)."""
-    return draft_ids + heads["d2t"][draft_ids].astype(draft_ids.dtype)
+    return draft_ids + jnp.asarray(heads["d2t"])[draft_ids].astype(draft_ids.dtype)
 
 
 def target_ids(heads: Params) -> jax.Array:
     """[Vd] the target id of every draft id."""
-    d2t = heads["d2t"]
+    d2t = jnp.asarray(heads["d2t"])
     return jnp.arange(d2t.shape[0], dtype=d2t.dtype) + d2t
 
 
@@ -409,7 +409,7 @@ def ttt_loss(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Ar
     per-step losses, and the reference's accuracy (draft argmax == restricted target argmax,
     over loss-masked positions, divided by the step's loss_mask sum + 1e-6)."""
     logits = ttt_logits(heads, c, embed_table, aux, tokens, attention_mask, steps)
-    t2d = heads["t2d"].astype(bool)
+    t2d = jnp.asarray(heads["t2d"], bool)
     keep = target_ids(heads)
     lm = loss_mask.astype(jnp.float32)
     losses, accs = [], []
