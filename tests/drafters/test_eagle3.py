@@ -17,8 +17,16 @@ torch = pytest.importorskip("torch")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 
+from medusa_jax.decoding import drafter as drafters  # noqa: E402
+from medusa_jax.decoding.tree import Tree  # noqa: E402
 from medusa_jax.drafters.eagle3 import formats  # noqa: E402
 from medusa_jax.drafters.eagle3 import heads as eagle3  # noqa: E402
+from medusa_jax.drafters.eagle3.drafter import (  # noqa: E402
+    Eagle3Drafter,
+    draft_tree,
+    extend,
+    init_carry,
+)
 from medusa_jax.drafters.io import HeadsFormatError  # noqa: E402
 from medusa_jax.model.backbone import eagle3_layers  # noqa: E402
 from medusa_jax.model.config import ModelConfig  # noqa: E402
@@ -364,6 +372,7 @@ def test_write_read_round_trip_and_the_reference_loads_what_we_write(tmp_path, d
     conf = json.loads((tmp_path / "config.json").read_text())
     ours = eagle3_layers(L)
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
+    assert conf["eagle_aux_hidden_state_layer_ids"] == list(ours)  # vLLM's: inputs of layers
     assert conf["draft_vocab_size"] == VD and conf["architectures"] == ["LlamaForCausalLMEagle3"]
 
     back, c, meta = formats.read_eagle3(tmp_path, BACKBONE)
@@ -416,20 +425,25 @@ def test_published_variants_read_the_same(tmp_path, drafter):
 
     renamed = {k.replace("midlayer.", "layers.0."): a for k, a in sd.items()}
     renamed["embed_tokens.weight"] = np.zeros((V, H), np.float32)
-    top = {k: v for k, v in conf.items() if k != "eagle_config"}
-    top["eagle_aux_hidden_state_layer_ids"] = list(CFG.aux_layers)  # vLLM: input of layer i
+    top = {k: v for k, v in conf.items() if k != "eagle_config"}  # vLLM's field alone
+    assert top["eagle_aux_hidden_state_layer_ids"] == list(CFG.aux_layers)
+    conf = {k: v for k, v in conf.items() if k != "eagle_aux_hidden_state_layer_ids"}
     for p, source in ((folder("vllm", renamed, top), "vLLM's input-of-layer ids"),
                       (folder("pickle", sd, conf, pickle=True), "eagle_config.")):
-        back, c, meta = formats.read_eagle3(p, BACKBONE)
+        back, c, meta = formats.read_eagle3(p, BACKBONE, np.zeros((V, H)))
         assert c == CFG and source in meta["aux_layers_source"], p
         assert all(np.array_equal(back[n], heads[n]) for n in eagle3.NAMES), p
+    assert not meta["embedding_copy_dropped"]
+    one_line_error(HeadsFormatError, lambda: formats.read_eagle3(
+        tmp_path / "vllm", BACKBONE, np.ones((V, H))),
+        "tensor embed_tokens.weight is not the backbone's embedding", "max abs difference 1")
 
     full = eagle3.default_config(BACKBONE)
     fheads = eagle3.init_eagle3(jax.random.key(3), full)
     formats.write_eagle3(fheads, tmp_path / "full", full)
     fsd = load_file(str(tmp_path / "full" / "model.safetensors"))
     fconf = json.loads((tmp_path / "full" / "config.json").read_text())
-    del fconf["eagle_config"], fconf["draft_vocab_size"]
+    del fconf["eagle_config"], fconf["draft_vocab_size"], fconf["eagle_aux_hidden_state_layer_ids"]
     p = folder("nomaps", {k: a for k, a in fsd.items() if k not in ("d2t", "t2d")}, fconf)
     back, c, meta = formats.read_eagle3(p, BACKBONE)
     assert c.aux_layers == eagle3_layers(L) and meta["aux_layers_source"].startswith("default")
@@ -478,6 +492,7 @@ def test_wrong_backbone_is_refused(written):
 
 def test_layer_ids_beyond_the_backbone_and_conflicting_ids(written):
     p, _, conf = written
+    del conf["eagle_aux_hidden_state_layer_ids"]  # the ids as SafeAILab/SpecForge write them
     conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 8]  # ours 2, 4, 9
     rewrite(p, conf=conf)
     one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE),
@@ -576,10 +591,6 @@ def test_writing_checks_first(tmp_path, drafter):
 
 
 # ----------------------------------------------------------------------------- drafting
-
-from medusa_jax.decoding import drafter as drafters  # noqa: E402
-from medusa_jax.decoding.tree import Tree  # noqa: E402
-from medusa_jax.drafters.eagle3.drafter import Eagle3Drafter, draft_tree, extend, init_carry  # noqa: E402
 
 TREE = Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0], [1, 0, 1]])
 

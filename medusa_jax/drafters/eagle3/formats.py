@@ -19,14 +19,17 @@ t2d                                              [V] bool         t2d
 
 vLLM's own name for the layer, `layers.0.` in place of `midlayer.`, is read too. A copy of
 the target's embedding (`embed_tokens.weight` [V, H], which some trainers save) is accepted
-and not kept: the drafter embeds with the backbone's own table, as the reference loads it.
-d2t/t2d may be absent only with the full vocabulary (the reference deletes them then).
+and not kept: the drafter embeds with the backbone's own table, as SafeAILab and SGLang do
+(vLLM would draft with the saved copy), so given the backbone's table a copy that differs
+from it is refused. d2t/t2d may be absent only with the full vocabulary (the reference
+deletes them then).
 
 Aux layers: eagle_config.eagle_aux_hidden_state_layer_ids holds the ids of layers whose
 OUTPUT the drafter reads (SpecForge writes them so; SGLang adds one to capture the input of
 layer id + 1); ours are the layers whose INPUT it reads, so ours = theirs + 1. vLLM reads a
 top-level eagle_aux_hidden_state_layer_ids (the speculators format) as input-of-layer
-indices, ours as they are. Without either, the rule every reader applies
+indices, ours as they are; we write both (theirs in eagle_config, ours at the top level) and
+refuse a file where they disagree. Without either, the rule every reader applies
 (`backbone.eagle3_layers`). Reading is strict (unknown, missing, misshapen or mistyped
 tensors, unsupported config options: one one-line HeadsFormatError naming the file and the
 tensor or field); config.json is written last, so a folder without it is half-written.
@@ -193,19 +196,21 @@ def read_config(cf: Path, model_cfg: ModelConfig | None) -> tuple[eagle3.Eagle3C
     return c, {**conf, "_aux_layers_source": source}
 
 
-def read_eagle3(path: str | Path, model_cfg: ModelConfig | None
+def read_eagle3(path: str | Path, model_cfg: ModelConfig | None, embed_table=None
                 ) -> tuple[Params, eagle3.Eagle3Config, dict]:
     """An EAGLE-3 drafter folder -> (numpy parameters, config, metadata), checked strictly
-    against the backbone config `model_cfg` (None: against the files themselves)."""
+    against the backbone config `model_cfg` (None: against the files themselves) and, when
+    given, the backbone's embedding `embed_table` [V, H] (a saved copy must match it)."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no EAGLE-3 drafter here (not a folder)")
     files = [root / n for n in (WEIGHTS_ST, WEIGHTS_PT) if (root / n).is_file()]
     cf = root / "config.json"
     if not cf.is_file():
-        raise HeadsFormatError(f"{root}: no config.json ({'a half-written folder: ' if files else ''}"
-                               f"an EAGLE-3 drafter is config.json + {WEIGHTS_ST} or "
-                               f"{WEIGHTS_PT}; config.json is written last)")
+        half = "a half-written folder: " if files else ""
+        raise HeadsFormatError(f"{root}: no config.json ({half}an EAGLE-3 drafter is "
+                               f"config.json + {WEIGHTS_ST} or {WEIGHTS_PT}; config.json is "
+                               f"written last)")
     if not files:
         raise HeadsFormatError(f"{root}: config.json but neither {WEIGHTS_ST} nor {WEIGHTS_PT}")
     files = files[:1]  # both: the safetensors file (the same tensors, and no pickle to trust)
@@ -232,7 +237,15 @@ def read_eagle3(path: str | Path, model_cfg: ModelConfig | None
         out["d2t"] = ex.get("d2t", shapes["d2t"], "draft id -> target id - draft id")
         out["t2d"] = ex.get("t2d", shapes["t2d"], "target ids in the draft vocabulary")
     if EMBED in tensors:
-        ex.get(EMBED, (c.vocab_size, c.hidden_size), "a copy of the target's embedding")
+        copy = ex.get(EMBED, (c.vocab_size, c.hidden_size), "a copy of the target's embedding")
+        if embed_table is not None:
+            table = np.asarray(embed_table, np.float32)
+            diff = float(np.max(np.abs(copy - table)))
+            if diff > 1e-2 * float(np.max(np.abs(table))):  # bfloat16 copies differ a little
+                raise HeadsFormatError(
+                    f"{tensors[EMBED][1]}: tensor {EMBED} is not the backbone's embedding "
+                    f"(max abs difference {diff:.3g}); a drafter with its own embedding is "
+                    f"not supported (SGLang would draft with the backbone's, vLLM with this)")
     ex.done()
     try:
         eagle3.check(out, model_cfg, c, files[0])
@@ -240,7 +253,8 @@ def read_eagle3(path: str | Path, model_cfg: ModelConfig | None
         raise HeadsFormatError(str(e)) from None
     out["d2t"] = out["d2t"].astype(np.int32)
     meta = {"format": "eagle3", "kind": eagle3.KIND, "aux_layers": list(c.aux_layers),
-            "aux_layers_source": conf["_aux_layers_source"],
+            "aux_layers_source": conf["_aux_layers_source"], "embedding_copy_dropped":
+            EMBED in tensors,
             "extra": {"source": str(root), "files": [str(f) for f in files]}}
     if conf.get("base_model_name_or_path"):
         meta["base_model_name_or_path"] = str(conf["base_model_name_or_path"])
@@ -279,7 +293,9 @@ def eagle3_config(c: eagle3.Eagle3Config, base_model: str | None = None) -> dict
             "attention_bias": False, "torch_dtype": "float32",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                              [int(i) - 1 for i in c.aux_layers],
-                             "use_aux_hidden_state": True}}
+                             "use_aux_hidden_state": True},
+            # vLLM's field (speculators format): input-of-layer ids, ours as they are
+            "eagle_aux_hidden_state_layer_ids": [int(i) for i in c.aux_layers]}
     if base_model:
         conf["base_model_name_or_path"] = str(base_model)
     return conf

@@ -297,7 +297,7 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     the T new positions each query sees. Returns (out [B, T, H] before the final norm: the
     next step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, T, KVH, D] for
     the caller's cache)."""
-    b, t, h = hidden.shape
+    b, t, _ = hidden.shape
     dt = hidden.dtype
     nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
     eps = c.rms_norm_eps
