@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 
 from medusa_jax.decoding import drafter as drafters  # noqa: E402
-from medusa_jax.decoding.tree import Tree  # noqa: E402
+from medusa_jax.decoding.tree import DynamicTree, Tree  # noqa: E402
 from medusa_jax.drafters.eagle3 import formats  # noqa: E402
 from medusa_jax.drafters.eagle3 import heads as eagle3  # noqa: E402
 from medusa_jax.drafters.eagle3.drafter import (  # noqa: E402
@@ -682,3 +682,22 @@ def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafter):
     prop = jax.jit(lambda cr: dd.propose(params, heads, cr, jnp.asarray(root), TREE))(carry)
     assert prop.fed.shape == (B, TREE.num_nodes) and np.array_equal(prop.fed, prop.tokens)
     assert np.array_equal(prop.fed_mask, TREE.mask)
+
+
+def test_a_dynamic_tree_chooses_by_the_draft_log_probabilities(drafter):
+    heads, _ = drafter
+    aux, tokens, root, lengths, table = drafting_inputs()
+    params = {"embed": jnp.asarray(table)}
+    d = Eagle3Drafter(CFG)
+    carry = d.begin(params, heads, aux, tokens, lengths, root, 16)
+    tree = DynamicTree(TREE, 4)
+    prop = jax.jit(lambda cr: d.propose(params, heads, cr, jnp.asarray(root), tree))(carry)
+    static_tokens, logp = draft_tree(heads, CFG, d.embed(params), carry, root,
+                                     TREE.paths_ranks, TREE.num_nodes)
+    assert np.array_equal(prop.tokens, static_tokens)  # the pool is the static tree's drafts
+    assert prop.fed.shape == (B, 5) and np.asarray(prop.valid).sum(1).tolist() == [5, 5]
+    path_lp = np.asarray(logp) @ np.asarray(TREE.mask, np.float32).T  # each node's path
+    for b in range(B):
+        chosen = np.flatnonzero(np.asarray(prop.valid)[b])[1:]
+        best = np.argsort(-path_lp[b, 1:], kind="stable")[:4] + 1
+        assert sorted(chosen) == sorted(best)
