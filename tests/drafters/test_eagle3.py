@@ -629,37 +629,54 @@ def reference_tree(ref, heads, table, aux, tokens, root, n):
     return got
 
 
-def test_draft_tree_equals_the_reference_drafting_each_path_alone(drafter):
+@pytest.fixture(scope="module")
+def drafted(drafter):
+    """The drafter begun on a prompt (rows of lengths 7 and 5) and TREE drafted, jitted."""
     heads, _ = drafter
     aux, tokens, root, lengths, table = drafting_inputs()
-    ref = torch_model(heads)
-    embed = lambda t: jnp.asarray(table)[t]  # noqa: E731
-    carry = extend(heads, CFG, embed, init_carry(CFG, B, 16), aux,
-                   np.where(np.arange(7)[None] == lengths[:, None] - 1, root[:, None],
-                            np.concatenate([tokens[:, 1:], tokens[:, -1:]], 1)), lengths)
-    ours, logp = jax.jit(lambda cr: draft_tree(heads, CFG, embed, cr, root, TREE.paths_ranks,
-                                               TREE.num_nodes))(carry)
+    params = {"embed": jnp.asarray(table)}
+    d = Eagle3Drafter(CFG)
+
+    @jax.jit
+    def run(params, heads):
+        carry = d.begin(params, heads, aux, tokens, lengths, root, 16)
+        return carry, draft_tree(heads, CFG, d.embed(params), carry, root, TREE.paths_ranks,
+                                 TREE.num_nodes)
+
+    carry, (ours, logp) = run(params, heads)
+    return dict(heads=heads, aux=aux, tokens=tokens, root=root, lengths=lengths, table=table,
+                params=params, d=d, carry=carry, ours=np.asarray(ours), logp=np.asarray(logp))
+
+
+def test_draft_tree_equals_the_reference_drafting_each_path_alone(drafted):
+    x = drafted
+    ref = torch_model(x["heads"])
+    ours, logp = x["ours"], x["logp"]
     for b in range(B):
-        want = reference_tree(ref, heads, table, aux[b], tokens[b], root[b], int(lengths[b]))
-        assert int(ours[b, 0]) == root[b]
+        want = reference_tree(ref, x["heads"], x["table"], x["aux"][b], x["tokens"][b],
+                              x["root"][b], int(x["lengths"][b]))
+        assert int(ours[b, 0]) == x["root"][b]
         assert [int(ours[b, i]) for i in sorted(want)] == [want[i][0] for i in sorted(want)]
         assert max_diff([logp[b, i] for i in sorted(want)], [want[i][1] for i in sorted(want)]) \
             < 1e-5
-    assert np.all(np.asarray(heads["t2d"])[np.asarray(ours)[:, 1:]])  # draft-vocabulary tokens
+    assert np.all(np.asarray(x["heads"]["t2d"])[ours[:, 1:]])  # draft-vocabulary tokens
 
 
-def test_extending_in_pieces_equals_extending_at_once(drafter):
-    """A prompt at once, or its first 4 tokens then the rest with one row shorter (the
+def test_extending_in_pieces_equals_extending_at_once(drafted):
+    """The prompt at once, or its first 4 tokens then the rest with one row shorter (the
     entries past a row's count are written but not counted, as a step's unaccepted nodes)."""
-    heads, _ = drafter
-    aux, tokens, root, lengths, table = drafting_inputs()
-    d = Eagle3Drafter(CFG)
-    params = {"embed": jnp.asarray(table)}
-    whole = d.begin(params, heads, aux, tokens, lengths, root, 16)
-    first = extend(heads, CFG, d.embed(params), init_carry(CFG, B, 16), aux[:, :4],
-                   tokens[:, 1:5], np.array([4, 4]))
-    path = tokens[:, 4:]  # the rest as an accepted path: acc_len = count - 1
-    rest = d.advance(params, heads, first, aux[:, 4:], path, lengths - 5, root)
+    x = drafted
+    heads, d, params, lengths, tokens = x["heads"], x["d"], x["params"], x["lengths"], x["tokens"]
+
+    @jax.jit
+    def pieces(params, heads):
+        first = extend(heads, CFG, d.embed(params), init_carry(CFG, B, 16), x["aux"][:, :4],
+                       tokens[:, 1:5], jnp.array([4, 4]))
+        # the rest as an accepted path: acc_len = count - 1
+        return d.advance(params, heads, first, x["aux"][:, 4:], tokens[:, 4:], lengths - 5,
+                         x["root"])
+
+    rest, whole = pieces(params, heads), x["carry"]
     assert np.array_equal(rest.length, lengths) and np.array_equal(whole.length, lengths)
     assert max_diff(rest.out, whole.out) < 1e-5
     for b in range(B):
@@ -668,36 +685,25 @@ def test_extending_in_pieces_equals_extending_at_once(drafter):
         assert max_diff(rest.v[b, :n], whole.v[b, :n]) < 1e-5
 
 
-def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafter):
-    heads, _ = drafter
+def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafted):
+    x = drafted
+    heads = x["heads"]
     assert drafters.kind_of(heads) == "eagle3"
     assert drafters.drafter_class("eagle3") is Eagle3Drafter
     d = drafters.drafter_for(heads)
     one_line_error(NotImplementedError, lambda: d.start({}, heads, None, None),
                    "aux_layers", "Eagle3Drafter.advance")
-    aux, tokens, root, lengths, table = drafting_inputs()
-    params = {"embed": jnp.asarray(table)}
-    dd = Eagle3Drafter(CFG)
-    carry = dd.begin(params, heads, aux, tokens, lengths, root, 16)
-    prop = jax.jit(lambda cr: dd.propose(params, heads, cr, jnp.asarray(root), TREE))(carry)
-    assert prop.fed.shape == (B, TREE.num_nodes) and np.array_equal(prop.fed, prop.tokens)
-    assert np.array_equal(prop.fed_mask, TREE.mask)
-
-
-def test_a_dynamic_tree_chooses_by_the_draft_log_probabilities(drafter):
-    heads, _ = drafter
-    aux, tokens, root, lengths, table = drafting_inputs()
-    params = {"embed": jnp.asarray(table)}
-    d = Eagle3Drafter(CFG)
-    carry = d.begin(params, heads, aux, tokens, lengths, root, 16)
-    tree = DynamicTree(TREE, 4)
-    prop = jax.jit(lambda cr: d.propose(params, heads, cr, jnp.asarray(root), tree))(carry)
-    static_tokens, logp = draft_tree(heads, CFG, d.embed(params), carry, root,
-                                     TREE.paths_ranks, TREE.num_nodes)
-    assert np.array_equal(prop.tokens, static_tokens)  # the pool is the static tree's drafts
-    assert prop.fed.shape == (B, 5) and np.asarray(prop.valid).sum(1).tolist() == [5, 5]
-    path_lp = np.asarray(logp) @ np.asarray(TREE.mask, np.float32).T  # each node's path
+    root = jnp.asarray(x["root"])
+    static, dynamic = jax.jit(lambda cr: (
+        x["d"].propose(x["params"], heads, cr, root, TREE),
+        x["d"].propose(x["params"], heads, cr, root, DynamicTree(TREE, 4))))(x["carry"])
+    assert static.fed.shape == (B, TREE.num_nodes)
+    assert np.array_equal(static.fed, x["ours"]) and np.array_equal(static.tokens, x["ours"])
+    assert np.array_equal(static.fed_mask, TREE.mask)
+    # a dynamic tree: the pool is the static drafts, the 4 nodes of most probable paths kept
+    assert np.array_equal(dynamic.tokens, x["ours"]) and dynamic.fed.shape == (B, 5)
+    path_lp = x["logp"] @ np.asarray(TREE.mask, np.float32).T  # [B, N]: each node's path
     for b in range(B):
-        chosen = np.flatnonzero(np.asarray(prop.valid)[b])[1:]
+        chosen = np.flatnonzero(np.asarray(dynamic.valid)[b])
         best = np.argsort(-path_lp[b, 1:], kind="stable")[:4] + 1
-        assert sorted(chosen) == sorted(best)
+        assert chosen[0] == 0 and sorted(chosen[1:]) == sorted(best)
