@@ -374,6 +374,8 @@ def test_write_read_round_trip_and_the_reference_loads_what_we_write(tmp_path, d
     assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
     assert conf["eagle_aux_hidden_state_layer_ids"] == list(ours)  # vLLM's: inputs of layers
     assert conf["draft_vocab_size"] == VD and conf["architectures"] == ["LlamaForCausalLMEagle3"]
+    # SafeAILab's Model loads the target's embedding only without target_hidden_size
+    assert "target_hidden_size" not in conf and conf["rope_scaling"] is None
 
     back, c, meta = formats.read_eagle3(tmp_path, BACKBONE)
     assert c == CFG and meta["aux_layers"] == list(ours)

@@ -289,13 +289,17 @@ def eagle3_config(c: eagle3.Eagle3Config, base_model: str | None = None) -> dict
             "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta, "rope_scaling": rope,
             "max_position_embeddings": c.max_position_embeddings,
             "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
-            "target_hidden_size": c.feature_size, "tie_word_embeddings": False,
+            "tie_word_embeddings": False,
             "attention_bias": False, "torch_dtype": "float32",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                              [int(i) - 1 for i in c.aux_layers],
                              "use_aux_hidden_state": True},
             # vLLM's field (speculators format): input-of-layer ids, ours as they are
             "eagle_aux_hidden_state_layer_ids": [int(i) for i in c.aux_layers]}
+    if c.feature_size != c.hidden_size:
+        # only then: with target_hidden_size SafeAILab's Model skips loading the target's
+        # embedding and keeps its own, which this layout does not hold
+        conf["target_hidden_size"] = c.feature_size
     if base_model:
         conf["base_model_name_or_path"] = str(base_model)
     return conf

@@ -372,7 +372,8 @@ def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.
     whole sequence, `steps` times, each step on the previous step's outputs.
 
     aux [B, T, 3*Ht] the backbone's features at every position, tokens [B, T] the sequence,
-    embed_table [V, H] the backbone's (frozen) embedding, attention_mask [B, T] 1 on real
+    embed_table [V, H] the backbone's (frozen) embedding as layer 0 reads it (a Gemma
+    backbone's scaled by sqrt(H): `embed` of every id), attention_mask [B, T] 1 on real
     tokens. Step i at position t reads token t+1+i and (i = 0) fc(aux_t) or (i > 0) step
     i-1's output at t, at rotary position t+i, and guesses token t+2+i. Returns logits
     [steps, B, T, Vd] float32."""
