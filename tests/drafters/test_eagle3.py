@@ -709,3 +709,44 @@ def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafted):
         chosen = np.flatnonzero(np.asarray(dynamic.valid)[b])
         best = np.argsort(-path_lp[b, 1:], kind="stable")[:4] + 1
         assert chosen[0] == 0 and sorted(chosen[1:]) == sorted(best)
+
+
+def test_training_time_test_learns_on_the_backbones_own_features(stories):
+    """The embedded stories260K (5 layers: aux layers 1, 2, 4 by hand) feeds its features
+    and logits to the TTT loss (3 steps here) of a drafter over its 128 most frequent tokens;
+    30 Adam steps on one story fit it (the loss falls by half and more)."""
+    import optax
+
+    from medusa_jax.model.backbone import KVCache, causal_mask, forward
+
+    cfg, params, tok = stories
+    ids = tok("Once upon a time, there was a little girl named Lily. She loved to play "
+              "outside in the park. One day, she saw a big, red ball.").input_ids
+    t = len(ids)
+    tokens = jnp.asarray([ids], jnp.int32)
+    cache = KVCache.init(cfg, 1, t)
+    logits, _, _, aux = forward(params, cfg, tokens, jnp.arange(t)[None],
+                                causal_mask(cache.lengths, t, t), cache, empty_cache=True,
+                                aux_layers=(1, 2, 4))
+    c = eagle3.default_config(cfg, 128, aux_layers=(1, 2, 4))
+    heads = eagle3.init_eagle3(jax.random.key(0), c, np.bincount(ids, minlength=cfg.vocab_size))
+    eagle3.check(heads, cfg, c)
+    maps = {n: heads.pop(n) for n in ("d2t", "t2d")}
+    mask = jnp.ones((1, t), jnp.int32)
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(w, state):
+        (loss, parts), g = jax.value_and_grad(lambda w: eagle3.ttt_loss(
+            {**w, **maps}, c, params["embed"], aux, tokens, logits, mask, steps=3),
+            has_aux=True)(w)
+        updates, state = opt.update(g, state, w)
+        return optax.apply_updates(w, updates), state, loss, parts
+
+    state = opt.init(heads)
+    first = None
+    for _ in range(30):
+        heads, state, loss, parts = step(heads, state)
+        first = float(loss) if first is None else first
+    assert np.isfinite(first) and float(loss) < 0.5 * first, (first, float(loss))
+    assert float(parts["accuracies"][0]) > 0.5
