@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -427,9 +426,3 @@ def ttt_loss(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Ar
     total = jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses)
     return total, {"losses": losses, "accuracies": jnp.stack(accs)}
 
-
-def check_positive(value, name: str, where) -> int:
-    """An integer >= 1, or a one-line ValueError naming `where` and the field."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{where}: {name}={value!r} is not a positive integer")
-    return int(value)
