@@ -19,7 +19,7 @@ Params = Any  # a parameter pytree
 
 
 class Drafter(Protocol):
-    kind: str  # the artifact's kind ("medusa", "hydra")
+    kind: str  # the artifact's kind ("medusa", "hydra", "eagle3")
     batch_axis: int  # the axis of the carry's leaves that holds the rows
 
     @classmethod
@@ -51,6 +51,7 @@ class Drafter(Protocol):
 
 # kind -> "module:class", imported on first use; the first whose `matches` says yes drafts
 DRAFTERS = {
+    "eagle3": "medusa_jax.drafters.eagle3.drafter:Eagle3Drafter",
     "hydra": "medusa_jax.drafters.hydra.drafter:HydraDrafter",
     "medusa": "medusa_jax.drafters.medusa.drafter:MedusaDrafter",
 }

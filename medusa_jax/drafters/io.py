@@ -79,7 +79,9 @@ def read_safetensors(file: Path, keep=None) -> dict[str, np.ndarray]:
 
 
 def as_numpy(a: np.ndarray) -> np.ndarray:
-    return a if np.issubdtype(a.dtype, np.integer) else np.asarray(a, np.float32)
+    """Floats as float32; integer and bool tensors (token maps, EAGLE-3's t2d) as they are."""
+    keep = np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_
+    return a if keep else np.asarray(a, np.float32)
 
 
 def pickle_help(file: Path) -> str:

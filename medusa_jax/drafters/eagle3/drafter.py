@@ -1,0 +1,225 @@
+"""EAGLE-3 as a drafter (`decoding.drafter.Drafter`): the drafter's own KV cache over the
+committed context, then a static tree drafted depth by depth.
+
+The carry (`Eagle3Carry`, rows on axis 0) holds the drafter's keys/values of the committed
+positions, how many there are, and the layer's output at the last one (the output that
+predicts the tokens after the root). Entry p is the layer run on (the backbone's aux features
+of token p, the embedding of token p+1) at rotary position p, as SafeAILab's `topK_genrate`
+feeds `input_ids[:, 1:]`; so entry L-1 reads the root, and the carry is complete once the
+root is chosen. `extend` appends entries (the prompt, or a step's accepted path);
+`draft_tree` fills a static tree: depth-d nodes are run at position L-1+d over the context
+and their own ancestors (a tree mask, SafeAILab's `tree_mask`), each node's token the r-th
+most likely draft id of its parent's output, mapped to the target vocabulary by d2t.
+
+The decoding step (`decoding.step`) does not yet pass a drafter what EAGLE-3 needs: the aux
+features of the prompt and of every accepted token, and the accepted tokens with the next
+root (`begin` / `advance` below take them). Until it does, `start` refuses, naming the hooks
+it needs (`HOOKS`); `propose` is complete.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
+from medusa_jax.decoding.tree import DynamicTree
+from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.hydra.heads import tree_plan
+from medusa_jax.model.backbone import Params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.runtime import pytree as struct
+
+
+@struct.dataclass
+class Eagle3Carry:
+    k: jax.Array  # [B, S, KVH, D] the drafter's keys (rotated) of the committed entries
+    v: jax.Array  # [B, S, KVH, D]
+    out: jax.Array  # [B, H] the layer's output at entry length-1 (predicts the depth-1 nodes)
+    length: jax.Array  # [B] int32 entries committed (= the backbone's cache length)
+
+
+def init_carry(c: eagle3.Eagle3Config, batch: int, capacity: int, dtype=jnp.float32
+               ) -> Eagle3Carry:
+    """An empty carry with room for `capacity` entries per row."""
+    kv = jnp.zeros((batch, capacity, c.num_kv_heads, c.head_dim), dtype)
+    return Eagle3Carry(k=kv, v=kv, out=jnp.zeros((batch, c.hidden_size), dtype),
+                       length=jnp.zeros((batch,), jnp.int32))
+
+
+def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux: jax.Array,
+           next_tokens: jax.Array, n_valid: jax.Array) -> Eagle3Carry:
+    """Append up to T entries per row: aux [B, T, 3*Ht] the backbone's features of T tokens
+    at positions length + j, next_tokens [B, T] the token after each (its embedding is the
+    entry's other input), n_valid [B] how many of the T are real (0: the row is unchanged).
+    `embed`: tokens [B, T] -> [B, T, H] (the backbone's embedding). Entries past the cache
+    are dropped (size it to the backbone's capacity)."""
+    b, t = next_tokens.shape
+    s = carry.k.shape[1]
+    hidden = eagle3.features(heads, aux.astype(carry.out.dtype))
+    pos = carry.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+    ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
+    mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, t, s)),
+                            jnp.broadcast_to(eagle3.causal_mask(t), (b, t, t))], axis=-1)
+    out, k_new, v_new = eagle3.layer(heads, c, embed(next_tokens), hidden, pos, carry.k,
+                                     carry.v, mask)
+    rows = jnp.arange(b)[:, None]
+    k = carry.k.at[rows, pos].set(k_new.astype(carry.k.dtype), mode="drop")
+    v = carry.v.at[rows, pos].set(v_new.astype(carry.v.dtype), mode="drop")
+    last = out[jnp.arange(b), jnp.clip(n_valid - 1, 0, t - 1)]
+    return Eagle3Carry(k=k, v=v, out=jnp.where((n_valid > 0)[:, None], last, carry.out),
+                       length=carry.length + n_valid.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Depth:
+    """Host-side plan of one tree depth d >= 1 (numpy, from `tree_plan`)."""
+
+    parents: np.ndarray  # [E] the nodes at depth d-1 with children
+    grand: np.ndarray  # [E] each one's parent (its hidden input when d-1 >= 1)
+    seen: np.ndarray  # [E, N] bool: the tree nodes (depth >= 1) each parent attends, itself apart
+    nodes: np.ndarray  # [M] the nodes at depth d
+    parent_pos: np.ndarray  # [M] each one's parent's index in `parents`
+    rank: np.ndarray  # [M]
+    k: int  # top-k needed
+
+
+def _plan(paths_ranks, num_nodes: int) -> tuple[_Depth, ...]:
+    out = []
+    for anc, nodes, parent_pos, rank, k in tree_plan(paths_ranks):
+        seen = np.zeros((anc.shape[0], num_nodes), bool)
+        for e, path in enumerate(anc):
+            seen[e, path[1:-1]] = True  # ancestors below the root (the root is entry L-1)
+        grand = anc[:, -2] if anc.shape[1] > 1 else np.zeros(anc.shape[0], np.int32)
+        out.append(_Depth(anc[:, -1], grand, seen, nodes, parent_pos, rank, k))
+    return tuple(out)
+
+
+def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
+               root: jax.Array, paths_ranks, num_nodes: int, top_k_fn=small_top_k,
+               want_logp: bool = True) -> tuple[jax.Array, jax.Array | None]:
+    """Fill a static tree (node i+1 = paths_ranks[i]) with EAGLE-3 drafts: the carry and
+    root [B] -> (tokens [B, N] target ids, node log-probabilities [B, N] under the draft
+    vocabulary: each node's own, under its parent's output; 0 at the root; None unless
+    `want_logp`). One layer call per depth below the root, over that depth's nodes with
+    children."""
+    b = root.shape[0]
+    s, h = carry.k.shape[1], carry.out.shape[-1]
+    dt = carry.out.dtype
+    tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
+    logp = jnp.zeros((b, num_nodes), jnp.float32)
+    tree_k = jnp.zeros((b, num_nodes) + carry.k.shape[2:], carry.k.dtype)
+    tree_v = jnp.zeros_like(tree_k)
+    outs = jnp.zeros((b, num_nodes, h), dt).at[:, 0].set(carry.out)
+    ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
+    for d, step in enumerate(_plan(tuple(map(tuple, paths_ranks)), num_nodes)):
+        e = step.parents.shape[0]
+        if d > 0:  # the parents sit at depth d >= 1: run the layer on them first
+            pos = jnp.broadcast_to(carry.length[:, None] - 1 + d, (b, e))
+            mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, e, s)),
+                                    jnp.broadcast_to(jnp.asarray(step.seen), (b, e, num_nodes)),
+                                    jnp.broadcast_to(jnp.eye(e, dtype=bool), (b, e, e))], -1)
+            out, k_new, v_new = eagle3.layer(
+                heads, c, embed(tokens[:, step.parents]), outs[:, step.grand], pos,
+                jnp.concatenate([carry.k, tree_k], 1), jnp.concatenate([carry.v, tree_v], 1),
+                mask)
+            tree_k = tree_k.at[:, step.parents].set(k_new.astype(tree_k.dtype))
+            tree_v = tree_v.at[:, step.parents].set(v_new.astype(tree_v.dtype))
+            outs = outs.at[:, step.parents].set(out)
+        logits = eagle3.draft_logits(heads, c, outs[:, step.parents])  # [B, E, Vd]
+        top = top_k_fn(logits, step.k)  # [B, E, k] draft ids
+        pick = top[:, step.parent_pos, step.rank]  # [B, M]
+        tokens = tokens.at[:, step.nodes].set(eagle3.to_target(heads, pick).astype(jnp.int32))
+        if want_logp:
+            lp = jax.nn.log_softmax(logits, axis=-1)
+            own = jnp.take_along_axis(lp, top, axis=-1)[:, step.parent_pos, step.rank]
+            logp = logp.at[:, step.nodes].set(own)
+    return tokens, (logp if want_logp else None)
+
+
+HOOKS = ("EAGLE-3 drafting needs hooks decoding.step does not have yet: prefill and verify "
+         "run with aux_layers=config.aux_layers, then Eagle3Drafter.begin(params, heads, aux "
+         "[B, P, 3H], tokens [B, P], lengths [B], root [B], capacity) after prefill and "
+         "Eagle3Drafter.advance(params, heads, carry, aux of the accepted path [B, D+1, 3H], "
+         "its tokens [B, D+1], acc_len [B], next_root [B]) after commit, in place of "
+         "start(params, heads, hidden, lengths)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    """`config`: the drafter's (its aux layers, norm eps, rope; None: `config_of` defaults),
+    `model_cfg`: the backbone's, for its embedding (None: the plain table lookup)."""
+
+    config: eagle3.Eagle3Config | None = None
+    model_cfg: ModelConfig | None = None
+    kind = "eagle3"
+    batch_axis = 0  # of the carry: every leaf has the rows first
+
+    @classmethod
+    def matches(cls, heads: Params) -> bool:
+        return eagle3.is_eagle3(heads)
+
+    @classmethod
+    def shape_of(cls, heads: Params) -> tuple[int, int]:
+        return eagle3.TTT_STEPS, 1  # the depth it was trained to draft; one layer
+
+    @classmethod
+    def axes(cls, heads: Params) -> dict:
+        return {n: None for n in heads}  # replicated (`sharding.spec_for`): one small layer
+
+    @classmethod
+    def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
+        if head_fn is not None:
+            raise ValueError("head_fn is a Medusa head function, but these are EAGLE-3 "
+                             "drafter parameters; leave head_fn unset")
+        return cls()
+
+    def cfg(self, heads: Params) -> eagle3.Eagle3Config:
+        return self.config if self.config is not None else eagle3.config_of(heads)
+
+    def embed(self, params: Params):
+        if self.model_cfg is not None:
+            return lambda tokens: eagle3.embed(self.model_cfg, params, tokens)
+        return lambda tokens: params["embed"][tokens]
+
+    def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
+        return heads  # one layer: nothing to drop; no CPU-kernel layout (plain products)
+
+    def begin(self, params, heads, aux, tokens, lengths, root, capacity: int) -> Eagle3Carry:
+        """After prefill: aux [B, P, 3*Ht] the prompt's features, tokens [B, P] (right-padded,
+        lengths [B]), root [B] the chosen next token -> the carry with entries 0..length-1."""
+        b, p = tokens.shape
+        c = self.cfg(heads)
+        j = jnp.arange(p)[None]
+        after = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
+        nxt = jnp.where(j == lengths[:, None] - 1, root[:, None], after)
+        carry = init_carry(c, b, capacity, aux.dtype)
+        return extend(heads, c, self.embed(params), carry, aux, nxt, lengths)
+
+    def advance(self, params, heads, carry, aux_path, path_tokens, acc_len, next_root
+                ) -> Eagle3Carry:
+        """After commit: aux_path [B, D+1, 3*Ht] the features of the accepted path (root
+        first), path_tokens [B, D+1] its tokens, acc_len [B] the nodes accepted below the
+        root (acc_len + 1 tokens committed), next_root [B] -> the carry extended by them."""
+        w = path_tokens.shape[1]
+        j = jnp.arange(w)[None]
+        after = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, -1:]], axis=1)
+        nxt = jnp.where(j == acc_len[:, None], next_root[:, None], after)
+        return extend(heads, self.cfg(heads), self.embed(params), carry, aux_path, nxt,
+                      acc_len + 1)
+
+    def start(self, params, heads, hidden, lengths):
+        raise NotImplementedError(HOOKS)
+
+    def num_heads(self, heads, carry) -> int:
+        return 1 << 30  # any depth: the drafter runs on its own outputs
+
+    def propose(self, params, heads, carry, root, tree) -> Proposal:
+        static = tree.pool if isinstance(tree, DynamicTree) else tree
+        tokens, logp = draft_tree(heads, self.cfg(heads), self.embed(params), carry, root,
+                                  static.paths_ranks, static.num_nodes, small_top_k,
+                                  want_logp=isinstance(tree, DynamicTree))
+        return tree_proposal(tokens, logp, tree)

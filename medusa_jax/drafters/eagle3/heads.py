@@ -1,0 +1,428 @@
+"""EAGLE-3 drafter parameters and forward pass (Li et al. 2025; SafeAILab/EAGLE's
+`eagle/model/cnets.py` and `eagle/traineagle3/cnets.py`).
+
+The drafter is one Llama decoder layer of its own, fed two things per position: a feature
+`hidden` [H] and the backbone's embedding of the next token. At the root, `hidden` is
+`fc(concat(f_low, f_mid, f_high))`, the residual stream entering three backbone layers
+(`backbone.eagle3_layers`, read with `aux_layers`); deeper down the tree it is the layer's
+own previous output (pre-norm), so the drafter runs on its own outputs. The layer normalises
+the two inputs apart (`input_norm` on the embedding, `hidden_norm` on the feature),
+concatenates them embedding first into 2H and projects that to q, k, v; its residual is the
+un-normalised feature. Logits come from `final_norm` then `lm_head` over a reduced draft
+vocabulary Vd; `d2t` maps a draft id to its target id (target = draft + d2t[draft]) and `t2d`
+marks the target ids the draft vocabulary holds.
+
+Parameters (ours are [in, out]: y = x @ w; H hidden, Ht the backbone's hidden, NH/KVH query
+and key-value heads of size D, F intermediate, V the backbone's vocabulary):
+
+    fc              [3*Ht, H]
+    wq              [2H, NH, D]      wk, wv [2H, KVH, D]      wo [NH, D, H]
+    w_gate, w_up    [H, F]           w_down [F, H]
+    input_norm, hidden_norm, post_attn_norm, final_norm   [H]
+    lm_head         [H, Vd]
+    d2t             [Vd] int32 (target id - draft id)      t2d [V] bool
+
+`layer` is the one decoder layer with its own KV cache over drafted positions; the caller
+passes the attention mask (a causal mask, the training-time-test mask, or a tree mask: just
+another mask). `ttt_logits` / `ttt_loss` are the reference trainer's training-time test: the
+drafter run on its own outputs for 7 steps, step i's loss weighted 0.8**i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.model import backbone
+from medusa_jax.model.backbone import Params
+from medusa_jax.model.config import ModelConfig
+
+KIND = "eagle3"
+WEIGHTS = ("fc", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "input_norm",
+           "hidden_norm", "post_attn_norm", "final_norm", "lm_head")
+NAMES = WEIGHTS + ("d2t", "t2d")
+TTT_STEPS, TTT_DECAY = 7, 0.8  # eagle/traineagle3: Model.length = 7, weights 0.8 ** i
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    """What the forward pass needs beyond the parameters' shapes. Hashable (a static
+    argument of jitted functions). `aux_layers` are backbone layer indices whose INPUT the
+    drafter reads (`backbone.eagle3_layers`); checkpoints store the OUTPUT-of-layer ids, one
+    less (`formats`)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    draft_vocab_size: int
+    vocab_size: int  # the backbone's (target) vocabulary
+    aux_layers: tuple = ()
+    target_hidden_size: int | None = None  # the backbone's hidden size (None: hidden_size)
+    rms_norm_eps: float = 1e-6  # LlamaRMSNorm's default in the reference
+    rope_theta: float = 10000.0
+    rope_scaling: tuple = ("default",)  # as ModelConfig.rope_scaling
+    max_position_embeddings: int = 2048
+
+    @property
+    def feature_size(self) -> int:
+        return self.target_hidden_size or self.hidden_size
+
+    def replace(self, **changes) -> "Eagle3Config":
+        return dataclasses.replace(self, **changes)
+
+
+def default_config(model_cfg: ModelConfig, draft_vocab_size: int | None = None,
+                   aux_layers=None) -> Eagle3Config:
+    """A drafter shaped like one layer of `model_cfg` (as SpecForge's configs are: heads,
+    head size, intermediate size, norm eps and rope copied from the target), reading
+    `backbone.eagle3_layers`, over the full vocabulary unless `draft_vocab_size` is given."""
+    v = model_cfg.vocab_size
+    return Eagle3Config(
+        hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
+        num_kv_heads=model_cfg.num_kv_heads, head_dim=model_cfg.head_dim,
+        intermediate_size=model_cfg.intermediate_size,
+        draft_vocab_size=v if draft_vocab_size is None else int(draft_vocab_size),
+        vocab_size=v, target_hidden_size=model_cfg.hidden_size,
+        aux_layers=tuple(aux_layers) if aux_layers is not None
+        else backbone.eagle3_layers(model_cfg.num_layers),
+        rms_norm_eps=model_cfg.rms_norm_eps, rope_theta=model_cfg.rope_theta,
+        rope_scaling=model_cfg.rope_scaling,
+        max_position_embeddings=model_cfg.max_position_embeddings)
+
+
+def param_shapes(c: Eagle3Config) -> dict[str, tuple]:
+    """{name: shape} of the parameters of a drafter configured by `c`."""
+    h, f, d = c.hidden_size, c.intermediate_size, c.head_dim
+    nh, kvh = c.num_heads, c.num_kv_heads
+    return {
+        "fc": (3 * c.feature_size, h),
+        "wq": (2 * h, nh, d), "wk": (2 * h, kvh, d), "wv": (2 * h, kvh, d),
+        "wo": (nh, d, h),
+        "w_gate": (h, f), "w_up": (h, f), "w_down": (f, h),
+        "input_norm": (h,), "hidden_norm": (h,), "post_attn_norm": (h,), "final_norm": (h,),
+        "lm_head": (h, c.draft_vocab_size),
+        "d2t": (c.draft_vocab_size,), "t2d": (c.vocab_size,),
+    }
+
+
+def vocab_maps(counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The reference trainer's draft vocabulary (`Model.scandata`): the `draft_vocab_size`
+    most frequent target tokens, kept in target-id order. counts [V] token frequencies ->
+    (d2t [Vd] int32: target id - draft id, t2d [V] bool). Ties, and tokens never seen when
+    fewer than Vd were, go to the lower id (the reference's Counter order is arbitrary there
+    and it builds a short map when fewer than Vd tokens occur)."""
+    counts = np.asarray(counts)
+    v = counts.shape[0]
+    if not 1 <= draft_vocab_size <= v:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size!r}: need 1 <= size <= {v} "
+                         f"(the target vocabulary)")
+    order = np.lexsort((np.arange(v), -counts.astype(np.float64)))  # count desc, id asc
+    used = np.sort(order[:draft_vocab_size])
+    t2d = np.zeros(v, bool)
+    t2d[used] = True
+    return (used - np.arange(draft_vocab_size)).astype(np.int32), t2d
+
+
+def init_eagle3(key: jax.Array, c: Eagle3Config, counts=None, std: float = 0.02) -> Params:
+    """A fresh drafter: linear weights normal(0, std), norms at one, the draft vocabulary
+    from token `counts` [V] (`vocab_maps`; None: the first Vd ids)."""
+    shapes = param_shapes(c)
+    linear = [n for n in WEIGHTS if "norm" not in n]
+    keys = dict(zip(linear, jax.random.split(key, len(linear))))
+    out = {n: std * jax.random.normal(keys[n], shapes[n], jnp.float32) for n in linear}
+    out.update({n: jnp.ones(shapes[n], jnp.float32) for n in WEIGHTS if "norm" in n})
+    d2t, t2d = vocab_maps(np.zeros(c.vocab_size) if counts is None else counts,
+                          c.draft_vocab_size)
+    out.update(d2t=jnp.asarray(d2t), t2d=jnp.asarray(t2d))
+    return out
+
+
+def is_eagle3(heads) -> bool:
+    """Whether a heads tree (arrays, numpy or shapes) holds an EAGLE-3 drafter."""
+    return heads is not None and "fc" in heads and "d2t" in heads
+
+
+def config_of(heads: Params, **fields) -> Eagle3Config:
+    """The sizes read off the parameters; what shapes do not hold (aux_layers, rms_norm_eps,
+    rope_theta, ...) from `fields` (else the defaults)."""
+    nh, d, h = (int(n) for n in np.shape(heads["wo"]))
+    sizes = dict(hidden_size=h, num_heads=nh, num_kv_heads=int(np.shape(heads["wk"])[1]),
+                 head_dim=d, intermediate_size=int(np.shape(heads["w_up"])[1]),
+                 draft_vocab_size=int(np.shape(heads["lm_head"])[1]),
+                 vocab_size=int(np.shape(heads["t2d"])[0]),
+                 target_hidden_size=int(np.shape(heads["fc"])[0]) // 3)
+    sizes.update(fields)
+    if "aux_layers" in sizes:
+        sizes["aux_layers"] = tuple(int(i) for i in sizes["aux_layers"])
+    return Eagle3Config(**sizes)
+
+
+def check_draft_ids(d2t, t2d, vocab_size: int, where="EAGLE-3 drafter") -> None:
+    """d2t [Vd] and t2d [V] must describe one subset of the target vocabulary: draft id i
+    maps to target id i + d2t[i], in [0, V), strictly increasing (the reference keeps the
+    subset in target-id order; its trainer selects target logits with t2d in that order), and
+    t2d marks exactly those ids. One-line ValueError naming `where` otherwise."""
+    d2t, t2d = np.asarray(d2t), np.asarray(t2d)
+    if d2t.ndim != 1 or t2d.ndim != 1:
+        raise ValueError(f"{where}: d2t and t2d must be vectors, got shapes {d2t.shape}, "
+                         f"{t2d.shape}")
+    if t2d.shape[0] != vocab_size:
+        raise ValueError(f"{where}: t2d has {t2d.shape[0]} entries, expected {vocab_size} "
+                         f"(the backbone's vocabulary)")
+    targets = np.arange(d2t.shape[0]) + d2t.astype(np.int64)
+    bad = np.flatnonzero((targets < 0) | (targets >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{where}: d2t maps draft id {i} to target id {int(targets[i])}, "
+                         f"outside the vocabulary [0, {vocab_size})")
+    down = np.flatnonzero(np.diff(targets) <= 0)
+    if down.size:
+        i = int(down[0]) + 1
+        raise ValueError(f"{where}: d2t is not a subset of the vocabulary in increasing order: "
+                         f"draft id {i} maps to target id {int(targets[i])}, draft id {i - 1} "
+                         f"to {int(targets[i - 1])}")
+    marked = np.flatnonzero(t2d)
+    if marked.shape != targets.shape or np.any(marked != targets):
+        extra = np.setdiff1d(marked, targets)
+        missing = np.setdiff1d(targets, marked)
+        what = (f"marks target id {int(extra[0])}, which no draft id maps to" if extra.size
+                else f"does not mark target id {int(missing[0])}, which d2t maps to")
+        raise ValueError(f"{where}: t2d disagrees with d2t: it {what} ({marked.size} marked, "
+                         f"{targets.size} draft ids)")
+
+
+def check(heads: Params, model_cfg: ModelConfig | None, c: Eagle3Config,
+          where="EAGLE-3 drafter") -> None:
+    """Strict checks of a drafter against its config and the backbone: sizes (hidden,
+    vocabulary), aux layers within the backbone's depth, every tensor's name, shape and dtype,
+    finite weights, d2t/t2d one subset of the vocabulary. One-line ValueError naming `where`."""
+    if model_cfg is not None:
+        for field, theirs in (("hidden_size", c.hidden_size),
+                              ("target_hidden_size", c.feature_size)):
+            if theirs != model_cfg.hidden_size:
+                raise ValueError(f"{where}: {field}={theirs}, but the backbone's hidden size "
+                                 f"is {model_cfg.hidden_size}")
+        if c.vocab_size != model_cfg.vocab_size:
+            raise ValueError(f"{where}: vocab_size={c.vocab_size}, but the backbone's "
+                             f"vocabulary is {model_cfg.vocab_size}")
+    if not 1 <= c.draft_vocab_size <= c.vocab_size:
+        raise ValueError(f"{where}: draft_vocab_size={c.draft_vocab_size} is not in "
+                         f"[1, vocab_size={c.vocab_size}]")
+    if c.num_heads % c.num_kv_heads:
+        raise ValueError(f"{where}: num_attention_heads={c.num_heads} is not a multiple of "
+                         f"num_key_value_heads={c.num_kv_heads}")
+    layers = tuple(c.aux_layers)
+    if len(layers) != 3:
+        raise ValueError(f"{where}: aux layers {list(layers)}: EAGLE-3 reads exactly three "
+                         f"backbone layers (its fc takes 3 x hidden)")
+    if model_cfg is not None:
+        try:
+            backbone.check_aux_layers(model_cfg, layers)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    names = set(heads)
+    if names != set(NAMES):
+        raise ValueError(f"{where}: an EAGLE-3 drafter needs tensors {', '.join(NAMES)}; "
+                         f"missing {sorted(set(NAMES) - names)}, unexpected "
+                         f"{sorted(names - set(NAMES))}")
+    for name, shape in param_shapes(c).items():
+        got = tuple(np.shape(heads[name]))
+        if got != shape:
+            raise ValueError(f"{where}: tensor {name} has shape {got}, expected {shape}")
+    for name in WEIGHTS:
+        a = np.asarray(heads[name])
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise ValueError(f"{where}: tensor {name} has dtype {a.dtype}, expected float")
+        if not np.all(np.isfinite(np.asarray(a, np.float32))):
+            raise ValueError(f"{where}: tensor {name} has non-finite values (NaN or inf)")
+    d2t, t2d = np.asarray(heads["d2t"]), np.asarray(heads["t2d"])
+    if d2t.dtype.kind not in "iu":
+        raise ValueError(f"{where}: tensor d2t has dtype {d2t.dtype}, expected an integer type")
+    if t2d.dtype != np.bool_:
+        raise ValueError(f"{where}: tensor t2d has dtype {t2d.dtype}, expected bool")
+    check_draft_ids(d2t, t2d, c.vocab_size, where)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _rope_cfg(c: Eagle3Config) -> ModelConfig:
+    """A stand-in ModelConfig carrying only what `backbone.rope_frequencies` reads."""
+    return ModelConfig(model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                       intermediate_size=c.intermediate_size, num_layers=1,
+                       num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                       head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                       rope_theta=c.rope_theta, rope_scaling=tuple(c.rope_scaling))
+
+
+def rope_frequencies(c: Eagle3Config) -> jax.Array:
+    """[D/2] inverse frequencies of the drafter's rotary embedding (the backbone's code)."""
+    return backbone.rope_frequencies(_rope_cfg(c))
+
+
+def features(heads: Params, aux: jax.Array) -> jax.Array:
+    """aux [..., 3*Ht] (the backbone's low, mid, high features, concatenated in that order)
+    -> the drafter's input feature [..., H] (`fc`, no bias)."""
+    return jnp.einsum("...i,ih->...h", aux, heads["fc"].astype(aux.dtype))
+
+
+def embed(model_cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """The backbone's own input embedding of `tokens` [B, T] -> [B, T, H] (the drafter has
+    no embedding of its own: the reference loads the target's, frozen)."""
+    return backbone.embed_tokens(model_cfg, params, tokens)
+
+
+def causal_mask(num: int) -> jax.Array:
+    """[1, T, T] bool: position t sees positions 0..t (a drafter run over T new positions
+    with an empty cache)."""
+    return jnp.tril(jnp.ones((num, num), bool))[None]
+
+
+def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
+          positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+          mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The drafter's decoder layer over T new positions.
+
+    x_embed [B, T, H] the backbone's embeddings of the tokens, hidden [B, T, H] the features
+    (`features` at the root, the layer's previous output below it), positions [B, T] their
+    rotary positions, k_cache / v_cache [B, S, KVH, D] the keys (rotated) and values of S
+    earlier positions (S may be 0), mask [B or 1, T, S + T] bool: which of the S cached then
+    the T new positions each query sees. Returns (out [B, T, H] before the final norm: the
+    next step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, T, KVH, D] for
+    the caller's cache)."""
+    b, t, _ = hidden.shape
+    dt = hidden.dtype
+    nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    eps = c.rms_norm_eps
+    e = backbone.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
+    x = jnp.concatenate([e, backbone.rms_norm(hidden, params["hidden_norm"], eps)], axis=-1)
+    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))  # [B, T, NH, D]
+    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))  # [B, T, KVH, D]
+    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
+    inv_freq = rope_frequencies(c)
+    q = backbone.apply_rope(q, positions, inv_freq)
+    k = backbone.apply_rope(k, positions, inv_freq)
+    keys = jnp.concatenate([k_cache.astype(dt), k], axis=1)  # [B, S+T, KVH, D]
+    vals = jnp.concatenate([v_cache.astype(dt), v], axis=1)
+    qg = q.reshape(b, t, kvh, nh // kvh, d)  # query head j reads key-value head j // G
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
+                        preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(scores, axis=-1).astype(dt)  # in float32, as the reference upcasts
+    o = jnp.einsum("bkgts,bskd->btkgd", p, vals).reshape(b, t, nh, d)
+    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
+    y = backbone.rms_norm(x, params["post_attn_norm"], eps)
+    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
+    return x + y @ params["w_down"].astype(dt), k, v
+
+
+def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
+    """out [..., H] (a `layer` output) -> logits over the draft vocabulary [..., Vd] float32."""
+    x = backbone.rms_norm(out, heads["final_norm"], c.rms_norm_eps)
+    return jnp.einsum("...h,hv->...v", x, heads["lm_head"].astype(x.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+def to_target(heads: Params, draft_ids: jax.Array) -> jax.Array:
+    """Draft-vocabulary ids -> the backbone's token ids (id + d2t[id], as the reference)."""
+    return draft_ids + jnp.asarray(heads["d2t"])[draft_ids].astype(draft_ids.dtype)
+
+
+def target_ids(heads: Params) -> jax.Array:
+    """[Vd] the target id of every draft id."""
+    d2t = jnp.asarray(heads["d2t"])
+    return jnp.arange(d2t.shape[0], dtype=d2t.dtype) + d2t
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def shift(x: jax.Array, n: int) -> jax.Array:
+    """x [B, T, ...] moved n positions left along T, zeros shifted in at the end (the
+    reference's `padding(x, left=False)`, applied n times)."""
+    if n == 0:
+        return x
+    pad = jnp.zeros((x.shape[0], min(n, x.shape[1])) + x.shape[2:], x.dtype)
+    return jnp.concatenate([x[:, n:], pad], axis=1)
+
+
+def ttt_mask(num: int, step: int, valid: jax.Array | None = None) -> jax.Array:
+    """[B or 1, T, (step+1) T] bool, the mask of training-time-test step `step` over the keys
+    of steps 0..step: step 0's keys causally (and only `valid` [B, T] ones: the reference's
+    padding mask), each later step's key only at the query's own position (the chain of
+    drafts that position made)."""
+    causal = causal_mask(num)
+    if valid is not None:
+        causal = causal & valid.astype(bool)[:, None, :]
+    eye = jnp.broadcast_to(jnp.eye(num, dtype=bool)[None], (causal.shape[0], num, num))
+    return jnp.concatenate([causal] + [eye] * step, axis=-1)
+
+
+def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
+               tokens: jax.Array, attention_mask: jax.Array | None = None,
+               steps: int = TTT_STEPS) -> jax.Array:
+    """Training-time test (eagle/traineagle3/cnets.py `Model.forward`): the drafter over a
+    whole sequence, `steps` times, each step on the previous step's outputs.
+
+    aux [B, T, 3*Ht] the backbone's features at every position, tokens [B, T] the sequence,
+    embed_table [V, H] the backbone's (frozen) embedding as layer 0 reads it (a Gemma
+    backbone's scaled by sqrt(H): `embed` of every id), attention_mask [B, T] 1 on real
+    tokens. Step i at position t reads token t+1+i and (i = 0) fc(aux_t) or (i > 0) step
+    i-1's output at t, at rotary position t+i, and guesses token t+2+i. Returns logits
+    [steps, B, T, Vd] float32."""
+    b, t = tokens.shape
+    hidden = features(heads, aux)
+    dt = hidden.dtype
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    table = jax.lax.stop_gradient(embed_table)
+    ks, vs, out = [], [], []
+    for i in range(steps):  # static and short: unrolled
+        x_embed = table[shift(tokens, i + 1)].astype(dt)
+        empty = jnp.zeros((b, 0, c.num_kv_heads, c.head_dim), dt)
+        k_cache = jnp.concatenate(ks, axis=1) if ks else empty
+        v_cache = jnp.concatenate(vs, axis=1) if vs else empty
+        hidden, k_new, v_new = layer(heads, c, x_embed, hidden, positions + i, k_cache,
+                                     v_cache, ttt_mask(t, i, attention_mask))
+        ks.append(k_new)
+        vs.append(v_new)
+        out.append(draft_logits(heads, c, hidden))
+    return jnp.stack(out)
+
+
+def ttt_loss(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
+             tokens: jax.Array, target_logits: jax.Array, loss_mask: jax.Array,
+             attention_mask: jax.Array | None = None, steps: int = TTT_STEPS,
+             decay: float = TTT_DECAY) -> tuple[jax.Array, dict]:
+    """The reference trainer's loss: sum_i decay**i * loss_i, where loss_i is the
+    cross-entropy of step i's draft distribution against the backbone's softmax restricted to
+    the draft vocabulary, summed over it and averaged over all B*T positions, counting only
+    positions with loss_mask that the backbone's argmax is in the draft vocabulary.
+
+    target_logits [B, T, V] the backbone's logits at every position (its guess of token
+    t+1), loss_mask [B, T]. Returns (loss, {"losses": [steps], "accuracies": [steps]}): the
+    per-step losses, and the reference's accuracy (draft argmax == restricted target argmax,
+    over loss-masked positions, divided by the step's loss_mask sum + 1e-6)."""
+    logits = ttt_logits(heads, c, embed_table, aux, tokens, attention_mask, steps)
+    t2d = jnp.asarray(heads["t2d"], bool)
+    keep = target_ids(heads)
+    lm = loss_mask.astype(jnp.float32)
+    losses, accs = [], []
+    for i in range(steps):
+        tgt = jax.lax.stop_gradient(shift(target_logits.astype(jnp.float32), i + 1))
+        mask_i = shift(lm, i)
+        pos = t2d[jnp.argmax(tgt, axis=-1)].astype(jnp.float32) * mask_i  # [B, T]
+        target_p = jax.nn.softmax(tgt[..., keep], axis=-1)  # [B, T, Vd]
+        logp = jax.nn.log_softmax(logits[i], axis=-1)
+        losses.append(-jnp.mean(jnp.sum(pos[..., None] * target_p * logp, axis=-1)))
+        hit = (jnp.argmax(logits[i], -1) == jnp.argmax(target_p, -1)).astype(jnp.float32)
+        accs.append(jnp.sum(hit * pos) / (jnp.sum(mask_i) + 1e-6))
+    losses = jnp.stack(losses)
+    total = jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses)
+    return total, {"losses": losses, "accuracies": jnp.stack(accs)}
+
