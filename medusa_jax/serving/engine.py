@@ -168,8 +168,12 @@ def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tre
     else:
         one, width = functools.partial(step.plain_step, params, cfg, window=window), 1
     full, axis = s, batch_axis(drafter)
-    part = rows is not None and rows < s.root.shape[0]
-    if part:  # one client pays for one row, not S
+    rows = s.root.shape[0] if rows is None else rows
+    # One client pays for one row, not S; and the loop carries only the window it attends
+    # over: a cache read through a narrower window inside the loop makes XLA copy the whole
+    # cache at every step, the window cut once per call does not.
+    part = rows < s.root.shape[0] or window < s.cache.capacity
+    if part:
         s = leading_rows(s, rows, window, axis)
     b = s.root.shape[0]
 

@@ -151,6 +151,21 @@ def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, p
     assert d[3][0] in ("cancelled", "length") and d[1] == long_d[:len(d[1])]
 
 
+@pytest.mark.parametrize("which", ["medusa", "plain"])
+def test_a_step_through_a_narrow_window_copies_no_cache(which, request):
+    """The step loop carries only the window it attends over (cut once per call): a cache
+    read through a narrower window inside the loop would make XLA copy every layer's whole
+    cache at every step."""
+    e = request.getfixturevalue(f"{which}_engine")
+    k = e._state.cache.k
+    full = k[0].shape if isinstance(k, tuple) else k.shape
+    assert e.windows[0] < full[-2]  # a narrow window of a wider cache
+    text = e._program("step", (e.windows[0], e.slots)).as_text()
+    shape = "f32[" + ",".join(map(str, full)) + "]"
+    copies = [line for line in text.splitlines() if f"= {shape}" in line and " copy(" in line]
+    assert copies == [], copies[:2]
+
+
 def test_slot_buckets_out_of_range_are_refused_in_one_line(model):
     with pytest.raises(ValueError,
                        match=r"slot buckets must be in 1..4 \(the slots\), got \[0, 2\]"):
