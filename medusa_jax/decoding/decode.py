@@ -111,16 +111,28 @@ def run_phases(step, carry, windows: tuple[int, ...], per_step: int):
     windows[i])` while every row's next step fits in that many slots (lengths + per_step <=
     window); the last phase (the whole cache) runs until every row is done. The carry is a
     `DecodeState`, or holds one as `.state`."""
+    def state(c):
+        return getattr(c, "state", c)
+
+    def with_cache(c, cache):
+        s = state(c).replace(cache=cache)
+        return c.replace(state=s) if hasattr(c, "state") else s
+
     c = carry
     for i, window in enumerate(windows):
         last = i == len(windows) - 1
 
         def cond(c, window=window, last=last):
-            s = getattr(c, "state", c)
+            s = state(c)
             go = ~jnp.all(s.done)
             return go if last else go & (jnp.max(s.cache.lengths) + per_step <= window)
 
+        full = state(c).cache
+        if window < full.capacity:  # the phase's loop carries only its window
+            c = with_cache(c, full.leading(full.lengths.shape[0], window))
         c = jax.lax.while_loop(cond, functools.partial(step, window=window), c)
+        if window < full.capacity:
+            c = with_cache(c, full.put_leading(state(c).cache))
     return c
 
 

@@ -92,6 +92,28 @@ class KVCache:
     def advance(self, n: jax.Array) -> "KVCache":
         return self.replace(lengths=self.lengths + n.astype(jnp.int32))
 
+    def leading(self, rows: int, window: int) -> "KVCache":
+        """The first `rows` rows, cut to their first `window` slots (a copy). A loop that
+        attends over a window carries this, not the whole cache: a narrower read of a
+        loop-carried buffer that the loop also updates makes XLA copy it at every step."""
+        if isinstance(self.k, tuple):
+            kvh = self.k[0].shape[0] // self.lengths.shape[0]
+            k = tuple(a[:rows * kvh, :window] for a in self.k)
+            v = tuple(a[:rows * kvh, :window] for a in self.v)
+        else:
+            k, v = self.k[:, :rows, :, :window], self.v[:, :rows, :, :window]
+        return KVCache(k=k, v=v, lengths=self.lengths[:rows])
+
+    def put_leading(self, sub: "KVCache") -> "KVCache":
+        """`leading`'s inverse: `sub` written over the first rows and slots (in place when
+        this cache is donated or dead afterwards)."""
+        at = lambda a, b: jax.lax.dynamic_update_slice(a, b, (0,) * a.ndim)  # noqa: E731
+        if isinstance(self.k, tuple):
+            k, v = tuple(map(at, self.k, sub.k)), tuple(map(at, self.v, sub.v))
+        else:
+            k, v = at(self.k, sub.k), at(self.v, sub.v)
+        return KVCache(k=k, v=v, lengths=at(self.lengths, sub.lengths))
+
 
 # ----------------------------------------------------------------------------- masks
 

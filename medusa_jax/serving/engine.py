@@ -119,40 +119,27 @@ def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, *,
     return state.replace(cache=cache, draft=draft, done=state.done.at[slot].set(ended), **put)
 
 
+_ROW_FIELDS = ("root", "count", "steps", "hist", "done", "keys", "rows")  # besides cache, draft
+
+
 def leading_rows(s: DecodeState, rows: int, window: int, axis: int) -> DecodeState:
     """The first `rows` slots of `s`, their caches cut to the first `window` slots (all a
     step attends or writes there); `axis`: the drafter carry's batch axis."""
-    c = s.cache
-    if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]
-        kvh = c.k[0].shape[0] // s.root.shape[0]
-        k = tuple(a[:rows * kvh, :window] for a in c.k)
-        v = tuple(a[:rows * kvh, :window] for a in c.v)
-    else:  # [L, S, KVH, C, D]
-        k, v = c.k[:, :rows, :, :window], c.v[:, :rows, :, :window]
     head = lambda a: a[:rows]  # noqa: E731
     draft = None if s.draft is None else jax.tree.map(
         lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=axis), s.draft)
-    fields = ("root", "count", "steps", "hist", "done", "keys", "rows")
-    return s.replace(cache=KVCache(k=k, v=v, lengths=c.lengths[:rows]), draft=draft,
-                     **{f: jax.tree.map(head, getattr(s, f)) for f in fields})
+    return s.replace(cache=s.cache.leading(rows, window), draft=draft,
+                     **{f: jax.tree.map(head, getattr(s, f)) for f in _ROW_FIELDS})
 
 
 def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeState:
     """`leading_rows`' inverse: write `sub` back over the first slots of `full` (donated,
     so in place)."""
-    c, sc = full.cache, sub.cache
-    at = lambda a, b: jax.lax.dynamic_update_slice(a, b, (0,) * a.ndim)  # noqa: E731
-    if isinstance(c.k, tuple):
-        k, v = tuple(map(at, c.k, sc.k)), tuple(map(at, c.v, sc.v))
-    else:
-        k, v = at(c.k, sc.k), at(c.v, sc.v)
     draft = None if full.draft is None else jax.tree.map(
         lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis), full.draft, sub.draft)
-    fields = ("root", "count", "steps", "hist", "done", "keys", "rows")
     put = {f: jax.tree.map(lambda a, b: a.at[:b.shape[0]].set(b), getattr(full, f),
-                           getattr(sub, f)) for f in fields}
-    return full.replace(cache=KVCache(k=k, v=v, lengths=at(c.lengths, sc.lengths)),
-                        draft=draft, **put)
+                           getattr(sub, f)) for f in _ROW_FIELDS}
+    return full.replace(cache=full.cache.put_leading(sub.cache), draft=draft, **put)
 
 
 def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tree, k: int,
@@ -733,6 +720,17 @@ class Engine:
         compiled = [x for x in fits if ("step", x) in self._programs]
         return min(compiled, key=lambda x: x[0] * x[1]) if compiled else fits[0]
 
+    def _ending(self) -> bool:
+        """Whether every live slot will most likely have ended within the calls already
+        dispatched (at the tokens per step seen so far). Another call now would then compute
+        for nobody, and the next request's prefill would wait for it; if a slot has not
+        ended after all, the next iteration dispatches once its tokens are read (only the
+        overlap of one call with the host's work is lost)."""
+        m = self.metrics
+        per_call = self.k * (m.step_tokens / m.slot_steps if m.slot_steps else 1.0)
+        return all(s.unread > 0 and s.known_len + s.unread * per_call >= s.limit
+                   for s in self._slots if s.req is not None)
+
     def _process(self, out, owners: list[Request | None]):
         tokens, counts, steps, lengths = (np.asarray(x) for x in
                                           (out.tokens, out.counts, out.steps, out.lengths))
@@ -771,7 +769,7 @@ class Engine:
                         self._slots[i] = _Slot()
                 admitted = self._admit()
                 nxt = None
-                if any(s.req is not None for s in self._slots):
+                if any(s.req is not None for s in self._slots) and not self._ending():
                     owners = [s.req for s in self._slots]
                     size = self._step_size()
                     step = self._program("step", size)
