@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slot counts a step is compiled for, e.g. 1,4,16 (default: powers of "
                         "two below --slots, and --slots): a call computes the smallest that "
                         "holds the slots in use; fewer: a faster start, more idle rows")
+    p.add_argument("--plain-above-slots", type=options.int_in(0), default=None, metavar="N",
+                   help="with heads: plain steps while more than N slots are live (where a "
+                        "batch of trees costs more than it gains; default: always Medusa)")
     p.add_argument("--window-block", type=options.positive_int, default=128,
                    help="attention windows are compiled in multiples of this (larger: fewer "
                         "step programs, more attention work per step)")
@@ -147,6 +150,11 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
         ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
                  f"({limit} tokens)")
+    if args.plain_above_slots is not None and not 0 <= args.plain_above_slots < args.slots:
+        ap.error(f"--plain-above-slots {args.plain_above_slots} must be in 0..{args.slots - 1} "
+                 f"(below --slots)")
+    if args.plain_above_slots is not None and args.heads is None:
+        ap.error("--plain-above-slots needs --heads (a plain server's steps are plain already)")
     if args.slot_buckets and max(args.slot_buckets) > args.slots:
         ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots "
                  f"({args.slots})")
@@ -200,6 +208,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
                         buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
+                        plain_above=args.plain_above_slots,
                         acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -143,12 +143,16 @@ def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeSt
 
 
 def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tree, k: int,
-                window: int, rows: int | None = None) -> tuple[DecodeState, StepOut]:
+                window: int, rows: int | None = None,
+                plain: bool = False) -> tuple[DecodeState, StepOut]:
     """`k` shared steps (`decoding.step`) in one call: Medusa steps (a drafter and its
     prepared `heads`, `tree`) or plain steps (drafter None), attending over the first
     `window` cache slots, for the first `rows` slots (default all: the others must be free).
-    Returns the state and those slots' tokens (`rows` rows)."""
-    if drafter is not None:
+    `plain`: plain steps on a Medusa engine's state (its drafter carry left as it is: the
+    next Medusa step drafts from it once, verification keeps the tokens exact, and then
+    drafts from its own state again). Returns the state and those slots' tokens (`rows`
+    rows)."""
+    if drafter is not None and not plain:
         one = functools.partial(step.medusa_step, params, cfg, drafter, heads, tree,
                                 window=window)
         width = static_tree(tree).depth + 1
@@ -228,6 +232,7 @@ class Metrics:
         self.step_tokens = 0  # tokens those steps emitted
         self.calls = 0
         self.calls_by_slots = collections.Counter()  # slot bucket -> step calls computing it
+        self.plain_calls = 0  # of a Medusa engine, under load (`plain_above`)
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -247,13 +252,15 @@ class Engine:
     prompt is padded to the smallest that holds it. slot_buckets: the slot counts `step` is
     compiled for (default: powers of two below `slots`, and `slots`): a call computes the
     smallest that holds the highest slot in use (requests take the lowest free slot), so
-    one client pays for one row."""
+    one client pays for one row. plain_above: a Medusa engine's calls are plain steps while
+    more than this many slots are live (where a batch of trees costs more than it gains;
+    default None: always Medusa)."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
                  buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
-                 slot_buckets: tuple[int, ...] | None = None,
+                 slot_buckets: tuple[int, ...] | None = None, plain_above: int | None = None,
                  log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
@@ -303,6 +310,11 @@ class Engine:
             raise ValueError(f"slot buckets must be in 1..{slots} (the slots), "
                              f"got {list(slot_buckets)}")
         self.slot_buckets = sorted({int(r) for r in slot_buckets} | {slots})
+        if plain_above is not None and not (use_medusa and 0 <= plain_above < slots):
+            raise ValueError(f"plain_above must be in 0..{slots - 1} (below the slots) on a "
+                             f"Medusa engine, got {plain_above!r}"
+                             + ("" if use_medusa else " on a plain engine"))
+        self.plain_above = plain_above
         self.metrics = Metrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -369,7 +381,9 @@ class Engine:
         b, w, r = self.buckets, self.windows, self.slot_buckets
         cover = [("step", (w[-1], r[-1])), ("prefill", b[-1]), ("insert", b[-1])]
         rest = [(k, x) for x in b[1:-1] for k in ("prefill", "insert")] + \
-            [("step", (x, y)) for y in r for x in w]
+            [("step", (x, y)) for y in r for x in w] + \
+            [("plain", (x, y)) for y in r for x in w
+             if self.plain_above is not None and y > self.plain_above]
         return list(dict.fromkeys(self.first_programs() + cover + rest))
 
     def first_programs(self) -> list[tuple[str, int]]:
@@ -421,7 +435,8 @@ class Engine:
             insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
                            donate_argnums=(0,)),
             step=jax.jit(engine_step, donate_argnums=(2,),
-                         static_argnames=("cfg", "drafter", "tree", "k", "window", "rows")))
+                         static_argnames=("cfg", "drafter", "tree", "k", "window", "rows",
+                                          "plain")))
         self.compile_seconds += time.perf_counter() - t0
 
     def _program(self, kind: str, size: int, background: bool = False):
@@ -452,7 +467,7 @@ class Engine:
         return prog
 
     def _size_name(self, kind: str, size) -> str:
-        if kind == "step":
+        if kind in ("step", "plain"):
             return f"window {size[0]}, {size[1]} slot{'s' if size[1] > 1 else ''}"
         return f"bucket {size}"
 
@@ -471,11 +486,12 @@ class Engine:
                 prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
             elif kind == "insert":
                 prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0)).compile()
-            elif kind == "step":
+            elif kind in ("step", "plain"):
                 window, rows = size
                 prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
                                        drafter=self.drafter, tree=self.tree, k=self.k,
-                                       window=window, rows=rows).compile()
+                                       window=window, rows=rows,
+                                       plain=kind == "plain").compile()
             else:
                 raise ValueError(f"no program {kind!r}")
         finally:
@@ -703,7 +719,12 @@ class Engine:
             elif self._deliver(req, [int(np.asarray(root)[0])]):
                 self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
 
-    def _step_size(self) -> tuple[int, int]:
+    def _step_kind(self) -> str:
+        """"plain" while more than `plain_above` slots are live, else "step"."""
+        live = sum(s.req is not None for s in self._slots)
+        return "plain" if self.plain_above is not None and live > self.plain_above else "step"
+
+    def _step_size(self, kind: str = "step") -> tuple[int, int]:
         """(window, slot bucket) of the next call: the narrowest window every live slot's
         K steps fit in, over the fewest slots that hold the highest one in use; a compiled
         program that covers both if the smallest is not compiled yet."""
@@ -717,7 +738,9 @@ class Engine:
         windows = [w for w in self.windows if w >= need] or self.windows[-1:]
         counts = [r for r in self.slot_buckets if r >= used]
         fits = [(w, r) for r in counts for w in windows]
-        compiled = [x for x in fits if ("step", x) in self._programs]
+        if kind == "plain":  # more live slots than plain_above: only those buckets hold them
+            fits = [(w, r) for w, r in fits if r > self.plain_above]
+        compiled = [x for x in fits if (kind, x) in self._programs]
         return min(compiled, key=lambda x: x[0] * x[1]) if compiled else fits[0]
 
     def _ending(self) -> bool:
@@ -771,8 +794,9 @@ class Engine:
                 nxt = None
                 if any(s.req is not None for s in self._slots) and not self._ending():
                     owners = [s.req for s in self._slots]
-                    size = self._step_size()
-                    step = self._program("step", size)
+                    kind = self._step_kind()
+                    size = self._step_size(kind)
+                    step = self._program(kind, size)
                     self._state, out = step(self.model.params, self._heads_d, self._state)
                     for x in (out.tokens, out.counts, out.steps, out.lengths):
                         x.copy_to_host_async()
@@ -781,6 +805,7 @@ class Engine:
                             s.unread += 1
                     self.metrics.calls += 1
                     self.metrics.calls_by_slots[size[1]] += 1
+                    self.metrics.plain_calls += kind == "plain"
                     nxt = (out, owners)
                 self._first_tokens(admitted)  # while the step runs
                 if pending is not None:

@@ -334,7 +334,9 @@ class ServerMetrics:
                                   registry=r),
             "step_tokens": Counter("medusa_step_tokens", "Tokens those steps emitted",
                                    registry=r),
-            "calls": Counter("medusa_step_calls", "Engine step calls", registry=r)}
+            "calls": Counter("medusa_step_calls", "Engine step calls", registry=r),
+            "plain_calls": Counter("medusa_plain_step_calls", "Engine step calls of plain "
+                                   "steps under load (--plain-above-slots)", registry=r)}
         self._synced = dict.fromkeys(self._engine_counters, 0)
         self.calls_by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by "
                                       "the slot bucket they computed (the rows a call "

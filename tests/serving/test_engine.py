@@ -166,6 +166,37 @@ def test_a_step_through_a_narrow_window_copies_no_cache(which, request):
     assert copies == [], copies[:2]
 
 
+@pytest.mark.slow
+def test_plain_steps_under_load_keep_offline_tokens(model, medusa_engine, prompts, reference):
+    """plain_above=1: one live slot gets Medusa steps, more get plain steps on the same state
+    (the drafter's carry left as it was); as requests come and go the calls switch both
+    ways, and every request keeps offline decoding's tokens."""
+    e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               plain_above=1).start()
+    try:
+        a = _submit(e, prompts[0], 90)  # alone: Medusa steps
+        _started(a[1])
+        plain_before = e.metrics.plain_calls
+        rest = [_submit(e, p, NEW) for p in prompts[1:4]]  # four live: plain steps
+        for _, _, done, _ in rest + [a]:
+            assert done.wait(60)
+        last = generate_offline(e, [prompts[4]], NEW)  # alone again: Medusa steps
+        assert plain_before == 0 < e.metrics.plain_calls < e.metrics.calls
+        assert [r[1] for r in rest] == reference[1:4] and last == [reference[4]]
+        assert a[1] == generate_offline(medusa_engine, [prompts[0]], 90)[0]
+        assert e.metrics.step_tokens > e.metrics.slot_steps  # the Medusa steps accepted
+    finally:
+        e.stop()
+
+
+def test_plain_above_out_of_range_is_refused_in_one_line(model):
+    with pytest.raises(ValueError, match=r"plain_above must be in 0..3 \(below the slots\) on "
+                                         r"a Medusa engine, got 4"):
+        Engine(model, slots=4, max_context=CONTEXT, plain_above=4)
+    with pytest.raises(ValueError, match="got 1 on a plain engine"):
+        Engine(model, slots=4, max_context=CONTEXT, medusa=False, plain_above=1)
+
+
 def test_slot_buckets_out_of_range_are_refused_in_one_line(model):
     with pytest.raises(ValueError,
                        match=r"slot buckets must be in 1..4 \(the slots\), got \[0, 2\]"):

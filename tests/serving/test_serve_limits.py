@@ -464,6 +464,7 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--heads", "/nonexistent/heads"], "--heads /nonexistent/heads"),
     (["--prefill-buckets", "1024"], "--prefill-buckets 1024"),
     (["--slot-buckets", "16"], "--slot-buckets 16 is more than --slots (8)"),
+    (["--plain-above-slots", "8"], "--plain-above-slots 8 must be in 0..7 (below --slots)"),
     (["--slot-buckets", "0,4"], "--slot-buckets: expected positive integers"),
     (["--port", "TAKEN"], "cannot listen there"),
 ])
