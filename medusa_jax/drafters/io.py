@@ -78,6 +78,17 @@ def read_safetensors(file: Path, keep=None) -> dict[str, np.ndarray]:
     return out
 
 
+def check_float_tensors(tensors: dict, names, where: str) -> None:
+    """Each of `names` in `tensors` must be a float tensor (bfloat16 included) holding only
+    finite values; one-line ValueError naming `where` and the tensor otherwise."""
+    for name in names:
+        a = np.asarray(tensors[name])
+        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
+            raise ValueError(f"{where}: tensor {name} has dtype {a.dtype}, expected float")
+        if not np.all(np.isfinite(np.asarray(a, np.float32))):
+            raise ValueError(f"{where}: tensor {name} has non-finite values (NaN or inf)")
+
+
 def as_numpy(a: np.ndarray) -> np.ndarray:
     """Floats as float32; integer and bool tensors (token maps, EAGLE-3's t2d) as they are."""
     keep = np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_

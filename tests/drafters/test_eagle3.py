@@ -406,7 +406,7 @@ def test_write_read_round_trip_and_the_reference_loads_what_we_write(tmp_path, d
     assert np.all(np.asarray(back["t2d"])[eagle3.to_target(back, jnp.arange(VD))])
 
 
-def test_published_variants_read_the_same(tmp_path, drafter):
+def test_published_variants_read_the_same(tmp_path, drafter, one_line_error):
     """vLLM's layers.0. names, a saved copy of the embedding, a pickle, the full vocabulary
     without d2t/t2d, and the aux ids at vLLM's top level."""
     heads, _ = drafter
@@ -455,16 +455,6 @@ def test_published_variants_read_the_same(tmp_path, drafter):
 # ----------------------------------------------------------------------------- bad input
 
 
-def one_line_error(exc_type, fn, *needles):
-    with pytest.raises(exc_type) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, (n, msg)
-    return msg
-
-
 @pytest.fixture
 def written(tmp_path, drafter):
     heads, _ = drafter
@@ -481,7 +471,7 @@ def rewrite(p, tensors=None, conf=None):
     return p
 
 
-def test_wrong_backbone_is_refused(written):
+def test_wrong_backbone_is_refused(written, one_line_error):
     p, _, _ = written
     one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE.replace(
         hidden_size=48)), "hidden_size=32", "backbone's hidden size is 48")
@@ -492,7 +482,7 @@ def test_wrong_backbone_is_refused(written):
         num_layers=5)), "aux_layers: 5", "5-layer backbone")
 
 
-def test_layer_ids_beyond_the_backbone_and_conflicting_ids(written):
+def test_layer_ids_beyond_the_backbone_and_conflicting_ids(written, one_line_error):
     p, _, conf = written
     del conf["eagle_aux_hidden_state_layer_ids"]  # the ids as SafeAILab/SpecForge write them
     conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 3, 8]  # ours 2, 4, 9
@@ -506,7 +496,7 @@ def test_layer_ids_beyond_the_backbone_and_conflicting_ids(written):
                    "name different layers", "[1, 3, 4]")
 
 
-def test_half_written_folder(written):
+def test_half_written_folder(written, one_line_error):
     p, _, _ = written
     (p / "config.json").unlink()
     one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE),
@@ -517,7 +507,7 @@ def test_half_written_folder(written):
 
 
 @pytest.mark.parametrize("case", ["duplicate", "outside", "t2d_extra", "t2d_short"])
-def test_maps_that_are_not_one_subset_of_the_vocabulary(written, case):
+def test_maps_that_are_not_one_subset_of_the_vocabulary(written, case, one_line_error):
     p, sd, _ = written
     d2t, t2d = sd["d2t"].copy(), sd["t2d"].copy()
     targets = np.arange(VD) + d2t
@@ -540,7 +530,7 @@ def test_maps_that_are_not_one_subset_of_the_vocabulary(written, case):
 
 
 @pytest.mark.parametrize("case", ["missing", "extra", "shape", "d2t_float", "t2d_uint8", "nan"])
-def test_bad_tensors(written, case):
+def test_bad_tensors(written, case, one_line_error):
     p, sd, _ = written
     sd = dict(sd)
     if case == "missing":
@@ -576,13 +566,13 @@ def test_bad_tensors(written, case):
     ("speculators_config", {}, "speculators config"),
     ("num_attention_heads", 0, "num_attention_heads=0 is not a positive integer"),
 ])
-def test_unsupported_configs(written, field, value, needle):
+def test_unsupported_configs(written, field, value, needle, one_line_error):
     p, _, conf = written
     rewrite(p, conf={**conf, field: value})
     one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE), needle)
 
 
-def test_writing_checks_first(tmp_path, drafter):
+def test_writing_checks_first(tmp_path, drafter, one_line_error):
     heads, _ = drafter
     bad = {**heads, "t2d": ~heads["t2d"]}
     one_line_error(HeadsFormatError, lambda: formats.write_eagle3(bad, tmp_path / "w", CFG),
@@ -687,7 +677,7 @@ def test_extending_in_pieces_equals_extending_at_once(drafted):
         assert max_diff(rest.v[b, :n], whole.v[b, :n]) < 1e-5
 
 
-def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafted):
+def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafted, one_line_error):
     x = drafted
     heads = x["heads"]
     assert drafters.kind_of(heads) == "eagle3"

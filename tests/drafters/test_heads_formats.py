@@ -347,17 +347,7 @@ def test_greedy_with_reduced_shared_vllm_heads_equals_plain(tmp_path):
 # ----------------------------------------------------------------------------- bad input
 
 
-def one_line_error(exc_type, fn, *needles):
-    with pytest.raises(exc_type) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, (n, msg)
-    return msg
-
-
-def test_folder_without_heads_lists_the_layouts_looked_for(tmp_path, stories):
+def test_folder_without_heads_lists_the_layouts_looked_for(tmp_path, stories, one_line_error):
     (tmp_path / "notes.txt").write_text("x")
     one_line_error(ValueError, lambda: load_heads(tmp_path, stories[0]), str(tmp_path),
                    "no Medusa heads in any known layout", "medusa_heads.safetensors",
@@ -370,7 +360,7 @@ def test_folder_without_heads_lists_the_layouts_looked_for(tmp_path, stories):
 
 @pytest.mark.parametrize("which", ["medusa_lm_head.safetensors", "medusa_lm_head.pt",
                                    "vllm"])
-def test_half_written_files(which, tmp_path, stories):
+def test_half_written_files(which, tmp_path, stories, one_line_error):
     heads = random_heads(1)
     if which == "vllm":
         hf.write_vllm(heads, tmp_path)
@@ -386,7 +376,7 @@ def test_half_written_files(which, tmp_path, stories):
                    "corrupt or truncated")
 
 
-def test_pickle_without_pytorch_says_how_to_convert(tmp_path, stories, monkeypatch):
+def test_pickle_without_pytorch_says_how_to_convert(tmp_path, stories, monkeypatch, one_line_error):
     hf.write_reference(random_heads(1), tmp_path, pickle=True)
     (tmp_path / "medusa_lm_head.safetensors").unlink()
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch -> ImportError
@@ -395,7 +385,7 @@ def test_pickle_without_pytorch_says_how_to_convert(tmp_path, stories, monkeypat
                    "save_file", "medusa_lm_head.safetensors")
 
 
-def test_config_that_disagrees_with_the_tensors(tmp_path, stories):
+def test_config_that_disagrees_with_the_tensors(tmp_path, stories, one_line_error):
     cfg = stories[0]
     write_reference(tmp_path, reference_heads(1, seed=0), 1, conf_extra={"medusa_num_heads": 4})
     one_line_error(ValueError, lambda: load_heads(tmp_path, cfg), tmp_path / "config.json",
@@ -416,7 +406,7 @@ def test_config_that_disagrees_with_the_tensors(tmp_path, stories):
                    "expected (99,)")
 
 
-def test_strict_shapes_against_the_backbone(tmp_path, stories):
+def test_strict_shapes_against_the_backbone(tmp_path, stories, one_line_error):
     cfg = stories[0]
     heads = reference_heads(1, seed=0)
     sd = {n: t.contiguous() for n, t in heads.state_dict().items()}

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.drafters.io import check_float_tensors
 from medusa_jax.model import backbone
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -235,12 +236,7 @@ def check(heads: Params, model_cfg: ModelConfig | None, c: Eagle3Config,
         got = tuple(np.shape(heads[name]))
         if got != shape:
             raise ValueError(f"{where}: tensor {name} has shape {got}, expected {shape}")
-    for name in WEIGHTS:
-        a = np.asarray(heads[name])
-        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
-            raise ValueError(f"{where}: tensor {name} has dtype {a.dtype}, expected float")
-        if not np.all(np.isfinite(np.asarray(a, np.float32))):
-            raise ValueError(f"{where}: tensor {name} has non-finite values (NaN or inf)")
+    check_float_tensors(heads, WEIGHTS, where)
     d2t, t2d = np.asarray(heads["d2t"]), np.asarray(heads["t2d"])
     if d2t.dtype.kind not in "iu":
         raise ValueError(f"{where}: tensor d2t has dtype {d2t.dtype}, expected an integer type")

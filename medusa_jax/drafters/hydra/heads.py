@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
+from medusa_jax.drafters.io import check_float_tensors
 from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
 
@@ -113,12 +114,7 @@ def check(tensors: dict, cfg: ModelConfig | None, where, num_heads: int | None =
             raise ValueError(f"{where}: tensor {name} has shape {shape}, expected "
                              f"{spec.shape} for {k} Hydra heads x {lyr} layers on a backbone "
                              f"with hidden {h}, vocab {v}")
-    for name in NAMES:
-        a = np.asarray(tensors[name])
-        if a.dtype.kind != "f" and a.dtype.name != "bfloat16":
-            raise ValueError(f"{where}: tensor {name} has dtype {a.dtype}, expected float")
-        if not np.all(np.isfinite(np.asarray(a, np.float32))):
-            raise ValueError(f"{where}: tensor {name} has non-finite values (NaN or inf)")
+    check_float_tensors(tensors, NAMES, where)
     unused = ~slot_mask(k)
     for name in ("in_w", "res_w"):
         if np.any(np.asarray(tensors[name], np.float32)[unused] != 0):
