@@ -13,8 +13,10 @@ served with the first shapes compiled, or each when first needed: `Engine.start`
   - `prefill` (one request, its prompt right-padded to a bucket): a one-row state (its
     cache, its first token chosen with its own sampling, the drafter started);
   - `insert` (the decode state donated): puts a prefilled request into slot b;
-  - `step`: K shared steps for all S slots in one call, each slot at its own length;
-    returns a fixed [S, K*W] token buffer and per-slot counts (W: a step's tokens at most).
+  - `step`: K shared steps for the first R slots in one call (R a slot bucket holding the
+    highest slot in use), each slot at its own length; returns a fixed [R, K*W] token
+    buffer and per-slot counts (W: a step's tokens at most). Under load (`plain_above`) a
+    Medusa engine's calls are plain steps.
 The first token is handed out as soon as prefill has chosen it; the slot's first step
 emits it again (as every step emits its root), and the host skips that copy, so the stream
 is the offline decoders' stream.
