@@ -3,10 +3,10 @@ command's flags (`options.add_config_flags`), saved as <run>/config.json and reu
 --resume.
 
 `TrainConfig` (every method), `Medusa1Config` (train.medusa1), `HydraConfig` (train.hydra),
-`EagleConfig` (train.eagle), `Medusa2Config` (train.medusa2). This module imports no JAX, so `--help` and flag errors
-are immediate; `validate` imports what it checks with (the mesh spec, the tree). The
-methods themselves are `training.recipes.medusa1`, `.hydra`, `.eagle3` and `.medusa2` (which
-re-export their config from here).
+`EagleConfig` (train.eagle), `Medusa2Config` (train.medusa2). This module imports no JAX,
+so `--help` and flag errors are immediate; `validate` imports what it checks with (the mesh
+spec, the tree). The methods themselves are `training.recipes.medusa1`, `.hydra`, `.eagle3`
+and `.medusa2` (which re-export their config from here).
 """
 
 from __future__ import annotations
