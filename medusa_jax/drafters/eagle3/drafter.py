@@ -161,7 +161,7 @@ class Eagle3Drafter:
 
     @classmethod
     def axes(cls, heads: Params) -> dict:
-        return {n: None for n in heads}  # replicated (`sharding.spec_for`): one small layer
+        return {n: () for n in heads}  # no axes named: replicated (`sharding.spec_for`)
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
