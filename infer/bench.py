@@ -32,7 +32,7 @@ from medusa_jax import cli
 from medusa_jax.kernels.flags import add_flag as kernels_flag
 from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
-from medusa_jax.runtime import compile_cache, options, quiet
+from medusa_jax.runtime import assets, compile_cache, options, quiet
 
 
 def build_parser():
@@ -54,10 +54,10 @@ def build_parser():
                         "(1: attend over the whole KV cache every step; default: the "
                         "decoders' own); each value gets its own plain and Medusa rows")
     p.add_argument("--also-heads", type=options.name_list, default=None, metavar="HEADS,...",
-                   help="comma list of more heads (artifacts of either kind, Medusa or "
-                        "Hydra; 'default' / 'hydra': the embedded model's shipped ones), "
-                        "each benchmarked against the same plain run, side by side with "
-                        "--heads")
+                   help="comma list of more drafters (Medusa or Hydra heads, EAGLE-3 "
+                        "drafters; 'default' / 'hydra' / 'eagle': the embedded model's "
+                        "shipped ones), each benchmarked against the same plain run, side by "
+                        "side with --heads")
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=options.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
@@ -430,15 +430,13 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax import api
     from medusa_jax.decoding.drafter import kind_of
     from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.drafters.medusa import heads as heads_lib
 
     out = []
     for name in args.also_heads.split(","):
-        path = {"default": api.default_heads_dir(), "hydra": api.default_hydra_heads_dir()} \
-            .get(name, name)
+        path = assets.shipped_heads_dir(name) if name in assets.SHIPPED_HEADS else name
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         kind = kind_of(heads)
         k = heads_lib.heads_config_of(heads).num_heads
@@ -530,7 +528,7 @@ def _report(args, results) -> int:
     return 0
 
 
-SPECULATIVE = ("medusa", "hydra")  # the rows of decoding with heads
+SPECULATIVE = ("medusa", "hydra", "eagle3")  # the rows of decoding with a drafter
 
 
 def _row(run, base, config, mode, tree, identical, by_category=None):

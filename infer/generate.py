@@ -22,8 +22,9 @@ MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the a
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="Medusa heads artifact, or 'default' for the embedded "
-                                      "model's shipped heads (omit for plain decoding)",
+    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
+                                      "or 'default' / 'hydra' / 'eagle' for the embedded "
+                                      "model's shipped ones (omit for plain decoding)",
                         mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")

@@ -61,9 +61,9 @@ def _name(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="Medusa or Hydra heads artifact, or 'default' / 'hydra' "
-                                      "for the embedded model's shipped heads (omit for plain "
-                                      "decoding)")
+    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
+                                      "or 'default' / 'hydra' / 'eagle' for the embedded "
+                                      "model's shipped ones (omit for plain decoding)")
     p.add_argument("--tree", help="tree name or JSON file of paths, or dynamic:N (default: the "
                                   "model's tree)")
     p.add_argument("--acceptance", choices=ACCEPTANCE, default="rejection",
@@ -138,9 +138,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
             ap.error(f"--model {args.model}: no such directory")
         if not (folder / "config.json").is_file():
             ap.error(f"--model {args.model}: not a model folder (no config.json)")
-    if args.heads not in (None, "default", "hydra") and not Path(args.heads).exists():
+    if args.heads is not None and args.heads not in assets.SHIPPED_HEADS \
+            and not Path(args.heads).exists():
         ap.error(f"--heads {args.heads}: no such file or directory")
-    if args.heads in ("default", "hydra") and args.model is not None:
+    if args.heads in assets.SHIPPED_HEADS and args.model is not None:
         ap.error(f"--heads {args.heads} is only defined for the embedded model (no --model)")
     context = _model_context(args.model)
     if context is not None and args.max_context is not None and args.max_context > context:

@@ -106,13 +106,16 @@ def default_heads_dir() -> Path:
     return assets.heads_dir()
 
 
-HYDRA_HEADS = "stories260K_hydra_heads"  # under medusa_jax/assets/
-
-
 def default_hydra_heads_dir() -> Path:
     """The Hydra heads trained by the default `python -m train.hydra`, shipped for
     stories260K."""
-    return assets.root() / HYDRA_HEADS
+    return assets.shipped_heads_dir("hydra")
+
+
+def default_eagle_heads_dir() -> Path:
+    """The EAGLE-3 drafter trained by the default `python -m train.eagle`, shipped for
+    stories260K."""
+    return assets.shipped_heads_dir("eagle")
 
 
 def _is_int(x) -> bool:
@@ -192,7 +195,8 @@ class Medusa:
         `heads`: a heads artifact (directory or .safetensors) from `train.medusa1` or
         `train.hydra` (the kind is read from it), heads in another layout (`heads_formats`:
         the reference's, vLLM's, a Medusa-2 model folder, whose backbone is then the default
-        `model`), or "default" / "hydra" for the embedded model's Medusa / Hydra heads.
+        `model`, a published EAGLE-3 drafter), or "default" / "hydra" / "eagle" for the
+        embedded model's Medusa heads / Hydra heads / EAGLE-3 drafter.
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
         tensors are read into host memory and each device receives only its shards.
         Turns on the persistent compilation cache (`compile_cache`) unless it is off."""
@@ -208,9 +212,9 @@ class Medusa:
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
         model = hub.local(model, "model")
-        if heads not in ("default", "hydra"):
+        if heads not in assets.SHIPPED_HEADS:
             heads = hub.local(heads, "heads", hub.HEADS_FILES)
-        if model is None and heads not in (None, "default", "hydra") and \
+        if model is None and heads is not None and heads not in assets.SHIPPED_HEADS and \
                 is_medusa2_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
@@ -222,10 +226,10 @@ class Medusa:
             ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
             tokenizer_files(model_dir)
             check_headers(model_dir)
-        if heads in ("default", "hydra"):
+        if heads in assets.SHIPPED_HEADS:
             if model is not None:
                 raise ValueError(f'heads="{heads}" is only defined for the embedded model')
-            heads = default_heads_dir() if heads == "default" else default_hydra_heads_dir()
+            heads = assets.shipped_heads_dir(heads)
         # with a mesh, read into host memory first: no accelerator holds a full copy
         host = jax.default_device(jax.devices("cpu")[0]) if mesh is not None else \
             contextlib.nullcontext()
@@ -242,7 +246,7 @@ class Medusa:
 
     @property
     def drafter_kind(self) -> str | None:
-        """"medusa" or "hydra": the kind of the loaded heads (None without heads)."""
+        """"medusa", "hydra" or "eagle3": the kind of the loaded heads (None without heads)."""
         if self.heads is None:
             return None
         return drafter.kind_of(self.heads)
@@ -298,8 +302,10 @@ class Medusa:
         try:
             return self._tree(spec, k)
         except ValueError as e:
-            if self.drafter_kind == "hydra":  # the tree module's message names Medusa heads
-                raise ValueError(str(e).replace("Medusa heads", "Hydra heads")) from None
+            kind = self.drafter_kind  # the tree module's message names Medusa heads
+            if kind in ("hydra", "eagle3"):
+                name = "Hydra heads" if kind == "hydra" else "EAGLE-3 drafting steps"
+                raise ValueError(str(e).replace("Medusa heads", name)) from None
             raise
 
     def _tree(self, spec, k):

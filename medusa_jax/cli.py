@@ -18,9 +18,10 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
     ap.add_argument("--model", help="Hugging Face model directory or hub id such as "
                     "HuggingFaceTB/SmolLM2-135M (downloaded into huggingface_hub's cache, or "
                     "found there with HF_HUB_OFFLINE=1; default: embedded stories260K)")
-    ap.add_argument("--heads", help=(heads_help or "Medusa heads artifact, or 'default' for "
-                    "the embedded model's shipped heads (default: the shipped heads for the "
-                    "embedded model)") + "; a hub id works here too")
+    ap.add_argument("--heads", help=(heads_help or "a drafter: Medusa or Hydra heads, an "
+                    "EAGLE-3 drafter (any layout load_heads reads), or 'default' / 'hydra' / "
+                    "'eagle' for the embedded model's shipped ones (default: the shipped "
+                    "Medusa heads for the embedded model)") + "; a hub id works here too")
     if mesh:
         ap.add_argument("--mesh", type=mesh_spec, default=None,
                         help="tensor-parallel decoding on a device mesh, e.g. 'model=8' or "

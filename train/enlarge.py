@@ -48,10 +48,10 @@ def build_parser():
                    "or be empty)")
     p.add_argument("--model", help="source Hugging Face model folder or hub id (default: the "
                    "embedded stories260K)")
-    p.add_argument("--heads", help="source heads, Medusa or Hydra (default: the shipped "
-                   "Medusa heads for the embedded model, none for another model); 'default' "
-                   "/ 'hydra': the embedded model's shipped Medusa / Hydra heads; 'none' for "
-                   "no heads")
+    p.add_argument("--heads", help="source drafter: Medusa or Hydra heads, or an EAGLE-3 "
+                   "drafter (default: the shipped Medusa heads for the embedded model, none "
+                   "for another model); 'default' / 'hydra' / 'eagle': the embedded model's "
+                   "shipped ones; 'none' for no heads")
     p.add_argument("--layers", type=options.positive_int, default=None,
                    help="layer count instead of the shape's (extra layers are identities)")
     p.add_argument("--rotate", type=options.nonnegative_int, default=None, metavar="SEED",
@@ -97,22 +97,19 @@ def main(argv=None) -> int:
     from medusa_jax.runtime import hub
 
     source = Path(hub.local(args.model, "--model")) if args.model else assets.model_dir()
-    if args.heads in ("default", "hydra") and args.model:
+    if args.heads in assets.SHIPPED_HEADS and args.model:
         raise SystemExit(f"error: --heads {args.heads}: the shipped heads are the embedded "
                          f"model's; with --model give a heads path")
-    if args.heads == "hydra":
-        from medusa_jax.api import default_hydra_heads_dir
-
-        heads_path = default_hydra_heads_dir()
-    elif args.heads == "default":
-        heads_path = assets.heads_dir()
+    if args.heads in assets.SHIPPED_HEADS:
+        heads_path = assets.shipped_heads_dir(args.heads)
     else:
         heads_path = None if args.heads == "none" else \
             (hub.local(args.heads, "--heads", hub.HEADS_FILES) or assets.default_heads(args.model))
     if heads_path is not None and args.rotate is not None:
         if args.heads:
-            raise SystemExit("error: --heads with --rotate: Medusa and Hydra heads cannot "
-                             "follow a rotation (their SiLU is elementwise); drop one of them")
+            raise SystemExit("error: --heads with --rotate: Medusa and Hydra heads and EAGLE-3 "
+                             "drafters cannot follow a rotation (their SiLU is elementwise); "
+                             "drop one of them")
         heads_path = None  # the embedded model's heads are only a default
 
     import jax

@@ -3,14 +3,17 @@
     python -m train.export_heads runs/medusa1-X --format reference --output out/reference
     python -m train.export_heads runs/medusa1-X --format vllm --output out/vllm
     python -m train.export_heads runs/medusa2-X --format medusa2 --output out/medusa2-model
+    python -m train.export_heads runs/eagle3-X --format eagle3 --output out/eagle3   # SGLang, vLLM
     python -m train.export_heads ~/hf/medusa-vicuna-7b-v1.3 --model ~/hf/vicuna-7b-v1.3 \\
         --format medusa_jax --output heads/vicuna-7b
 
 SOURCE: a train.medusa1 / train.medusa2 run directory (with heads/), a medusa_jax heads
 artifact, or heads in any layout `load_heads` reads (the reference's, a Medusa-2 model
-folder, vLLM's). Formats written: `reference` (config.json + medusa_lm_head.safetensors, and
-medusa_lm_head.pt when PyTorch is installed), `vllm` (config.json + model.safetensors),
-`medusa_jax` (medusa_heads.safetensors), `medusa2` (one model folder: backbone + heads).
+folder, vLLM's, zankner/Hydra's, an EAGLE-3 folder). Formats written: `reference`
+(config.json + medusa_lm_head.safetensors, and medusa_lm_head.pt when PyTorch is installed),
+`vllm` (config.json + model.safetensors), `medusa_jax` (medusa_heads.safetensors), `medusa2`
+(one model folder: backbone + heads), `hydra` (zankner/Hydra's), `eagle3` (config.json +
+model.safetensors, SafeAILab/SpecForge's, for EAGLE-3 drafters).
 Errors are one line: `error: ...`.
 """
 
@@ -21,7 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra")  # hydra: zankner/Hydra
+# hydra: zankner/Hydra; eagle3: SafeAILab/EAGLE and SpecForge (what SGLang and vLLM read)
+FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra", "eagle3")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -98,6 +102,7 @@ EXPORT_FILES = {
     "medusa_jax": ("medusa_heads.safetensors",),
     "medusa2": _HF_MODEL,
     "hydra": ("config.json", "hydra_lm_head.safetensors", "hydra_lm_head.pt"),
+    "eagle3": ("config.json", "model.safetensors"),
 }
 
 

@@ -1,9 +1,18 @@
 """The drafter protocol: what the decoding step asks of whatever proposes its tree.
 
-A drafter turns the last accepted token's hidden state into a carry (`start`: any pytree,
-e.g. head logits [K, B, V] or a hidden state [1, B, H]) and proposes the tree's candidates
-from that carry and the root (`propose`, stage 1 of the step). Drafters are frozen
-dataclasses: hashable, so they are static arguments of the jitted decoders.
+A drafter keeps a carry (any pytree, e.g. head logits [K, B, V], a hidden state [1, B, H],
+or a drafter's own KV cache) and proposes the tree's candidates from it and the root
+(`propose`, stage 1 of the step). The step hands it what the backbone computed twice: after
+prefill (`begin`: the prompt's hidden states, and the inputs of the backbone layers the
+drafter names in `aux_layers`) and after each commit (`advance`: the same along the accepted
+path, with its tokens and the next root). Drafters that read only the last accepted token's
+hidden state (Medusa, Hydra) implement `start` and take `begin`/`advance` from
+`FromLastHidden`. Drafters are frozen dataclasses: hashable, so they are static arguments
+of the jitted decoders.
+
+Parameters may carry their drafter (`BoundParams`: a dict with a `drafter`, static in the
+pytree): a drafter whose configuration the tensors' shapes do not hold (EAGLE-3's aux layers,
+its norm eps and rope) travels with its parameters through every decoder that way.
 
 The kinds of drafter live in `medusa_jax.drafters` (one folder each); this layer names them
 in `DRAFTERS` as "module:class" and imports one only when heads of its kind are decoded,
@@ -15,12 +24,16 @@ from __future__ import annotations
 import importlib
 from typing import Any, Protocol
 
+import jax
+import jax.numpy as jnp
+
 Params = Any  # a parameter pytree
 
 
 class Drafter(Protocol):
     kind: str  # the artifact's kind ("medusa", "hydra", "eagle3")
     batch_axis: int  # the axis of the carry's leaves that holds the rows
+    aux_layers: tuple  # backbone layers whose inputs `begin`/`advance` receive (() : none)
 
     @classmethod
     def matches(cls, heads: Params) -> bool:
@@ -38,15 +51,62 @@ class Drafter(Protocol):
         """The parameters the tree uses (deeper heads dropped; the CPU kernel's layout when
         `cpu_kernels`)."""
 
-    def start(self, params: Params, heads: Params, hidden, lengths):
-        """hidden [B, H] of the last accepted token, lengths [B] -> the carry (a pytree whose
-        leaves have the rows on axis `batch_axis`)."""
+    def begin(self, params: Params, heads: Params, hidden, aux, tokens, lengths, root,
+              capacity: int):
+        """After prefill: hidden [B, P, H] the prompts' final hidden states, aux [B, P, A]
+        the inputs of `aux_layers` (None without any), tokens [B, P] right-padded to
+        lengths [B], root [B] each row's first token, `capacity` the cache slots a row may
+        fill -> the carry (a pytree whose leaves have the rows on axis `batch_axis`)."""
+
+    def advance(self, params: Params, heads: Params, carry, hidden, aux, tokens, acc_len,
+                next_root, lengths, live):
+        """After commit: hidden [B, W, H] and aux [B, W, A] (or None) of the path the step
+        verified and kept, root first (W = tree depth + 1; entries past acc_len are not
+        committed), tokens [B, W] its tokens, acc_len [B] nodes accepted below the root,
+        next_root [B], lengths [B] the cache lengths after commit, live [B] the rows that
+        stepped -> the next carry (rows not live are restored by the step)."""
 
     def num_heads(self, heads: Params, carry) -> int:
         """How deep a tree this drafter can fill."""
 
     def propose(self, params: Params, heads: Params, carry, root, tree):
         """Stage 1: the carry and the root [B] -> a `step.Proposal`."""
+
+
+class FromLastHidden:
+    """`begin` and `advance` of a drafter whose carry is `start(params, heads, hidden [B, H]
+    of the last committed token, lengths [B])`: Medusa and Hydra heads."""
+
+    aux_layers = ()
+
+    def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
+        last = hidden[jnp.arange(hidden.shape[0]), lengths - 1]
+        return self.start(params, heads, last, lengths)
+
+    def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root,
+                lengths, live):
+        return self.start(params, heads, hidden[jnp.arange(hidden.shape[0]), acc_len],
+                          lengths)
+
+
+class BoundParams(dict):
+    """A drafter's parameters with the drafter that decodes them (`drafter`), which a pytree
+    keeps as static data: jitted functions see it, and it survives `jax.tree.map`,
+    `device_put` and sharding. `dict(...)` of it gives the bare parameters."""
+
+    def __init__(self, params: dict, drafter):
+        super().__init__(params)
+        self.drafter = drafter
+
+    def __repr__(self):
+        return f"BoundParams({sorted(self)}, drafter={self.drafter!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    BoundParams,
+    lambda p: ([(jax.tree_util.DictKey(k), p[k]) for k in sorted(p)],
+               (tuple(sorted(p)), p.drafter)),
+    lambda aux, leaves: BoundParams(dict(zip(aux[0], leaves)), aux[1]))
 
 
 # kind -> "module:class", imported on first use; the first whose `matches` says yes drafts
@@ -76,10 +136,13 @@ def kind_of(heads: Params) -> str:
 
 
 def drafter_for(heads: Params, head_fn=None) -> Drafter:
-    """The drafter of `heads`: `head_fn` when it is a drafter already, else the registered
-    kind's, built from `head_fn` (a Medusa head function, for tests' oracle heads)."""
+    """The drafter of `heads`: `head_fn` when it is a drafter already, else the one bound to
+    `heads` (`BoundParams`), else the registered kind's, built from `head_fn` (a Medusa head
+    function, for tests' oracle heads)."""
     if head_fn is not None and hasattr(head_fn, "propose"):
         return head_fn
+    if head_fn is None and getattr(heads, "drafter", None) is not None:
+        return heads.drafter
     if head_fn is not None and not any(drafter_class(k).matches(heads) for k in DRAFTERS):
         # a Medusa head function takes whatever parameters it likes (tests' oracle heads)
         return drafter_class("medusa").from_head_fn(head_fn)
@@ -92,5 +155,6 @@ def shape_of(heads: Params) -> tuple[int, int]:
 
 
 def axes_of(heads: Params) -> dict:
-    """{name: logical axes} of heads of any kind."""
-    return drafter_class(kind_of(heads)).axes(heads)
+    """{name: logical axes} of heads of any kind (`BoundParams` like `heads`, to map with it)."""
+    axes = drafter_class(kind_of(heads)).axes(heads)
+    return BoundParams(axes, heads.drafter) if isinstance(heads, BoundParams) else axes

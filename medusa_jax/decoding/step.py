@@ -13,7 +13,8 @@ paper's order:
   3. `acceptance.accept_rows`: each row's rule picks a path and the next root;
   4. `emit` + `commit`: the accepted tokens go out (cut at a stop token or the limit) and
      the accepted path's keys/values to consecutive cache slots;
-  5. the drafter's carry from the last accepted node's hidden state (`Drafter.start`).
+  5. the drafter's carry advanced along the accepted path (`Drafter.advance`: its hidden
+     states, and the inputs of the backbone layers the drafter reads, `aux_layers`).
 Each step returns (state, chunk [B, W], n [B]): row b emitted chunk[b, :n[b]].
 """
 
@@ -134,16 +135,18 @@ def tree_proposal(tokens: jax.Array, node_logp: jax.Array | None,
 
 
 def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache,
-           window: int | None = None):
+           window: int | None = None, aux_layers: tuple = ()):
     """Stage 2. One backbone pass over the proposed tokens [B, T], each at position
     length + its depth, attending the prefix (within the first `window` cache slots,
     default all) and its own ancestors. Returns (logits [B, T, V], hidden [B, T, H], the new
     keys/values [L, B, KVH, T, D] each, and the cache with them written in the scratch
-    slots past the context, uncommitted: `commit` keeps the accepted path)."""
+    slots past the context, uncommitted: `commit` keeps the accepted path), and with
+    `aux_layers` the inputs of those layers [B, T, A] last."""
     depth = prop.fed_depth if prop.fed_depth.ndim == 2 else prop.fed_depth[None, :]
     positions = cache.lengths[:, None] + depth
     mask = tree_mask_after_prefix(cache.lengths, prop.fed_mask, window or cache.capacity)
-    return forward_scratch(params, cfg, prop.fed, positions, mask, cache)
+    return forward_scratch(params, cfg, prop.fed, positions, mask, cache,
+                           aux_layers=aux_layers)
 
 
 def commit(cache: KVCache, k_new: jax.Array, v_new: jax.Array, path: jax.Array,
@@ -156,22 +159,21 @@ def commit(cache: KVCache, k_new: jax.Array, v_new: jax.Array, path: jax.Array,
     return cache.advance(advance)
 
 
-def _prefill(params, cfg, tokens, lengths, capacity):
-    """Prompts tokens [B, P] -> (the last prompt token's logits [B, V] and hidden state
-    [B, H], the cache with the prompts in it)."""
+def _prefill(params, cfg, tokens, lengths, capacity, aux_layers=()):
+    """Prompts tokens [B, P] -> (the last prompt token's logits [B, V], every prompt
+    token's hidden state [B, P, H] and the inputs of `aux_layers` [B, P, A] (None without
+    any), the cache with the prompts in it)."""
     b, p = tokens.shape
     tokens = sharding.constrain_rows(tokens)  # under `jax.set_mesh`: rows over data axes
     # the decoding layout (one device) writes a per-layer cache in place
     cache = KVCache.init(cfg, b, capacity, per_layer=is_decoding_layout(params))
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    logits, hidden, cache = forward(params, cfg, tokens, positions,
-                                    causal_mask(cache.lengths, p, capacity), cache,
-                                    empty_cache=True)
-    last = lengths - 1
+    logits, hidden, cache, *aux = forward(params, cfg, tokens, positions,
+                                          causal_mask(cache.lengths, p, capacity), cache,
+                                          empty_cache=True, aux_layers=aux_layers)
     rows = jnp.arange(b)
-    return logits[rows, last], hidden[rows, last], cache.replace(lengths=lengths)
-
-
+    return (logits[rows, lengths - 1], hidden, aux[0] if aux else None,
+            cache.replace(lengths=lengths))
 
 
 @struct.dataclass
@@ -229,16 +231,19 @@ def append(buf: jax.Array, chunk: jax.Array, at: jax.Array, live: jax.Array) -> 
 
 def start(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
           keys: jax.Array, rows: Rows, capacity: int, drafter=None, heads: Params = None,
-          width: int = 1) -> DecodeState:
+          width: int = 1, draft_capacity: int | None = None) -> DecodeState:
     """Prefill prompts tokens [B, P] (right-padded, lengths [B]) into a cache of `capacity`
-    slots, choose each row's root with its own rule (keys [B]: the rows' streams) and start
+    slots, choose each row's root with its own rule (keys [B]: the rows' streams) and begin
     the drafter (None: plain decoding). `heads`: the drafter's prepared parameters; `width`:
-    the tokens a step emits at most."""
+    the tokens a step emits at most; `draft_capacity`: the slots the drafter's carry may
+    fill (default `capacity`; the serving engine's slots are longer than a prefill)."""
     b = tokens.shape[0]
-    logits, hidden, cache = _prefill(params, cfg, tokens, lengths, capacity)
+    aux_layers = () if drafter is None else tuple(drafter.aux_layers)
+    logits, hidden, aux, cache = _prefill(params, cfg, tokens, lengths, capacity, aux_layers)
     keys, sub = split_rows(keys)
     root = sample_rows(sub, logits, rows, PLAIN_DRAWS if drafter is None else ROOT_DRAWS)
-    draft = None if drafter is None else drafter.start(params, heads, hidden, lengths)
+    draft = None if drafter is None else drafter.begin(
+        params, heads, hidden, aux, tokens, lengths, root, draft_capacity or capacity)
     zeros = jnp.zeros((b,), jnp.int32)
     return DecodeState(cache=cache, root=root, draft=draft, count=zeros, steps=zeros,
                        hist=jnp.zeros((b, width + 1), jnp.int32), done=jnp.zeros((b,), bool),
@@ -270,7 +275,8 @@ def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
     rows = jnp.arange(s.root.shape[0])
     live = ~s.done
     prop = drafter.propose(params, heads, s.draft, s.root, tree)  # 1
-    logits, hidden, (k_new, v_new), cache = verify(params, cfg, prop, s.cache, window)  # 2
+    logits, hidden, (k_new, v_new), cache, *aux = verify(
+        params, cfg, prop, s.cache, window, tuple(drafter.aux_layers))  # 2
     keys, sub = next_keys(s.keys, s.rows.draws(ROOT_DRAWS))
     best, acc_len, next_root = acceptance.accept_rows(
         logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live)  # 3
@@ -279,8 +285,11 @@ def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
     n, count, done = emit(s, chunk, acc_len + 1)  # 4
     fed_path = prop.fed_index(path)
     cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
-    draft = drafter.start(params, heads, hidden[rows, fed_path[rows, acc_len]],
-                          cache.lengths)  # 5
+    along = fed_path[:, :, None]  # [B, D+1, 1]: the kept path's entries of the verify pass
+    draft = drafter.advance(params, heads, s.draft,
+                            jnp.take_along_axis(hidden, along, axis=1),
+                            jnp.take_along_axis(aux[0], along, axis=1) if aux else None,
+                            chunk, acc_len, next_root, cache.lengths, live)  # 5
     s = s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
                   draft=select_rows(live, draft, s.draft, batch_axis(drafter)), count=count,
                   steps=s.steps + live,

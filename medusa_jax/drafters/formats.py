@@ -46,15 +46,20 @@ with L > 1 are read here as L independent blocks (as vLLM and TensorRT-LLM read 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from medusa_jax.decoding import drafter
+from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.eagle3.drafter import bind
+from medusa_jax.drafters.eagle3.formats import read_eagle3, write_eagle3
 from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.drafters.hydra.formats import HYDRA_PT, HYDRA_ST, read_hydra, write_hydra
 from medusa_jax.drafters.io import (  # noqa: F401 - HeadsFormatError, base_model_of: here too
@@ -98,7 +103,8 @@ LOOKED_FOR = (
     "Medusa-2 model (config.json with medusa_num_heads + model.safetensors[.index.json] "
     "holding medusa_head.* tensors); "
     "vLLM (config.json with model_type medusa + *.safetensors); "
-    f"zankner/Hydra (config.json with hydra_num_heads + {HYDRA_PT} or {HYDRA_ST})")
+    f"zankner/Hydra (config.json with hydra_num_heads + {HYDRA_PT} or {HYDRA_ST}); "
+    "EAGLE-3 (config.json with eagle_config or an Eagle3 architecture + model.safetensors)")
 
 
 def detect(path: str | Path) -> Found:
@@ -115,6 +121,8 @@ def detect(path: str | Path) -> Found:
     cfg_file = p / "config.json"
     conf = read_json(cfg_file) if cfg_file.is_file() else None
     config = cfg_file if conf is not None else None
+    if conf is not None and _is_eagle3_config(conf):
+        return Found("eagle3", p, (), config)
     if conf is not None and conf.get("model_type") == "medusa":
         files = sorted(f for f in p.glob("*.safetensors"))
         if not files:
@@ -139,6 +147,12 @@ def detect(path: str | Path) -> Found:
         raise HeadsFormatError(f"{cfg_file}: has medusa_num_heads but the folder has neither "
                                f"{REFERENCE_ST}/{REFERENCE_PT} nor model.safetensors[.index.json]")
     raise HeadsFormatError(f"{p}: no Medusa heads in any known layout; looked for: {LOOKED_FOR}")
+
+
+def _is_eagle3_config(conf: dict) -> bool:
+    arch = conf.get("architectures")
+    return "eagle_config" in conf or (isinstance(arch, list) and any(
+        isinstance(a, str) and "eagle3" in a.lower() for a in arch))
 
 
 def _detect_file(p: Path) -> Found:
@@ -181,10 +195,13 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
     path = Path(path)
     file = path if path.suffix == ".safetensors" else path / HEADS_FILE
     file.parent.mkdir(parents=True, exist_ok=True)
+    kind = drafter.kind_of(heads)
+    if kind == eagle3.KIND:
+        return _save_eagle3(file, heads, cfg, extra)
     hc = heads_config_of(heads)
     meta = {
         "format": "medusa_jax.heads/1",
-        "kind": drafter.kind_of(heads),
+        "kind": kind,
         "num_heads": str(hc.num_heads),
         "num_layers": str(hc.num_layers),
         "hidden_size": str(cfg.hidden_size),
@@ -194,6 +211,48 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
     tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
                                                   np.float32)) for k, v in heads.items()}
     return weights.save_safetensors(tensors, file, metadata=meta)
+
+
+def _save_eagle3(file: Path, heads: Params, cfg: ModelConfig, extra: dict | None) -> Path:
+    """Our artifact of an EAGLE-3 drafter: its tensors (float32 weights, d2t int32, t2d
+    bool) and its whole configuration (`eagle3_config`: what the shapes do not hold)."""
+    bound = getattr(heads, "drafter", None)
+    if bound is None or getattr(bound, "config", None) is None:
+        raise ValueError("save_heads: these EAGLE-3 parameters carry no configuration (aux "
+                         "layers, norm eps, rope); bind them first "
+                         "(drafters.eagle3.drafter.bind(heads, config, model_cfg))")
+    c = bound.config
+    eagle3.check(heads, cfg, c, f"save_heads({file})")
+    meta = {"format": "medusa_jax.heads/1", "kind": eagle3.KIND,
+            "num_heads": str(eagle3.TTT_STEPS), "num_layers": "1",
+            "hidden_size": str(cfg.hidden_size), "vocab_size": str(cfg.vocab_size),
+            "eagle3_config": json.dumps(dataclasses.asdict(c)),
+            "extra": json.dumps(extra or {})}
+    tensors = {k: np.ascontiguousarray(np.asarray(
+        v, np.int32 if k == "d2t" else bool if k == "t2d" else np.float32))
+        for k, v in heads.items()}
+    return weights.save_safetensors(tensors, file, metadata=meta)
+
+
+def _eagle3_of(meta: dict, file: Path) -> "eagle3.Eagle3Config":
+    """The Eagle3Config recorded in our artifact's metadata (one-line error otherwise)."""
+    try:
+        fields = json.loads(meta.get("eagle3_config") or "")
+        names = {f.name for f in dataclasses.fields(eagle3.Eagle3Config)}
+        if not isinstance(fields, dict) or set(fields) - names:
+            raise ValueError(f"unknown fields {sorted(set(fields) - names)}"
+                             if isinstance(fields, dict) else "not a JSON object")
+        fields["aux_layers"] = tuple(int(i) for i in fields.get("aux_layers", ()))
+        fields["rope_scaling"] = tuple(fields.get("rope_scaling", ("default",)))
+        return eagle3.Eagle3Config(**fields)
+    except (ValueError, TypeError) as e:
+        raise HeadsFormatError(f"{file}: metadata eagle3_config="
+                               f"{clip(meta.get('eagle3_config'))} is not an EAGLE-3 "
+                               f"drafter's configuration ({e})") from None
+
+
+def _bind_eagle3(heads: dict, c, cfg: ModelConfig | None):
+    return bind(heads, c, cfg)
 
 
 def load_heads(path: str | Path, cfg: ModelConfig, *,
@@ -208,6 +267,9 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     model gives a warning with both names.
     """
     found = detect(Path(path))
+    if found.layout == "eagle3":
+        heads, meta = read(found, cfg, base_model)
+        return jax.tree.map(jnp.asarray, heads), meta
     if found.layout != "medusa_jax":
         heads, meta = read(found, cfg, base_model)
         return {n: jnp.asarray(a) for n, a in heads.items()}, meta
@@ -222,7 +284,14 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
     k, lyr = meta_count(meta, "num_heads", file), meta_count(meta, "num_layers", file)
     kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
-    if kind == hydra.KIND:
+    eagle_cfg = None
+    if kind == eagle3.KIND:
+        eagle_cfg = _eagle3_of(meta, file)
+        try:
+            eagle3.check(tensors, cfg, eagle_cfg, file)
+        except ValueError as e:
+            raise HeadsFormatError(str(e)) from None
+    elif kind == hydra.KIND:
         try:
             hydra.check(tensors, cfg, file, k, lyr)
         except ValueError as e:
@@ -230,9 +299,14 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     elif kind == "medusa":
         check_heads(tensors, cfg, file, k, lyr)
     else:
-        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa or hydra)")
-    heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
-             for name, a in tensors.items()}
+        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa, hydra or eagle3)")
+    if eagle_cfg is not None:
+        heads = _bind_eagle3({name: jnp.asarray(a) for name, a in tensors.items()}, eagle_cfg,
+                             cfg)
+        meta["aux_layers"] = list(eagle_cfg.aux_layers)
+    else:
+        heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
+                 for name, a in tensors.items()}
     try:
         meta["extra"] = json.loads(meta.get("extra") or "{}")
     except json.JSONDecodeError:
@@ -249,7 +323,11 @@ def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params
         if cfg is None:
             cfg = _native_cfg(found.files[0])
         heads, meta = load_heads(found.files[0], cfg, base_model=base_model)
-        return {n: np.asarray(a) for n, a in heads.items()}, meta
+        return jax.tree.map(np.asarray, heads), meta
+    if found.layout == "eagle3":
+        heads, c, meta = read_eagle3(found.root, cfg)
+        warn_base_model(meta, base_model, found.root)
+        return _bind_eagle3(heads, c, cfg), meta
     if found.layout == "hydra":
         heads, meta = read_hydra(found, cfg)
         warn_base_model(meta, base_model, found.root)
@@ -266,7 +344,10 @@ def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params
 
 def _native_cfg(file: Path) -> ModelConfig:
     _, meta = safetensors_names(file)
-    return sizes_cfg(meta_count(meta, "hidden_size", file), meta_count(meta, "vocab_size", file))
+    cfg = sizes_cfg(meta_count(meta, "hidden_size", file), meta_count(meta, "vocab_size", file))
+    if meta.get("kind") == eagle3.KIND:  # deep enough for the layers the drafter reads
+        cfg = cfg.replace(num_layers=max(_eagle3_of(meta, file).aux_layers, default=0) + 1)
+    return cfg
 
 
 def sizes_config(heads: Params) -> ModelConfig:
@@ -278,6 +359,20 @@ def sizes_config(heads: Params) -> ModelConfig:
 def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig | None = None,
           base_model: str | None = None, extra: dict | None = None) -> list[Path]:
     """Write `heads` in `layout` (medusa_jax, reference or vllm) under `out_dir`."""
+    is_eagle = eagle3.is_eagle3(heads)
+    if is_eagle and layout not in ("eagle3", "medusa_jax"):
+        raise HeadsFormatError(f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax "
+                               f"layout, not {layout!r}")
+    if layout == "eagle3" and not is_eagle:
+        raise HeadsFormatError(f"the eagle3 layout holds EAGLE-3 drafters; these are "
+                               f"{drafter.kind_of(heads)} heads")
+    if layout == "eagle3":
+        bound = getattr(heads, "drafter", None)
+        if getattr(bound, "config", None) is None:
+            raise HeadsFormatError("the eagle3 layout records the drafter's configuration: "
+                                   "bind the parameters first (drafters.eagle3.drafter.bind)")
+        return write_eagle3(dict(heads), out_dir, bound.config, model_cfg=cfg,
+                            base_model=base_model)
     if layout == "hydra":
         return write_hydra(heads, out_dir, base_model=base_model)
     if layout == "reference":
@@ -292,4 +387,4 @@ def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig |
             extra["base_model_name_or_path"] = str(base_model)
         return [save_heads(out_dir, heads, cfg, extra)]
     raise HeadsFormatError(f"unknown layout {layout!r}; writable: medusa_jax, reference, vllm, "
-                           f"hydra (medusa2: write_medusa2_model)")
+                           f"hydra, eagle3 (medusa2: write_medusa2_model)")

@@ -15,7 +15,7 @@ def check_model_paths(model: str | None, heads: str | None = None,
     folder must hold a tokenizer (every command that encodes text)."""
     from medusa_jax.model.config import ModelConfig
     from medusa_jax.model.weights import check_headers, tokenizer_files
-    from medusa_jax.runtime import hub
+    from medusa_jax.runtime import assets, hub
 
     if model is not None:
         folder = Path(hub.local(model, "--model"))
@@ -28,7 +28,7 @@ def check_model_paths(model: str | None, heads: str | None = None,
         if tokenizer:
             tokenizer_files(folder)
         check_headers(folder)
-    if heads is not None and heads not in ("default", "hydra"):
+    if heads is not None and heads not in assets.SHIPPED_HEADS:
         path = Path(hub.local(heads, "--heads", hub.HEADS_FILES))
         if not path.exists():
             raise FileNotFoundError(f"--heads {heads}: no Medusa heads artifact here (no such "

@@ -35,6 +35,17 @@ def heads_dir() -> Path:
     return root() / "stories260K_heads"
 
 
+# `--heads NAME` / `heads=NAME`: the drafters shipped for the embedded model, each trained by
+# its command's default run (train.medusa1, train.hydra, train.eagle)
+SHIPPED_HEADS = {"default": "stories260K_heads", "hydra": "stories260K_hydra_heads",
+                 "eagle": "stories260K_eagle3_heads"}
+
+
+def shipped_heads_dir(name: str) -> Path:
+    """The folder of the shipped drafter `name` (a key of SHIPPED_HEADS)."""
+    return root() / SHIPPED_HEADS[name]
+
+
 def trees_dir() -> Path:
     return root() / "trees"
 

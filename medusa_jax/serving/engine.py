@@ -86,12 +86,13 @@ def init_state(cfg: ModelConfig, params, slots: int, capacity: int, width: int,
 
 
 def prefill(params, heads, tokens: jax.Array, length: jax.Array, key: jax.Array, rows: Rows,
-            *, cfg: ModelConfig, drafter, tree) -> DecodeState:
+            *, cfg: ModelConfig, drafter, tree, capacity: int | None = None) -> DecodeState:
     """One request: tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32),
-    rows: its one row. A one-row state whose root is its first token (drafter None: plain)."""
+    rows: its one row. A one-row state whose root is its first token (drafter None: plain);
+    `capacity`: a slot's cache length, which a drafter's own carry is sized to."""
     width = 1 if drafter is None else static_tree(tree).depth + 1
     return step.start(params, cfg, tokens, length, jax.random.wrap_key_data(key), rows,
-                      tokens.shape[1], drafter, heads, width)
+                      tokens.shape[1], drafter, heads, width, draft_capacity=capacity)
 
 
 def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, *,
@@ -312,6 +313,10 @@ class Engine:
             raise ValueError(f"slot buckets must be in 1..{slots} (the slots), "
                              f"got {list(slot_buckets)}")
         self.slot_buckets = sorted({int(r) for r in slot_buckets} | {slots})
+        if plain_above is not None and self.drafter is not None and self.drafter.aux_layers:
+            raise ValueError(f"plain_above={plain_above}: a {self.drafter.kind} drafter keeps "
+                             f"its own cache of every committed token, which plain steps do "
+                             f"not feed; leave plain_above unset with these heads")
         if plain_above is not None and not (use_medusa and 0 <= plain_above < slots):
             raise ValueError(f"plain_above must be in 0..{slots - 1} (below the slots) on a "
                              f"Medusa engine, got {plain_above!r}"
@@ -414,7 +419,7 @@ class Engine:
                                            cpu_kernels=kernels.active(m.params))
         self._heads_d = heads_d
         prefill_fn = jax.jit(functools.partial(prefill, cfg=cfg, drafter=self.drafter,
-                                               tree=self.tree))
+                                               tree=self.tree, capacity=self.capacity))
         row1 = self._rows()
         with m.under_mesh():
             # the slots' drafter carry has the shapes a prefilled request's has

@@ -26,7 +26,11 @@ target of H' >= H, D' = m D, G':
   final hidden state, is the source's padded with zeros); a Hydra head's (i+2)H-wide input
   (h, then embeddings of the path) is padded block by block: each H-wide block goes to the
   first H of its H'-wide block, since the enlarged embedding is the source's padded with
-  zeros too.
+  zeros too;
+- an EAGLE-3 drafter's layer grows like a backbone layer, to the target's layer shape (so it
+  costs what a real drafter of that model would); its three-feature input `fc` and its
+  two-part q/k/v input (embedding, feature) are padded block by block. It reads the same
+  layers' inputs: the source layers keep their indices (the extra layers come after them).
 
 `rotate` (a seed) then folds every RMSNorm's scale into the adjacent projections and turns
 the residual stream by a random orthogonal matrix Q (RMSNorm with unit weights commutes
@@ -216,14 +220,17 @@ def _rotate(cfg: ModelConfig, p: dict, seed: int) -> tuple[ModelConfig, dict]:
 
 def enlarge_heads(heads: dict, src: ModelConfig, dst: ModelConfig, *, rotated: bool = False
                   ) -> dict:
-    """Medusa or Hydra heads for the enlarged backbone: blocks and projections padded to H'."""
+    """Medusa or Hydra heads, or an EAGLE-3 drafter (bound to its config:
+    `enlarge_eagle3`), for the enlarged backbone: blocks and projections padded to H'."""
     if rotated:
-        raise EnlargeError("Medusa and Hydra heads cannot follow --rotate: their SiLU is "
-                           "elementwise, so a rotation of their input cannot be undone; "
-                           "enlarge without --rotate to keep the heads")
+        raise EnlargeError("Medusa and Hydra heads and EAGLE-3 drafters cannot follow --rotate: "
+                           "their SiLU is elementwise, so a rotation of their input cannot be "
+                           "undone; enlarge without --rotate to keep the heads")
     h, h2 = src.hidden_size, dst.hidden_size
     if "in_w" in heads:  # Hydra (medusa_jax.drafters.hydra.heads's layout)
         return _enlarge_hydra(heads, h, h2)
+    if "fc" in heads:  # an EAGLE-3 drafter
+        return enlarge_eagle3(heads, src, dst)
     w, b, proj = _np(heads["w"]), _np(heads["b"]), _np(heads["proj"])
     out = {"w": np.zeros((*w.shape[:2], h2, h2)), "b": np.zeros((*b.shape[:2], h2)),
            "proj": np.zeros((proj.shape[0], h2, proj.shape[2]))}
@@ -268,3 +275,60 @@ def hf_config(source: dict, cfg: ModelConfig) -> dict:
                dtype="float32")
     out.pop("torch_dtype", None)
     return out
+
+
+def enlarge_eagle3(heads, src: ModelConfig, dst: ModelConfig):
+    """An EAGLE-3 drafter bound to its config (`drafters.eagle3.drafter.bind`) whose layer
+    has the source backbone's layer shape -> the same drafter for the enlarged backbone `dst`
+    (bound to its new config): its layer grown to dst's layer shape, exactly as
+    `enlarge_backbone` grows a layer, its fc and q/k/v inputs padded block by block."""
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    c = getattr(getattr(heads, "drafter", None), "config", None)
+    if c is None:
+        raise EnlargeError("an EAGLE-3 drafter to enlarge must carry its config (load it "
+                           "with load_heads)")
+    layer_shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    if layer_shape != (src.hidden_size, src.num_heads, src.num_kv_heads, src.head_dim) \
+            or c.feature_size != src.hidden_size:
+        raise EnlargeError(f"the EAGLE-3 drafter's layer (hidden, heads, kv heads, head_dim "
+                           f"{layer_shape}) is not shaped like its backbone's layers; only "
+                           f"such a drafter is enlarged")
+    if max(c.aux_layers) >= src.num_layers:
+        raise EnlargeError(f"the drafter reads layers {list(c.aux_layers)} of a "
+                           f"{src.num_layers}-layer source")
+    p = plan(src, dst)
+    h, h2, f2 = src.hidden_size, dst.hidden_size, dst.intermediate_size
+    nh2, kvh2, d2 = dst.num_heads, dst.num_kv_heads, dst.head_dim
+    norm_scale = math.sqrt(h / h2)
+    q_scale = math.sqrt(d2 / src.head_dim)
+    hid = np.arange(h)
+    (qs, qt), (ks, kt) = p.q_cols, p.kv_cols
+    w = {k: _np(v) for k, v in heads.items() if k not in ("d2t", "t2d")}
+    blocks2 = np.concatenate([hid, h2 + hid])  # [embedding | feature] rows of q/k/v
+    blocks3 = np.concatenate([hid, h2 + hid, 2 * h2 + hid])  # [low | mid | high] rows of fc
+
+    def qkv(name, cols, out_cols, width, scale=1.0):
+        a = w[name].reshape(2 * h, -1)  # [2H, heads * D]
+        return _place((2 * h2, width), a[:, cols] * scale, blocks2, out_cols)
+
+    out = {
+        "fc": _place((3 * h2, h2), w["fc"], blocks3, hid),
+        "wq": qkv("wq", qs, qt, nh2 * d2, q_scale).reshape(2 * h2, nh2, d2),
+        "wk": qkv("wk", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
+        "wv": qkv("wv", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
+        "wo": _place((nh2 * d2, h2), w["wo"].reshape(-1, h)[qs], qt, hid).reshape(nh2, d2, h2),
+        "w_gate": _place((h2, f2), w["w_gate"]),
+        "w_up": _place((h2, f2), w["w_up"]),
+        "w_down": _place((f2, h2), w["w_down"]),
+        "lm_head": _place((h2, w["lm_head"].shape[1]), w["lm_head"]),
+    }
+    for name in ("input_norm", "hidden_norm", "post_attn_norm", "final_norm"):
+        out[name] = _place((h2,), w[name] * norm_scale)
+    out = {k: v.astype(np.float32) for k, v in out.items()}
+    out["d2t"] = np.asarray(heads["d2t"], np.int32)
+    out["t2d"] = np.asarray(heads["t2d"], bool)
+    big = c.replace(hidden_size=h2, num_heads=nh2, num_kv_heads=kvh2, head_dim=d2,
+                    intermediate_size=f2, target_hidden_size=h2,
+                    rms_norm_eps=c.rms_norm_eps * h / h2)
+    return bind(out, big, dst)

@@ -18,11 +18,13 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 
 from medusa_jax.decoding import drafter as drafters  # noqa: E402
+from medusa_jax.decoding.drafter import BoundParams  # noqa: E402
 from medusa_jax.decoding.tree import DynamicTree, Tree  # noqa: E402
 from medusa_jax.drafters.eagle3 import formats  # noqa: E402
 from medusa_jax.drafters.eagle3 import heads as eagle3  # noqa: E402
 from medusa_jax.drafters.eagle3.drafter import (  # noqa: E402
     Eagle3Drafter,
+    bind,
     draft_tree,
     extend,
     init_carry,
@@ -631,7 +633,7 @@ def drafted(drafter):
 
     @jax.jit
     def run(params, heads):
-        carry = d.begin(params, heads, aux, tokens, lengths, root, 16)
+        carry = d.begin(params, heads, None, aux, tokens, lengths, root, 16)
         return carry, draft_tree(heads, CFG, d.embed(params), carry, root, TREE.paths_ranks,
                                  TREE.num_nodes)
 
@@ -665,8 +667,8 @@ def test_extending_in_pieces_equals_extending_at_once(drafted):
         first = extend(heads, CFG, d.embed(params), init_carry(CFG, B, 16), x["aux"][:, :4],
                        tokens[:, 1:5], jnp.array([4, 4]))
         # the rest as an accepted path: acc_len = count - 1
-        return d.advance(params, heads, first, x["aux"][:, 4:], tokens[:, 4:], lengths - 5,
-                         x["root"])
+        return d.advance(params, heads, first, None, x["aux"][:, 4:], tokens[:, 4:],
+                         lengths - 5, x["root"], lengths, jnp.ones((B,), bool))
 
     rest, whole = pieces(params, heads), x["carry"]
     assert np.array_equal(rest.length, lengths) and np.array_equal(whole.length, lengths)
@@ -677,14 +679,21 @@ def test_extending_in_pieces_equals_extending_at_once(drafted):
         assert max_diff(rest.v[b, :n], whole.v[b, :n]) < 1e-5
 
 
-def test_the_drafter_is_registered_and_names_the_hooks_it_needs(drafted, one_line_error):
+def test_the_drafter_is_registered_and_travels_bound_to_its_parameters(drafted,
+                                                                       one_line_error):
     x = drafted
     heads = x["heads"]
     assert drafters.kind_of(heads) == "eagle3"
     assert drafters.drafter_class("eagle3") is Eagle3Drafter
-    d = drafters.drafter_for(heads)
-    one_line_error(NotImplementedError, lambda: d.start({}, heads, None, None),
-                   "aux_layers", "Eagle3Drafter.advance")
+    # bare parameters do not say which backbone layers the drafter reads
+    one_line_error(ValueError, lambda: drafters.drafter_for(heads), "bind", "aux layers")
+    bound = bind(heads, CFG, BACKBONE)
+    assert drafters.drafter_for(bound) == Eagle3Drafter(CFG, BACKBONE)
+    assert bound.drafter.aux_layers == CFG.aux_layers
+    # the binding survives tree maps and jit (static: a new config is a new program)
+    mapped = jax.tree.map(lambda a: a, bound)
+    assert isinstance(mapped, BoundParams) and mapped.drafter == bound.drafter
+    assert jax.jit(lambda h: h)(bound).drafter == bound.drafter
     root = jnp.asarray(x["root"])
     static, dynamic = jax.jit(lambda cr: (
         x["d"].propose(x["params"], heads, cr, root, TREE),

@@ -1,6 +1,6 @@
 """Enlarging a model (train.enlarge): the same function at a bigger shape, for the backbone
 (every architecture, with and without the rotation), in transformers too, and for the heads,
-Medusa and Hydra (same drafts, same tokens, same tokens per step)."""
+Medusa, Hydra and EAGLE-3 (same drafts, same tokens, same tokens per step)."""
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +194,59 @@ def test_enlarged_hydra_heads_draft_and_decode_as_the_source(noisy_hydra):
     a, b = (medusa_generate(p, h, c, tokens, lengths, jax.random.key(0), tree=tree,
                             max_new_tokens=24)
             for p, h, c in ((params, heads, cfg), (big, big_heads, dst)))
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.steps, b.steps)
+    assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted
+
+
+@pytest.mark.slow
+def test_enlarged_eagle3_drafter_drafts_and_decodes_as_the_source():
+    """Random backbone + a random EAGLE-3 drafter (its layer shaped like the backbone's),
+    both enlarged: the same tree drafted after prefill, the same draft log-probabilities, and
+    greedy decoding with the same tokens and the same steps."""
+    from medusa_jax.decoding import step
+    from medusa_jax.decoding.decode import medusa_generate, pad_prompts
+    from medusa_jax.decoding.sampling import Rows, Sampling
+    from medusa_jax.decoding.tree import DynamicTree, Tree
+    from medusa_jax.drafters.eagle3 import heads as eagle3
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, rms_norm_eps=1e-5)
+    params = jax.jit(lambda k: init_params(cfg, k, std=0.3))(jax.random.key(0))
+    c = eagle3.default_config(cfg, 40, aux_layers=(0, 1, 2))
+    heads = bind(jax.jit(lambda k: eagle3.init_eagle3(k, c, np.arange(61), std=0.3))(
+        jax.random.key(4)), c, cfg)
+    dst, big = _grown(cfg, params, dict(hidden_size=48, intermediate_size=64, num_layers=4,
+                                        num_heads=8, num_kv_heads=2, head_dim=16))
+    big_heads = jax.tree.map(jnp.asarray, enlarge.enlarge_heads(
+        jax.tree.map(np.asarray, heads), cfg, dst))
+    bc = big_heads.drafter.config
+    eagle3.check(big_heads, dst, bc, "enlarged")
+    assert (bc.hidden_size, bc.num_heads, bc.head_dim, bc.intermediate_size) == (48, 8, 16, 64)
+    assert bc.aux_layers == c.aux_layers
+
+    tree = DynamicTree(Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]), 4)
+    tokens, lengths = pad_prompts([[1, 40, 3], [1, 9, 9, 20, 7]])
+
+    def proposal(p, h, model_cfg):
+        d = h.drafter
+        s = step.start(p, model_cfg, tokens, lengths, jax.random.split(jax.random.key(0), 2),
+                       Rows.of(Sampling(), 2, 8, ()), 32, d, h, width=4)
+        prop = d.propose(p, h, s.draft, s.root, tree)
+        logp = jax.nn.log_softmax(eagle3.draft_logits(h, d.config, s.draft.out), axis=-1)
+        return prop.tokens, prop.valid, logp
+
+    small = jax.jit(lambda p, h: proposal(p, h, cfg))(params, heads)
+    large = jax.jit(lambda p, h: proposal(p, h, dst))(big, big_heads)
+    np.testing.assert_array_equal(large[0], small[0])
+    np.testing.assert_array_equal(large[1], small[1])
+    np.testing.assert_allclose(large[2], small[2], atol=1e-4, rtol=0)
+
+    a, b = (medusa_generate(p, h, m, tokens, lengths, jax.random.key(0), tree=tree,
+                            max_new_tokens=24)
+            for p, h, m in ((params, heads, cfg), (big, big_heads, dst)))
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.steps, b.steps)
     assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted

@@ -11,10 +11,10 @@ root is chosen. `extend` appends entries (the prompt, or a step's accepted path)
 and their own ancestors (a tree mask, SafeAILab's `tree_mask`), each node's token the r-th
 most likely draft id of its parent's output, mapped to the target vocabulary by d2t.
 
-The decoding step (`decoding.step`) does not yet pass a drafter what EAGLE-3 needs: the aux
-features of the prompt and of every accepted token, and the accepted tokens with the next
-root (`begin` / `advance` below take them). Until it does, `start` refuses, naming the hooks
-it needs (`HOOKS`); `propose` is complete.
+The step passes `begin` the prompt's aux features after prefill and `advance` those of the
+accepted path after each commit (`aux_layers`: the backbone layers whose inputs they are).
+The drafter's configuration (aux layers, norm eps, rope) is not in its tensors' shapes, so
+EAGLE-3 parameters travel bound to their drafter (`bind`: `decoding.drafter.BoundParams`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
 from medusa_jax.drafters.eagle3 import heads as eagle3
@@ -140,14 +141,6 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
     return tokens, (logp if want_logp else None)
 
 
-HOOKS = ("EAGLE-3 drafting needs hooks decoding.step does not have yet: prefill and verify "
-         "run with aux_layers=config.aux_layers, then Eagle3Drafter.begin(params, heads, aux "
-         "[B, P, 3H], tokens [B, P], lengths [B], root [B], capacity) after prefill and "
-         "Eagle3Drafter.advance(params, heads, carry, aux of the accepted path [B, D+1, 3H], "
-         "its tokens [B, D+1], acc_len [B], next_root [B]) after commit, in place of "
-         "start(params, heads, hidden, lengths)")
-
-
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     """`config`: the drafter's (its aux layers, norm eps, rope; None: `config_of` defaults),
@@ -168,14 +161,21 @@ class Eagle3Drafter:
 
     @classmethod
     def axes(cls, heads: Params) -> dict:
-        return {n: None for n in heads}  # replicated (`sharding.spec_for`): one small layer
+        return {n: () for n in heads}  # no axes named: replicated (`sharding.spec_for`)
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
         if head_fn is not None:
             raise ValueError("head_fn is a Medusa head function, but these are EAGLE-3 "
                              "drafter parameters; leave head_fn unset")
-        return cls()
+        raise ValueError("these EAGLE-3 drafter parameters carry no configuration (its aux "
+                         "layers are not in the tensors' shapes): load them with load_heads, "
+                         "or bind them with drafters.eagle3.drafter.bind(heads, config, "
+                         "model_cfg)")
+
+    @property
+    def aux_layers(self) -> tuple:
+        return () if self.config is None else tuple(self.config.aux_layers)
 
     def cfg(self, heads: Params) -> eagle3.Eagle3Config:
         return self.config if self.config is not None else eagle3.config_of(heads)
@@ -188,9 +188,11 @@ class Eagle3Drafter:
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
         return heads  # one layer: nothing to drop; no CPU-kernel layout (plain products)
 
-    def begin(self, params, heads, aux, tokens, lengths, root, capacity: int) -> Eagle3Carry:
+    def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity: int
+              ) -> Eagle3Carry:
         """After prefill: aux [B, P, 3*Ht] the prompt's features, tokens [B, P] (right-padded,
-        lengths [B]), root [B] the chosen next token -> the carry with entries 0..length-1."""
+        lengths [B]), root [B] the chosen next token -> the carry with entries 0..length-1
+        (room for `capacity`)."""
         b, p = tokens.shape
         c = self.cfg(heads)
         j = jnp.arange(p)[None]
@@ -199,20 +201,17 @@ class Eagle3Drafter:
         carry = init_carry(c, b, capacity, aux.dtype)
         return extend(heads, c, self.embed(params), carry, aux, nxt, lengths)
 
-    def advance(self, params, heads, carry, aux_path, path_tokens, acc_len, next_root
-                ) -> Eagle3Carry:
-        """After commit: aux_path [B, D+1, 3*Ht] the features of the accepted path (root
-        first), path_tokens [B, D+1] its tokens, acc_len [B] the nodes accepted below the
-        root (acc_len + 1 tokens committed), next_root [B] -> the carry extended by them."""
-        w = path_tokens.shape[1]
+    def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root,
+                lengths, live) -> Eagle3Carry:
+        """After commit: aux [B, D+1, 3*Ht] the features of the accepted path (root first),
+        tokens [B, D+1] its tokens, acc_len [B] the nodes accepted below the root (acc_len + 1
+        tokens committed), next_root [B] -> the carry extended by them (live rows only)."""
+        w = tokens.shape[1]
         j = jnp.arange(w)[None]
-        after = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, -1:]], axis=1)
+        after = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
         nxt = jnp.where(j == acc_len[:, None], next_root[:, None], after)
-        return extend(heads, self.cfg(heads), self.embed(params), carry, aux_path, nxt,
-                      acc_len + 1)
-
-    def start(self, params, heads, hidden, lengths):
-        raise NotImplementedError(HOOKS)
+        return extend(heads, self.cfg(heads), self.embed(params), carry, aux, nxt,
+                      jnp.where(live, acc_len + 1, 0))
 
     def num_heads(self, heads, carry) -> int:
         return 1 << 30  # any depth: the drafter runs on its own outputs
@@ -223,3 +222,11 @@ class Eagle3Drafter:
                                   static.paths_ranks, static.num_nodes, small_top_k,
                                   want_logp=isinstance(tree, DynamicTree))
         return tree_proposal(tokens, logp, tree)
+
+
+def bind(heads: Params, config: eagle3.Eagle3Config, model_cfg: ModelConfig | None = None
+         ) -> BoundParams:
+    """EAGLE-3 parameters with the drafter that decodes them: its `config` (aux layers, norm
+    eps, rope) and the backbone's `model_cfg` (its embedding). Every decoder finds the
+    drafter on the parameters (`decoding.drafter.drafter_for`)."""
+    return BoundParams(dict(heads), Eagle3Drafter(config, model_cfg))

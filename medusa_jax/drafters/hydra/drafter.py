@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from medusa_jax import kernels
+from medusa_jax.decoding.drafter import FromLastHidden
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
 from medusa_jax.drafters.hydra import heads as hydra
@@ -14,7 +15,7 @@ from medusa_jax.model.backbone import Params
 
 
 @dataclasses.dataclass(frozen=True)
-class HydraDrafter:
+class HydraDrafter(FromLastHidden):
     kind = "hydra"
     batch_axis = 1  # of the carry: [1, B, H] hidden state
 

@@ -8,6 +8,7 @@ import dataclasses
 import jax
 
 from medusa_jax import kernels
+from medusa_jax.decoding.drafter import FromLastHidden
 from medusa_jax.decoding.step import Proposal, propose_candidates
 from medusa_jax.drafters.medusa import heads as medusa_heads
 from medusa_jax.drafters.medusa.heads import apply_heads
@@ -21,7 +22,7 @@ def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(FromLastHidden):
     """`head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]`: tests plug in oracle
     heads here."""
 
