@@ -531,17 +531,11 @@ def param_axes(cfg: ModelConfig, params: Params) -> dict:
     "heads" are Medusa heads."""
     kinds = {"backbone": lambda: backbone_param_axes(cfg),
              "teacher": lambda: backbone_param_axes(cfg),
-             "heads": lambda: _axes_leaves(drafter.axes_of(params["heads"]))}
+             "heads": lambda: drafter.axes_of(params["heads"])}
     unknown = set(params) - set(kinds)
     if unknown:
         raise ValueError(f"unexpected parameter subtrees {sorted(unknown)}")
     return {k: kinds[k]() for k in params}
-
-
-def _axes_leaves(axes: dict) -> dict:
-    """A drafter's {name: axes} with None (replicated: EAGLE-3's) as (), a leaf that
-    `sharding.tree_shardings` replicates (None would be an empty subtree to `jax.tree`)."""
-    return {n: (() if a is None else a) for n, a in axes.items()}
 
 
 def state_shardings(state_or_abstract: TrainState, axes: dict, mesh,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.eagle3.drafter import bind
 from medusa_jax.model import backbone as backbone_lib
 from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.model.config import ModelConfig
@@ -310,15 +311,6 @@ def eagle3_totals(batch: dict, steps: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- the recipe
-
-
-def bind(heads: Params, config: eagle3.Eagle3Config, model_cfg: ModelConfig) -> Params:
-    """The drafter's parameters bound to its configuration (`drafters.eagle3.drafter.bind`)."""
-    try:
-        from medusa_jax.drafters.eagle3.drafter import bind as bind_drafter
-    except ImportError:  # STUB until decoding EAGLE-3 lands: the bare parameters
-        return heads
-    return bind_drafter(heads, config, model_cfg)
 
 
 class Eagle3(Recipe):
