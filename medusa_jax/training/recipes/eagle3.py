@@ -9,6 +9,10 @@ its own previous outputs, step i at position t reading token t+i+1 and guessing 
 against the backbone's distribution (restricted to the draft vocabulary), step i's loss
 weighted `--loss-decay`**i.
 
+- The test is computed here (`ttt_logits`, `ttt_loss`) with the same values and gradients
+  as `eagle3.ttt_logits` / `eagle3.ttt_loss` (tests/training/test_eagle_train.py), but with
+  the later steps' keys read only on the diagonal, where the reference's mask lets a query
+  see them: step i attends T + i keys per query instead of (i + 1) T, under half the time.
 - Packed rows: the training-time test attends causally within a row, so the recipe gives it
   one example per row (`unpack`, for the training and the held-out rows): the backbone's
   pass still follows the segments and positions, and the drafter never attends across
