@@ -240,3 +240,41 @@ def test_train_eagle_stops_resumes_exactly_and_writes_its_drafter(tmp_path, stor
     for n in eagle3.NAMES:
         np.testing.assert_array_equal(np.asarray(heads[n]), b[n], err_msg=n)
     assert meta["extra"]["ttt_steps"] == 3 and len(meta["extra"]["heldout_top1"]) == 3
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_and_row_passes_change_nothing(tiny, monkeypatch):
+    """Two micro-batches (`--grad-accum 2`) give the whole batch's loss, gradients and
+    metrics; a frozen pass split into row groups (`lax.map`, large models) the same aux
+    features and logits as one pass."""
+    rows = _rows(n=4, t=12)
+    batch = {k: jnp.asarray(v) for k, v in rows.rows(np.arange(4)).items()}
+    batch["loss_mask"] = batch["loss_mask"].at[1, 7:].set(False)  # rows of unequal counts
+    cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=2, aux_layers=AUX, draft_vocab=24)
+    c = eagle3.default_config(CFG, 24, AUX)
+    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
+    method = recipe.Eagle3.method(cfg, CFG, params, 10, c)
+    trained = ("heads",)
+
+    @jax.jit
+    def both(params, batch):
+        whole = jax.value_and_grad(lambda h: method.loss_fn({**params, "heads": h}, batch),
+                                   has_aux=True)(params["heads"])
+        return whole, ts.accumulate(method.loss_fn, method.totals_fn, params, batch, trained,
+                                    2)
+
+    ((loss, m), g), ((loss2, m2), g2) = both(params, batch)
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-5)
+    for k in ("top1", "top5", "head_loss", "count"):
+        np.testing.assert_allclose(np.asarray(m2[k]), np.asarray(m[k]), rtol=1e-5, err_msg=k)
+    for n in eagle3.WEIGHTS:
+        np.testing.assert_allclose(np.asarray(g2["heads"][n]), np.asarray(g[n]), rtol=1e-4,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(g[n]))), err_msg=n)
+
+    one = jax.jit(lambda p, b: recipe.frozen_features(p, CFG, b, AUX))(tiny, batch)
+    monkeypatch.setattr(ts, "FROZEN_PASS_BYTES", 1)  # one row per pass
+    split = jax.jit(lambda p, b: recipe.frozen_features(p, CFG, b, AUX))(tiny, batch)
+    for a, b in zip(one, split):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(a))))
