@@ -58,7 +58,8 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (
         else:
             if "choices" not in kw:
                 kw.setdefault("metavar", typ.__name__.upper())
-            ap.add_argument(flag, type=typ, default=None, **kw)
+            kw.setdefault("type", typ)  # a field's own parser (e.g. `int_list`) wins
+            ap.add_argument(flag, default=None, **kw)
 
 
 def add_run_flags(ap: argparse.ArgumentParser):

@@ -1,5 +1,6 @@
-"""The training commands' command line (train/medusa1.py, medusa2.py, hydra.py): flags from
-the config class (`train_config`), --memory-report, and `main` with its exit statuses.
+"""The training commands' command line (train/medusa1.py, medusa2.py, hydra.py, eagle.py):
+flags from the config class (`train_config`), --memory-report, and `main` with its exit
+statuses.
 Nothing here imports JAX before the flags are parsed and the paths checked: `--help` and a
 flag or path error answer at once; the recipe and `trainer` are imported when work starts.
 """
@@ -155,6 +156,10 @@ class Command:
             model_cfg = ModelConfig.from_dir(cfg.model or assets.model_dir())
         check_context(self.build_parser(), cfg.seq_len, model_cfg,
                       f"--model {cfg.model or assets.EMBEDDED_MODEL}")
+        try:  # flags that depend on the model (train.eagle's --aux-layers, --draft-vocab)
+            cfg.check_model(model_cfg)
+        except ValueError as e:
+            self.build_parser().error(str(e))
         quiet.imports()
         from medusa_jax.runtime.rundir import Interrupted, StopNow
 

@@ -3,10 +3,10 @@ command's flags (`options.add_config_flags`), saved as <run>/config.json and reu
 --resume.
 
 `TrainConfig` (every method), `Medusa1Config` (train.medusa1), `HydraConfig` (train.hydra),
-`Medusa2Config` (train.medusa2). This module imports no JAX, so `--help` and flag errors
-are immediate; `validate` imports what it checks with (the mesh spec, the tree). The
-methods themselves are `training.recipes.medusa1`, `.hydra` and `.medusa2` (which
-re-export their config from here).
+`EagleConfig` (train.eagle), `Medusa2Config` (train.medusa2). This module imports no JAX,
+so `--help` and flag errors are immediate; `validate` imports what it checks with (the mesh
+spec, the tree). The methods themselves are `training.recipes.medusa1`, `.hydra`, `.eagle3`
+and `.medusa2` (which re-export their config from here).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from medusa_jax.runtime import assets
-from medusa_jax.runtime.options import option
+from medusa_jax.runtime.options import int_list, option
 from medusa_jax.text import data
 from medusa_jax.text.data import FORMATS, TEMPLATES  # names: the config has a field called data
 
@@ -175,6 +175,10 @@ class TrainConfig:
         """The head count --tree is checked against (None: not known before the run)."""
         return self.num_heads
 
+    def check_model(self, model_cfg) -> None:
+        """Flags checked against the model's config.json before any work (one-line
+        ValueError); nothing to check by default."""
+
     def total_steps(self, num_rows: int) -> int:
         if self.steps:
             return self.steps
@@ -263,6 +267,104 @@ class HydraConfig(TrainConfig):
         if self.lr is None:
             return dataclasses.replace(self, lr=DEFAULT_LR if self.data else SELF_DISTILL_LR)
         return self
+
+
+# EAGLE-3: the reference trains at lr 1e-4 (SpecForge) on large data; the short
+# self-distilled job on the embedded model needs a larger one (held-out step-1 top-1 after
+# 400 steps of 8 rows: 0.685 at 3e-3, 0.745 at 1e-2, 0.746 at 2e-2; docs/training.md)
+EAGLE_LR, EAGLE_SELF_DISTILL_LR = 1e-4, 1e-2
+EAGLE_DRAFT_VOCAB = 32000  # the reference's draft vocabulary (capped at the model's)
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """The backbone layers whose inputs the drafter reads by default: EAGLE's rule
+    (`backbone.eagle3_layers`: 2, L // 2, L - 3) from 7 layers on, (1, L // 2, L - 1) below
+    (the embedded 5-layer model: 1, 2, 4)."""
+    if num_layers >= 7:
+        return 2, num_layers // 2, num_layers - 3
+    if num_layers >= 4:
+        return 1, num_layers // 2, num_layers - 1
+    raise ValueError(f"--aux-layers: a {num_layers}-layer backbone has no default; give "
+                     f"three layers A,B,C with 0 <= A < B < C < {num_layers}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig(TrainConfig):
+    """train.eagle: an EAGLE-3 drafter (one decoder layer over three backbone layers'
+    features) on a frozen backbone, trained with the reference's training-time test.
+    (`Eagle3Config` is the drafter's own configuration, in drafters/eagle3.)"""
+
+    # Medusa-heads fields with no meaning here: plain fields, so no flags
+    num_heads: int = 5
+    num_layers: int = 1
+    shared_proj: bool = False
+    loss_chunk: int = 0
+    # the default job's budget (under 10 minutes on 2 cores, report included): a step of the
+    # training-time test costs about 7 drafter layers forward and back, so fewer rows
+    batch_size: int = option(8, "rows (one example each) per optimizer step (default "
+                                "{default})")
+    aux_layers: tuple[int, ...] | None = option(
+        None, "the three backbone layers A,B,C (low, mid, high) whose INPUT the drafter "
+              "reads, 0 <= A < B < C < L (default: EAGLE's 2,L//2,L-3 from 7 layers, else "
+              "1,L//2,L-1: 1,2,4 on the embedded model)",
+        type=int_list(0), metavar="A,B,C")
+    draft_vocab: int | None = option(
+        None, "the drafter's vocabulary: the N most frequent label tokens of the training "
+              f"rows (default min(V, {EAGLE_DRAFT_VOCAB}))", metavar="N")
+    ttt_steps: int = option(7, "training-time-test steps: the drafter runs on its own "
+                               "outputs this many times, step i guessing token t+i+2 "
+                               "(default {default}, the reference's)")
+
+    DEFAULT_STEPS: ClassVar[int] = 400
+    RUN_PREFIX: ClassVar[str] = "eagle"
+    HELP: ClassVar[dict] = {
+        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
+        "lr": f"peak learning rate (default {EAGLE_LR}; {EAGLE_SELF_DISTILL_LR} without "
+              f"--data)",
+        "loss_decay": "training-time-test step i's loss weighs this**i (default {default})",
+        "output_dir": "run directory (default runs/eagle-<timestamp>)"}
+
+    def validate(self):
+        def need(cond, msg):
+            if not cond:
+                raise ValueError(msg)
+        need(self.ttt_steps >= 1, f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+        need(self.seq_len >= self.ttt_steps + 2,
+             f"--seq-len must be > ttt_steps + 1 (got {self.seq_len})")
+        need(self.draft_vocab is None or self.draft_vocab >= 1,
+             f"--draft-vocab must be >= 1, got {self.draft_vocab}")
+        if self.aux_layers is not None:
+            a = tuple(self.aux_layers)
+            need(len(a) == 3 and a[0] < a[1] < a[2],
+                 f"--aux-layers {','.join(map(str, a))}: give three layers A,B,C with "
+                 f"0 <= A < B < C (low, mid, high)")
+        return super().validate()
+
+    def resolve(self) -> "EagleConfig":
+        if self.lr is None:
+            return dataclasses.replace(self, lr=EAGLE_LR if self.data else
+                                       EAGLE_SELF_DISTILL_LR)
+        return self
+
+    def tree_heads(self) -> int | None:
+        return self.ttt_steps  # the depth the drafter is trained to draft
+
+    def check_model(self, model_cfg) -> None:
+        self.drafter_shape(model_cfg)
+
+    def drafter_shape(self, model_cfg) -> tuple[tuple[int, int, int], int]:
+        """(aux layers, draft vocabulary size) for the backbone `model_cfg`: the flags, or
+        their defaults; a one-line ValueError when they do not fit it."""
+        n, v = model_cfg.num_layers, model_cfg.vocab_size
+        aux = default_aux_layers(n) if self.aux_layers is None else tuple(self.aux_layers)
+        if aux[-1] >= n:
+            raise ValueError(f"--aux-layers {','.join(map(str, aux))}: this backbone has "
+                             f"{n} layers (0 .. {n - 1})")
+        vd = min(v, EAGLE_DRAFT_VOCAB) if self.draft_vocab is None else self.draft_vocab
+        if vd > v:
+            raise ValueError(f"--draft-vocab {vd} is larger than the model's vocabulary of "
+                             f"{v} tokens")
+        return aux, vd
 
 
 LM_LOSSES = ("kl", "ce")

@@ -105,6 +105,16 @@ class Recipe:
     def training_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
         return rows
 
+    def heldout_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
+        """The held-out rows as evaluated (after `training_rows`)."""
+        return rows
+
+    def num_heads(self, ctx: Context, heads: Params) -> int:
+        """The entries of the metrics' per-head `top1`/`top5` (heads, or drafting depths)."""
+        return heads_lib.heads_config_of(heads).num_heads
+
+    head_label = "head"  # what one entry of the per-head metrics is called in the report
+
     def build(self, ctx: Context, total_steps: int) -> Method:
         raise NotImplementedError
 
@@ -241,6 +251,8 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     ctx.held_rows = held_rows
     print(f"data ({ctx.template} template): {report.summary()}", flush=True)
     train_rows = recipe.training_rows(ctx, train_rows)
+    if held_rows is not None:
+        held_rows = ctx.held_rows = recipe.heldout_rows(ctx, held_rows)
     if stop.requested is not None:
         raise Interrupted(f"stopped by {signal.Signals(stop.requested).name} before training "
                           f"started (data cached, nothing else to save); continue with "
@@ -252,7 +264,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
                                        ts.param_axes(model_cfg, method.params),
                                        backbone_lib.head_units(model_cfg))
     method.params = None  # the state owns them now (the train step donates its buffers)
-    num_heads = heads_lib.heads_config_of(state.params["heads"]).num_heads
+    num_heads = recipe.num_heads(ctx, state.params["heads"])
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=cfg.keep)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=writer)
     position = 0
@@ -338,11 +350,11 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     if final is not None:
         extra.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
         summary.update(heldout_top1=final["top1"].tolist(), heldout_top5=final["top5"].tolist())
-        print_accuracy(final, num_heads)
+        print_accuracy(final, num_heads, recipe.head_label)
     if writer:
         artifact = heads_formats.save_heads(run_dir / "heads", heads, model_cfg, extra)
         print(f"heads artifact: {artifact}")
-        plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads)
+        plot_accuracy(metrics.path, run_dir / "accuracy.png", num_heads, recipe.head_label)
         print(f"accuracy plot: {run_dir / 'accuracy.png'}")
     decode_backbone = recipe.finish(ctx, state, summary)
     distributed.barrier("heads written")
@@ -512,14 +524,14 @@ def fmt_heads(values) -> str:
     return "/".join(f"{v:.2f}" for v in values)
 
 
-def print_accuracy(m: dict, num_heads: int):
-    print("\nheld-out accuracy (%d label positions for head 1)" % int(m["count"][0]))
-    print(f"  {'head':>4} {'predicts':>8} {'top-1':>7} {'top-5':>7}")
+def print_accuracy(m: dict, num_heads: int, label: str = "head"):
+    print("\nheld-out accuracy (%d label positions for %s 1)" % (int(m["count"][0]), label))
+    print(f"  {label:>4} {'predicts':>8} {'top-1':>7} {'top-5':>7}")
     for k in range(num_heads):
         print(f"  {k + 1:>4} {f't+{k + 2}':>8} {m['top1'][k]:>7.3f} {m['top5'][k]:>7.3f}")
 
 
-def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
+def plot_accuracy(metrics_file: Path, out: Path, num_heads: int, label: str = "head"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -539,12 +551,13 @@ def plot_accuracy(metrics_file: Path, out: Path, num_heads: int):
         hs = sorted(held)
         if hs:
             ax.plot(hs, [held[s]["top1"][k] for s in hs], "o-", color=c, lw=2,
-                    label=f"head {k + 1} (t+{k + 2})")
+                    label=f"{label} {k + 1} (t+{k + 2})")
         elif steps:
-            ax.lines[-1].set_label(f"head {k + 1} (t+{k + 2})")
+            ax.lines[-1].set_label(f"{label} {k + 1} (t+{k + 2})")
     ax.set_xlabel("step")
     ax.set_ylabel("top-1 accuracy")
-    ax.set_title("Medusa head top-1 accuracy (thin: train batches, dots: held-out)")
+    ax.set_title(f"{'Medusa head' if label == 'head' else 'drafter ' + label} top-1 accuracy "
+                 f"(thin: train batches, dots: held-out)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()

@@ -1,0 +1,400 @@
+"""EAGLE-3 training: a recipe of the one trainer (`trainer.train`), the backbone frozen.
+
+The drafter (`drafters.eagle3.heads`: one decoder layer of its own over the residual stream
+entering three backbone layers, `--aux-layers`) is trained with the reference's
+training-time test (`eagle3.ttt_loss`, SafeAILab/EAGLE's traineagle3): the frozen backbone
+runs once over the batch and gives the aux features [B, T, 3H] and its logits at every
+position; the drafter then runs `--ttt-steps` times over the whole sequence, each time on
+its own previous outputs, step i at position t reading token t+i+1 and guessing token t+i+2
+against the backbone's distribution (restricted to the draft vocabulary), step i's loss
+weighted `--loss-decay`**i.
+
+- The test is computed here (`ttt_logits`, `ttt_loss`) with the same values and gradients
+  as `eagle3.ttt_logits` / `eagle3.ttt_loss` (tests/training/test_eagle_train.py), but with
+  the later steps' keys read only on the diagonal, where the reference's mask lets a query
+  see them: step i attends T + i keys per query instead of (i + 1) T, under half the time.
+- Packed rows: the training-time test attends causally within a row, so the recipe gives it
+  one example per row (`unpack`, for the training and the held-out rows): the backbone's
+  pass still follows the segments and positions, and the drafter never attends across
+  examples nor guesses a token of the next example.
+- Loss mask: step i at t counts when its target, token t+i+2, is a label (`labels_for`:
+  the batch's label mask moved two positions left). The reference counts the label-ness of
+  token t+i instead; the two agree inside an answer.
+- The draft vocabulary (`--draft-vocab`, default min(V, 32000)) is the most frequent label
+  tokens of the training rows (`eagle3.vocab_maps`, as the reference's `scandata`), so a
+  resumed run, which reads the same rows, rebuilds the same one.
+- Metrics: per training-time-test step, top-1 and top-5 = the backbone's greedy token is
+  among the drafter's best 1 / 5 (mapped to target ids), over the counted positions; a
+  target outside the draft vocabulary is a miss. The trainer reports them per "step".
+- `d2t`/`t2d` ride in the trained parameters as float32 copies labelled frozen (gradients
+  are taken of the whole tree, which cannot hold integers); the artifact holds them as the
+  drafter's int32 / bool, bound to the drafter's configuration (`heads_artifact`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.eagle3.drafter import bind
+from medusa_jax.model import backbone as backbone_lib
+from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.text import data
+from medusa_jax.training import step as ts
+from medusa_jax.training.config import EagleConfig  # noqa: F401 - re-exported
+from medusa_jax.training.trainer import Context, Method, Recipe
+
+MAPS = ("d2t", "t2d")  # constants of the drafter, frozen in the training state
+TOP_K = 5
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def unpack(rows: data.Packed) -> data.Packed:
+    """One example per row: each segment of a packed row moved to the start of a row of its
+    own (positions from 0, segment 1, padding after), rows and segments in order."""
+    n, t = rows.tokens.shape
+    picks = [(r, s) for r in range(n) for s in np.unique(rows.segments[r]) if s > 0]
+    if len(picks) == n and np.all(rows.segments.max(axis=1) == 1):
+        return rows  # already one example per row
+    m = len(picks)
+    out = data.Packed(tokens=np.zeros((m, t), np.int32), positions=np.zeros((m, t), np.int32),
+                      segments=np.zeros((m, t), np.int32), loss_mask=np.zeros((m, t), bool),
+                      lm_only=None if rows.lm_only is None else np.zeros(m, bool))
+    for i, (r, s) in enumerate(picks):
+        at = np.flatnonzero(rows.segments[r] == s)
+        k = at.size
+        out.tokens[i, :k] = rows.tokens[r, at]
+        out.positions[i, :k] = np.arange(k)
+        out.segments[i, :k] = 1
+        out.loss_mask[i, :k] = rows.loss_mask[r, at]
+        if rows.lm_only is not None:
+            out.lm_only[i] = rows.lm_only[r]
+    return out
+
+
+def label_counts(rows: data.Packed, vocab: int) -> np.ndarray:
+    """[V] how often each token is a label (an assistant token) of the rows."""
+    tokens = rows.tokens[rows.loss_mask & (rows.segments > 0)]
+    return np.bincount(tokens.ravel(), minlength=vocab)[:vocab]
+
+
+# ----------------------------------------------------------------------------- the test
+
+
+def _ttt_layer(params: Params, c: eagle3.Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
+               positions: jax.Array, k0: jax.Array | None, v0: jax.Array | None,
+               diag_k: list, diag_v: list, causal: jax.Array):
+    """`eagle3.layer` at training-time-test step i = len(diag_k) (+1 for the new keys when
+    i > 0), with the step's mask (`eagle3.ttt_mask`) used as what it is: step 0's keys
+    causally (`causal` [B or 1, T, T]), each later step's key only at the query's own
+    position, so those are one product per position instead of a masked [T, T] block.
+    k0/v0: step 0's keys and values (None at step 0: the new ones); diag_k/diag_v: those of
+    steps 1 .. i-1. Returns (out, k_new, v_new) as `eagle3.layer`."""
+    b, t, _ = hidden.shape
+    dt = hidden.dtype
+    nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    g, eps = nh // kvh, c.rms_norm_eps
+    e = backbone_lib.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
+    x = jnp.concatenate([e, backbone_lib.rms_norm(hidden, params["hidden_norm"], eps)], -1)
+    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))
+    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))
+    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
+    inv_freq = eagle3.rope_frequencies(c)
+    q = backbone_lib.apply_rope(q, positions, inv_freq)
+    k = backbone_lib.apply_rope(k, positions, inv_freq)
+    first = k0 is None
+    k0, v0 = (k, v) if first else (k0, v0)
+    dk, dv = ([] if first else [*diag_k, k]), ([] if first else [*diag_v, v])
+    qg = q.reshape(b, t, kvh, g, d)
+    scale = 1.0 / math.sqrt(d)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0.astype(dt),
+                    preferred_element_type=jnp.float32) * scale  # [B, KVH, G, T, T]
+    s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
+    if dk:
+        sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, kj.astype(dt),
+                                   preferred_element_type=jnp.float32) for kj in dk],
+                       -1) * scale  # [B, KVH, G, T, i]
+        p = jax.nn.softmax(jnp.concatenate([s0, sd], -1), axis=-1).astype(dt)
+        p0, pd = p[..., :t], p[..., t:]
+        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
+        o = o + sum(jnp.einsum("bkgt,btkd->btkgd", pd[..., j], vj.astype(dt))
+                    for j, vj in enumerate(dv))
+    else:
+        p0 = jax.nn.softmax(s0, axis=-1).astype(dt)
+        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
+    o = o.reshape(b, t, nh, d)
+    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
+    y = backbone_lib.rms_norm(x, params["post_attn_norm"], eps)
+    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
+    return x + y @ params["w_down"].astype(dt), k, v
+
+
+def ttt_logits(heads: Params, c: eagle3.Eagle3Config, embed_table: jax.Array, aux: jax.Array,
+               tokens: jax.Array, attention_mask: jax.Array | None = None,
+               steps: int = eagle3.TTT_STEPS) -> jax.Array:
+    """`eagle3.ttt_logits` (the same arguments, the same logits [steps, B, T, Vd]) with the
+    later steps' keys read only where the mask lets them be (`_ttt_layer`): step i attends
+    T + i keys per query instead of (i + 1) T. On the embedded model's default batch (16 x
+    256, 7 steps) the training step takes about a third of the time."""
+    b, t = tokens.shape
+    hidden = eagle3.features(heads, aux)
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    table = jax.lax.stop_gradient(embed_table)
+    causal = eagle3.ttt_mask(t, 0, attention_mask)  # [B or 1, T, T]
+    k0 = v0 = None
+    dk, dv, out = [], [], []
+    for i in range(steps):  # static and short: unrolled
+        x_embed = table[eagle3.shift(tokens, i + 1)].astype(hidden.dtype)
+        hidden, k_new, v_new = _ttt_layer(heads, c, x_embed, hidden, positions + i, k0, v0,
+                                          dk, dv, causal)
+        if i == 0:
+            k0, v0 = k_new, v_new
+        else:
+            dk.append(k_new)
+            dv.append(v_new)
+        out.append(eagle3.draft_logits(heads, c, hidden))
+    return jnp.stack(out)
+
+
+def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
+             target_logits: jax.Array, loss_mask: jax.Array,
+             decay: float = eagle3.TTT_DECAY) -> tuple[jax.Array, jax.Array]:
+    """`eagle3.ttt_loss` from the training-time test's logits [S, B, T, Vd] (`ttt_logits`)
+    -> (the loss, the per-step losses [S]), with the backbone's side (its argmax, whether
+    that is in the draft vocabulary, its softmax over the draft vocabulary) computed once
+    and moved i + 1 positions for step i instead of recomputed per step. The same values
+    (tests/training/test_eagle_train.py), except at a position whose target lies past the
+    row's end, which is never counted here (`eagle3.ttt_loss` scores it against a uniform
+    target where the loss mask is set there; `labels_for`'s never is)."""
+    steps = logits.shape[0]
+    tgt = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
+    in_draft = jnp.asarray(heads["t2d"], bool)[jnp.argmax(tgt, axis=-1)]  # [B, T]
+    if c.draft_vocab_size != c.vocab_size:  # (the whole vocabulary: d2t is all zeros)
+        tgt = tgt[..., eagle3.target_ids(heads)]
+    target_p = jax.nn.softmax(tgt, axis=-1)  # [B, T, Vd]
+    lm = loss_mask.astype(jnp.float32)
+    losses = []
+    for i in range(steps):
+        pos = eagle3.shift(in_draft.astype(jnp.float32), i + 1) * eagle3.shift(lm, i)
+        logp = jax.nn.log_softmax(logits[i], axis=-1)
+        ce = -jnp.sum(eagle3.shift(target_p, i + 1) * logp, axis=-1)  # [B, T]
+        losses.append(jnp.mean(pos * ce))
+    losses = jnp.stack(losses)
+    return jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses), losses
+
+
+# ----------------------------------------------------------------------------- loss
+
+
+def backbone_features(params: Params, cfg: ModelConfig, batch: dict, aux_layers: tuple
+                      ) -> tuple[jax.Array, jax.Array]:
+    """One pass of the backbone over a packed batch -> (the inputs of `aux_layers`
+    concatenated [B, T, 3H], its logits [B, T, V] float32)."""
+    b, t = batch["tokens"].shape
+    cache = KVCache.init(cfg, b, t)  # scratch: training attends within the batch only
+    logits, _, _, aux = forward_uncommitted(
+        params, cfg, batch["tokens"], batch["positions"], ts.packed_mask(batch["segments"]),
+        cache, return_logits=True, empty_cache=True, aux_layers=aux_layers)
+    return aux, logits
+
+
+def frozen_features(params: Params, cfg: ModelConfig, batch: dict, aux_layers: tuple,
+                    batch_ways: int = 1) -> tuple[jax.Array, jax.Array]:
+    """`backbone_features` of a frozen backbone (no gradient), a few rows at a time in a
+    `lax.map` when one pass's attention scores would be large (as `step.frozen_hidden`:
+    pass j takes rows j, j + n, ..., so each device keeps its own rows)."""
+    params = jax.lax.stop_gradient(params)
+    b, t = batch["tokens"].shape
+    local = max(1, b // batch_ways)
+    n = local // ts.frozen_pass_rows(cfg, local, t)
+    if n == 1:
+        out = backbone_features(params, cfg, batch, aux_layers)
+    else:
+        keys = ("tokens", "positions", "segments")
+        parts = {k: batch[k].reshape(b // n, n, t).swapaxes(0, 1) for k in keys}
+        out = jax.lax.map(lambda part: backbone_features(params, cfg, part, aux_layers), parts)
+        out = tuple(x.swapaxes(0, 1).reshape(b, t, -1) for x in out)
+    return jax.lax.stop_gradient(out)
+
+
+def embed_table(cfg: ModelConfig, params: Params) -> jax.Array:
+    """[V, H] the backbone's embedding of every id as layer 0 reads it (`embed_tokens`:
+    Gemma's scaled by sqrt(H); a Llama's is params["embed"])."""
+    ids = jnp.arange(cfg.vocab_size, dtype=jnp.int32)[None]
+    return jax.lax.stop_gradient(backbone_lib.embed_tokens(cfg, params, ids)[0])
+
+
+def labels_for(batch: dict) -> jax.Array:
+    """[B, T] the loss mask handed to `ttt_loss` (which counts step i at t by entry t+i):
+    token t+2 is a label of a real example, so step i at t counts when its target t+i+2
+    is one."""
+    return eagle3.shift(batch["loss_mask"] & (batch["segments"] > 0), 2)
+
+
+def step_masks(labels: jax.Array, steps: int) -> jax.Array:
+    """[steps, B, T] float32: the positions step i is scored at."""
+    lm = labels.astype(jnp.float32)
+    return jnp.stack([eagle3.shift(lm, i) for i in range(steps)])
+
+
+def ttt_hits(heads: Params, logits: jax.Array, target_logits: jax.Array, k: int = TOP_K
+             ) -> tuple[jax.Array, jax.Array]:
+    """logits [S, B, T, Vd] of the training-time test, the backbone's [B, T, V] -> top-1 and
+    top-5 hits [S, B, T] float32: the backbone's greedy token for step i at t (its argmax at
+    t+i+1) is the drafter's best / among its best k (draft ids mapped to target ids; a
+    target outside the draft vocabulary is never hit)."""
+    steps = logits.shape[0]
+    greedy = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, T]
+    want = jnp.stack([eagle3.shift(greedy, i + 1) for i in range(steps)])  # [S, B, T]
+    _, top = jax.lax.top_k(logits, min(k, logits.shape[-1]))  # [S, B, T, k] draft ids
+    top = eagle3.to_target(heads, top.astype(jnp.int32))
+    match = top == want[..., None]
+    return match[..., 0].astype(jnp.float32), jnp.any(match, axis=-1).astype(jnp.float32)
+
+
+def drafter_of(heads: Params) -> Params:
+    """The trained parameters as the drafter reads them: d2t int32, t2d bool."""
+    maps = jax.lax.stop_gradient({n: heads[n] for n in MAPS})
+    return dict(heads, d2t=jnp.round(maps["d2t"]).astype(jnp.int32), t2d=maps["t2d"] > 0.5)
+
+
+def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, decay: float,
+                   batch_ways: int = 1):
+    """(params {"backbone", "heads"}, batch) -> (loss, metrics): the training-time test of
+    an EAGLE-3 drafter on a frozen backbone (rows of one example each: `unpack`).
+
+    With gradient accumulation (batch["totals"]: `eagle3_totals` of the whole batch) the
+    micro-batches' losses and metrics add up to the whole batch's."""
+    aux_layers = tuple(c.aux_layers)
+
+    def loss_fn(params, batch):
+        backbone = jax.lax.stop_gradient(params["backbone"])
+        aux, target = frozen_features(backbone, model_cfg, batch, aux_layers, batch_ways)
+        heads = drafter_of(params["heads"])
+        table = embed_table(model_cfg, backbone)
+        aux = aux.astype(jnp.float32)
+        tokens, valid = batch["tokens"], batch["segments"] > 0
+        labels = labels_for(batch)
+        logits = ttt_logits(heads, c, table, aux, tokens, valid, steps)
+        loss, losses = ttt_loss(heads, c, logits, target, labels, decay)
+        top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), target)
+        masks = step_masks(labels, steps)
+        own = jnp.sum(masks, axis=(1, 2))  # [S]
+        b, t = tokens.shape
+        totals = batch.get("totals", {})
+        count = totals.get("steps", own)
+        denom = jnp.maximum(count, 1.0)
+        scale = b / totals["rows"] if "rows" in totals else 1.0
+        loss = loss * scale
+        metrics = {
+            "loss": loss,
+            # ttt_loss's step losses are means over all B*T positions: per counted one here
+            "head_loss": losses * (b * t) / denom,
+            "top1": jnp.sum(top1 * masks, axis=(1, 2)) / denom,
+            "top5": jnp.sum(top5 * masks, axis=(1, 2)) / denom,
+            "count": own,
+        }
+        return loss, metrics
+
+    return loss_fn
+
+
+def eagle3_totals(batch: dict, steps: int) -> dict:
+    """The whole batch's denominators (gradient accumulation): its rows (ttt_loss's means
+    are over every position) and each step's counted positions."""
+    masks = step_masks(labels_for(batch), steps)
+    return {"rows": jnp.float32(batch["tokens"].shape[0]),
+            "steps": jnp.sum(masks, axis=(1, 2))}
+
+
+# ----------------------------------------------------------------------------- the recipe
+
+
+class Eagle3(Recipe):
+    name = "eagle3"
+    head_label = "step"
+    config: eagle3.Eagle3Config | None = None  # the drafter's (setup)
+    counts: np.ndarray | None = None  # [V] label-token counts of the training rows
+
+    def setup(self, ctx: Context) -> None:
+        aux, vd = ctx.cfg.drafter_shape(ctx.model_cfg)
+        self.config = eagle3.default_config(ctx.model_cfg, vd, aux)
+        print(f"EAGLE-3 drafter: reads the inputs of backbone layers {list(aux)} of "
+              f"{ctx.model_cfg.num_layers}; draft vocabulary {vd} of "
+              f"{ctx.model_cfg.vocab_size}; training-time test over {ctx.cfg.ttt_steps} "
+              f"steps", flush=True)
+
+    def training_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
+        out = unpack(rows)
+        if len(out) != len(rows):
+            print(f"one example per row: {len(rows)} packed rows -> {len(out)} rows",
+                  flush=True)
+        # from the training rows alone, so a resumed run rebuilds the same vocabulary
+        self.counts = label_counts(out, ctx.model_cfg.vocab_size)
+        vd = self.config.draft_vocab_size
+        if vd < ctx.model_cfg.vocab_size:
+            _, t2d = eagle3.vocab_maps(self.counts, vd)
+            covered = self.counts[t2d].sum() / max(self.counts.sum(), 1)
+            print(f"draft vocabulary: the {vd} most frequent of {ctx.model_cfg.vocab_size} "
+                  f"tokens cover {covered:.1%} of the training labels", flush=True)
+        return out
+
+    def heldout_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
+        return unpack(rows)
+
+    def build(self, ctx: Context, total_steps: int) -> Method:
+        params = self.params(ctx.cfg, ctx.model_cfg, ctx.backbone, self.config, self.counts)
+        return self.method(ctx.cfg, ctx.model_cfg, params, total_steps, self.config)
+
+    def num_heads(self, ctx: Context, heads: Params) -> int:
+        return ctx.cfg.ttt_steps
+
+    @staticmethod
+    def params(cfg: EagleConfig, model_cfg: ModelConfig, backbone: Params,
+               c: eagle3.Eagle3Config, counts=None) -> dict:
+        """{"backbone", "heads"}: a fresh drafter (`init_eagle3`, seeded by --seed), its
+        d2t/t2d as float32 (see the module's docstring)."""
+        heads = eagle3.init_eagle3(jax.random.key(cfg.seed), c, counts)
+        heads = dict(heads, **{n: jnp.asarray(heads[n], jnp.float32) for n in MAPS})
+        return {"backbone": backbone, "heads": heads}
+
+    @staticmethod
+    def labels(params: dict) -> dict:
+        """The backbone and the drafter's d2t/t2d frozen, its weights trained."""
+        heads = {n: ("frozen" if n in MAPS else "train") for n in params["heads"]}
+        return {name: (heads if name == "heads" else "frozen") for name in params}
+
+    @classmethod
+    def method(cls, cfg: EagleConfig, model_cfg: ModelConfig, params: dict, total_steps: int,
+               c: eagle3.Eagle3Config) -> Method:
+        labels = cls.labels(params)
+        tx, schedule = ts.make_optimizer(
+            ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+            total_steps, labels)
+        steps = cfg.ttt_steps
+        return Method(params, labels, tx, schedule,
+                      eagle3_loss_fn(model_cfg, c, steps, cfg.loss_decay, cfg.batch_ways),
+                      totals_fn=lambda batch: eagle3_totals(batch, steps))
+
+    def memory_params(self, cfg, model_cfg, backbone) -> dict:
+        raise ValueError("--memory-report does not cover train.eagle yet (it compiles the "
+                         "step at 1 and 2 layers, fewer than the drafter's three aux layers)")
+
+    def heads_artifact(self, ctx: Context, heads: Params) -> Params:
+        out = {n: np.asarray(heads[n], np.float32) for n in eagle3.WEIGHTS}
+        out["d2t"] = np.rint(np.asarray(heads["d2t"])).astype(np.int32)
+        out["t2d"] = np.asarray(heads["t2d"]) > 0.5
+        return bind(out, self.config, ctx.model_cfg)
+
+    def artifact_extra(self, ctx: Context) -> dict:
+        return {"kind": eagle3.KIND, "aux_layers": list(self.config.aux_layers),
+                "draft_vocab_size": self.config.draft_vocab_size,
+                "ttt_steps": ctx.cfg.ttt_steps}

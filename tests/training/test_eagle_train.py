@@ -1,0 +1,280 @@
+"""EAGLE-3 training (`train.eagle`): the recipe's training-time test is the reference-checked
+one (`drafters.eagle3.heads`), a few steps learn and leave the backbone alone, rows hold one
+example each, the flags that depend on the model fail in one line, and the command runs,
+stops, resumes exactly and writes an artifact that loads back."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.drafters import formats as heads_formats
+from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.model.backbone import init_params
+from medusa_jax.model.config import ModelConfig
+from medusa_jax.text import data
+from medusa_jax.training import step as ts
+from medusa_jax.training.config import EagleConfig, default_aux_layers
+from medusa_jax.training.recipes import eagle3 as recipe
+from train import eagle as train_eagle
+
+CFG = ModelConfig(model_type="llama", vocab_size=40, hidden_size=16, intermediate_size=24,
+                  num_layers=4, num_heads=4, num_kv_heads=2, head_dim=4,
+                  max_position_embeddings=64)
+AUX = (1, 2, 3)
+
+
+def _inputs(b=3, t=12, seed=1):
+    k = jax.random.split(jax.random.key(seed), 4)
+    aux = jax.random.normal(k[0], (b, t, 3 * CFG.hidden_size))
+    tokens = jax.random.randint(k[1], (b, t), 0, CFG.vocab_size)
+    table = jax.random.normal(k[2], (CFG.vocab_size, CFG.hidden_size))
+    target = 3 * jax.random.normal(k[3], (b, t, CFG.vocab_size))
+    lengths = jnp.array([t, t - 3, t // 2])[:b]
+    segments = (jnp.arange(t)[None] < lengths[:, None]).astype(jnp.int32)
+    batch = {"tokens": tokens, "segments": segments,
+             "loss_mask": (segments > 0) & (jnp.arange(t)[None] > 2)}
+    return aux, tokens, table, target, batch
+
+
+STEPS = 4  # three later steps: their keys on the diagonal, two of them from the cache
+
+
+@pytest.mark.parametrize("draft_vocab", [24, 40])
+def test_the_training_time_test_is_the_drafters_own(draft_vocab):
+    """The recipe's faster training-time test (later steps' keys read on the diagonal only;
+    the backbone's side computed once) gives `eagle3.ttt_logits` / `ttt_loss`'s logits,
+    loss, per-step losses and gradients, over a reduced and over the whole vocabulary."""
+    c = eagle3.default_config(CFG, draft_vocab, AUX)
+    counts = np.arange(CFG.vocab_size)[::-1]  # a draft vocabulary that is not 0..Vd-1
+    heads = eagle3.init_eagle3(jax.random.key(0), c, counts, std=0.3)
+    aux, tokens, table, target, batch = _inputs()
+    valid = batch["segments"] > 0
+    labels = recipe.labels_for(batch)
+    maps = {n: heads[n] for n in ("d2t", "t2d")}
+    w = {n: heads[n] for n in eagle3.WEIGHTS}
+
+    def theirs(w):
+        return eagle3.ttt_loss({**w, **maps}, c, table, aux, tokens, target, labels, valid,
+                               STEPS, 0.8)
+
+    def ours(w):
+        h = {**w, **maps}
+        return recipe.ttt_loss(h, c, recipe.ttt_logits(h, c, table, aux, tokens, valid,
+                                                       STEPS), target, labels, 0.8)
+
+    @jax.jit
+    def run(w):
+        h = {**w, **maps}
+        return (jax.value_and_grad(theirs, has_aux=True)(w),
+                jax.value_and_grad(ours, has_aux=True)(w),
+                eagle3.ttt_logits(h, c, table, aux, tokens, valid, STEPS),
+                recipe.ttt_logits(h, c, table, aux, tokens, valid, STEPS))
+
+    ((want, parts), g_want), ((got, losses), g_got), l_want, l_got = run(w)
+    np.testing.assert_allclose(np.asarray(l_got), np.asarray(l_want), atol=1e-5)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(parts["losses"]), rtol=1e-5,
+                               atol=1e-7)
+    assert len(set(np.round(np.asarray(losses), 4))) > 1  # the steps differ
+    for n in eagle3.WEIGHTS:
+        scale = float(jnp.max(jnp.abs(g_want[n])))
+        assert scale > 0, n
+        np.testing.assert_allclose(np.asarray(g_got[n]), np.asarray(g_want[n]),
+                                   atol=1e-5 * scale, err_msg=n)
+
+
+def test_rows_hold_one_example_each():
+    t = 10
+    seg = np.array([[1, 1, 1, 2, 2, 2, 2, 0, 0, 0], [1] * 8 + [0, 0]], np.int32)
+    tokens = np.arange(2 * t, dtype=np.int32).reshape(2, t) + 3
+    pos = np.array([[0, 1, 2, 0, 1, 2, 3, 0, 0, 0], list(range(8)) + [0, 0]], np.int32)
+    mask = np.array([[0, 1, 1, 0, 0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1, 0, 0]], bool)
+    out = recipe.unpack(data.Packed(tokens, pos, seg, mask))
+    assert len(out) == 3
+    np.testing.assert_array_equal(out.tokens[0, :3], tokens[0, :3])
+    np.testing.assert_array_equal(out.tokens[1, :4], tokens[0, 3:7])
+    np.testing.assert_array_equal(out.tokens[2], tokens[1] * (seg[1] > 0))
+    np.testing.assert_array_equal(out.segments, np.array([[1] * 3 + [0] * 7, [1] * 4 + [0] * 6,
+                                                          [1] * 8 + [0] * 2]))
+    np.testing.assert_array_equal(out.positions[1, :4], np.arange(4))
+    np.testing.assert_array_equal(out.loss_mask[1, :4], mask[0, 3:7])
+    assert not out.loss_mask[1, 4:].any() and not out.tokens[1, 4:].any()
+    single = recipe.unpack(out)
+    assert single is out  # one example per row already
+
+
+def test_step_i_counts_where_its_target_is_a_label():
+    """labels_for + ttt_loss's shift by i: step i at t counts exactly when token t+i+2 is a
+    label of the row's example (and so never past its end)."""
+    t = 12
+    seg = np.array([[1] * 9 + [0] * 3])
+    lab = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0]], bool)
+    masks = np.asarray(recipe.step_masks(recipe.labels_for(
+        {"loss_mask": jnp.asarray(lab), "segments": jnp.asarray(seg)}), 3))
+    for i in range(3):
+        want = [bool(t_ + i + 2 < t and lab[0, t_ + i + 2] and seg[0, t_ + i + 2])
+                for t_ in range(t)]
+        assert masks[i, 0].astype(bool).tolist() == want, i
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))
+    return params
+
+
+def _rows(n=8, t=24, seed=3):
+    rng = np.random.default_rng(seed)
+    # a learnable sequence: token t+1 = (token t + 1) mod V from a random start
+    start = rng.integers(0, CFG.vocab_size, (n, 1))
+    tokens = ((start + np.arange(t)[None]) % CFG.vocab_size).astype(np.int32)
+    return data.Packed(tokens=tokens, positions=np.tile(np.arange(t, dtype=np.int32), (n, 1)),
+                       segments=np.ones((n, t), np.int32),
+                       loss_mask=np.tile(np.arange(t) >= 2, (n, 1)))
+
+
+@pytest.mark.slow
+def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
+    rows = _rows()
+    cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=3, aux_layers=AUX, draft_vocab=24,
+                      warmup_ratio=0.0)
+    c = eagle3.default_config(CFG, 24, AUX)
+    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
+    method = recipe.Eagle3.method(cfg, CFG, params, 30, c)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                             ("data", "fsdp", "model"))
+    state, shardings = ts.create_state(method.params, method.tx, mesh,
+                                       ts.param_axes(CFG, method.params))
+    step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
+                              method.schedule)
+    batch = rows.rows(np.arange(8))
+    before = jax.tree.map(np.asarray, state.params["backbone"])
+    maps = {n: np.asarray(state.params["heads"][n]) for n in recipe.MAPS}
+    losses = []
+    for _ in range(15):
+        state, m = step(state, batch)
+        losses.append(float(m["loss"]))
+    assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < 0.9 * losses[0], \
+        losses
+    assert m["top1"].shape == m["top5"].shape == (3,)
+    assert np.all(np.asarray(m["top5"]) >= np.asarray(m["top1"]))
+    jax.tree.map(np.testing.assert_array_equal, before,
+                 jax.tree.map(np.asarray, state.params["backbone"]))
+    for n in recipe.MAPS:  # the draft vocabulary is a constant of the run
+        np.testing.assert_array_equal(maps[n], np.asarray(state.params["heads"][n]))
+
+
+def test_default_aux_layers():
+    assert default_aux_layers(5) == (1, 2, 4)  # the embedded model
+    assert default_aux_layers(32) == (2, 16, 29)  # EAGLE's rule (backbone.eagle3_layers)
+    with pytest.raises(ValueError, match="no default"):
+        default_aux_layers(3)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--aux-layers", "1,2"], "--aux-layers 1,2: give three layers A,B,C"),
+    (["--aux-layers", "2,1,4"], "--aux-layers 2,1,4: give three layers A,B,C"),
+    (["--aux-layers", "1,-2,4"], "every value must be >= 0"),
+    (["--aux-layers", "1,2,5"], "--aux-layers 1,2,5: this backbone has 5 layers (0 .. 4)"),
+    (["--draft-vocab", "0"], "--draft-vocab must be >= 1"),
+    (["--draft-vocab", "513"], "--draft-vocab 513 is larger than the model's vocabulary of "
+                               "512 tokens"),
+    (["--ttt-steps", "0"], "--ttt-steps must be >= 1"),
+])
+def test_bad_flags_are_one_line_errors(flags, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_eagle.command.main(["--output-dir", str(tmp_path / "run"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m train.eagle: error: ") and needle in err[-1], err
+    assert not (tmp_path / "run").exists()
+
+
+TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "24",
+        "--distill-batch-size", "8", "--batch-size", "4", "--seq-len", "64",
+        "--eval-prompts", "0", "--save-every", "2", "--log-every", "1", "--eval-every", "2",
+        "--keep", "3", "--ttt-steps", "3", "--draft-vocab", "300", "--tree", "stories260K_cpu"]
+
+
+def _train_losses(run):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").open())
+            if r["split"] == "train"]
+
+
+@pytest.mark.slow
+def test_train_eagle_stops_resumes_exactly_and_writes_its_drafter(tmp_path, stories):
+    from safetensors.numpy import load_file
+
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    cfg, _, _ = train_eagle.command.parse_args(["--output-dir", str(straight), *TINY])
+    summary = train_eagle.command.run(cfg)
+    assert summary["step"] == 4 and len(summary["heldout_top1"]) == 3
+    cfg, _, stop_after = train_eagle.command.parse_args(
+        ["--output-dir", str(run), "--stop-after", "2", *TINY])
+    train_eagle.command.run(cfg, None, stop_after)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    assert not (run / "heads").exists()
+    # the resumed run also decodes with its drafter (greedy: exactly plain decoding's output)
+    cfg, resume, _ = train_eagle.command.parse_args(
+        ["--resume", str(run), "--eval-prompts", "1", "--eval-max-new-tokens", "16"])
+    summary = train_eagle.command.run(cfg, resume)
+    assert summary["step"] == 4
+    bench = summary["benchmark"]
+    assert bench["identical_outputs"] == 1 and bench["tokens_per_step"] >= 1.0
+    assert _train_losses(run) == _train_losses(straight)
+    a = load_file(str(straight / "heads" / "medusa_heads.safetensors"))
+    b = load_file(str(run / "heads" / "medusa_heads.safetensors"))
+    assert sorted(a) == sorted(eagle3.NAMES)
+    for n in a:
+        np.testing.assert_array_equal(a[n], b[n], err_msg=n)
+    assert a["lm_head"].shape == (stories[0].hidden_size, 300)
+    assert int(a["t2d"].sum()) == 300 and a["d2t"].dtype == np.int32
+    conf = json.loads((run / "config.json").read_text())
+    assert conf["method"] == "eagle" and conf["ttt_steps"] == 3
+    heads, meta = heads_formats.load_heads(run / "heads", stories[0])
+    assert meta["kind"] == "eagle3" and meta["aux_layers"] == [1, 2, 4]
+    assert heads.drafter.config == eagle3.default_config(stories[0], 300, (1, 2, 4))
+    for n in eagle3.NAMES:
+        np.testing.assert_array_equal(np.asarray(heads[n]), b[n], err_msg=n)
+    assert meta["extra"]["ttt_steps"] == 3 and len(meta["extra"]["heldout_top1"]) == 3
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_and_row_passes_change_nothing(tiny, monkeypatch):
+    """Two micro-batches (`--grad-accum 2`) give the whole batch's loss, gradients and
+    metrics; a frozen pass split into row groups (`lax.map`, large models) the same aux
+    features and logits as one pass."""
+    rows = _rows(n=4, t=12)
+    batch = {k: jnp.asarray(v) for k, v in rows.rows(np.arange(4)).items()}
+    batch["loss_mask"] = batch["loss_mask"].at[1, 7:].set(False)  # rows of unequal counts
+    cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=2, aux_layers=AUX, draft_vocab=24)
+    c = eagle3.default_config(CFG, 24, AUX)
+    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
+    method = recipe.Eagle3.method(cfg, CFG, params, 10, c)
+    trained = ("heads",)
+
+    @jax.jit
+    def both(params, batch):
+        whole = jax.value_and_grad(lambda h: method.loss_fn({**params, "heads": h}, batch),
+                                   has_aux=True)(params["heads"])
+        return whole, ts.accumulate(method.loss_fn, method.totals_fn, params, batch, trained,
+                                    2)
+
+    ((loss, m), g), ((loss2, m2), g2) = both(params, batch)
+    np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-5)
+    for k in ("top1", "top5", "head_loss", "count"):
+        np.testing.assert_allclose(np.asarray(m2[k]), np.asarray(m[k]), rtol=1e-5, err_msg=k)
+    for n in eagle3.WEIGHTS:
+        np.testing.assert_allclose(np.asarray(g2["heads"][n]), np.asarray(g[n]), rtol=1e-4,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(g[n]))), err_msg=n)
+
+    one = jax.jit(lambda p, b: recipe.frozen_features(p, CFG, b, AUX))(tiny, batch)
+    monkeypatch.setattr(ts, "FROZEN_PASS_BYTES", 1)  # one row per pass
+    split = jax.jit(lambda p, b: recipe.frozen_features(p, CFG, b, AUX))(tiny, batch)
+    for a, b in zip(one, split):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4,
+                                   atol=1e-5 * float(jnp.max(jnp.abs(a))))
