@@ -212,3 +212,19 @@ def test_the_serving_engine_gives_offline_tokens(stories, drafter, plain_rows):
         e.stop()
     with pytest.raises(ValueError, match="plain_above"):
         Engine(m, slots=2, max_context=128, plain_above=1)
+
+
+def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, plain_rows):
+    """`--heads eagle`: the drafter `train.eagle` trains by default, bound to its config by
+    load_heads; greedy output identical, and over two tokens per step on the 16 nodes
+    of the published tree (a random drafter: about one)."""
+    from medusa_jax.api import default_eagle_heads_dir
+
+    cfg, params, _ = stories
+    heads, meta = heads_formats.load_heads(default_eagle_heads_dir(), cfg)
+    assert meta["kind"] == "eagle3" and heads.drafter.aux_layers == AUX
+    tokens, lengths = pad_prompts(PROMPTS)
+    out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0), tree=TREE,
+                          max_new_tokens=MAX_NEW, eos=(2,))
+    assert _rows(out) == plain_rows
+    assert sum(len(r) for r in plain_rows) / int(np.sum(out.steps)) > 2.0
