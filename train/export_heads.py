@@ -3,7 +3,7 @@
     python -m train.export_heads runs/medusa1-X --format reference --output out/reference
     python -m train.export_heads runs/medusa1-X --format vllm --output out/vllm
     python -m train.export_heads runs/medusa2-X --format medusa2 --output out/medusa2-model
-    python -m train.export_heads runs/eagle3-X --format eagle3 --output out/eagle3   # SGLang, vLLM
+    python -m train.export_heads runs/eagle-X --format eagle3 --output out/eagle3   # SGLang, vLLM
     python -m train.export_heads ~/hf/medusa-vicuna-7b-v1.3 --model ~/hf/vicuna-7b-v1.3 \\
         --format medusa_jax --output heads/vicuna-7b
 

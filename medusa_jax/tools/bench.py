@@ -178,15 +178,15 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
     return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
 
 
-def print_comparison(c: Comparison, title: str):
-    """The comparison as the training commands print it."""
+def print_comparison(c: Comparison, title: str, label: str = "medusa"):
+    """The comparison as the training commands print it (`label`: the drafter's kind)."""
     p, m = c.plain, c.medusa
     print(f"\n{title}, {len(m.rows)} held-out prompts, batch {m.batch_size}, up to "
           f"{c.max_new_tokens} new tokens, tree {c.tree.name} (decoding timed after a "
           f"warm-up run):")
     print(f"  plain : {timing.speed_line(p.compile, p.new_tokens, p.seconds)}; 1.00 tokens/step, "
           f"{1e3 * p.step_seconds:.2f} ms/step")
-    print(f"  medusa: {timing.speed_line(m.compile, m.new_tokens, m.seconds)}; "
+    print(f"  {label:6s}: {timing.speed_line(m.compile, m.new_tokens, m.seconds)}; "
           f"{m.tokens_per_step:.2f} tokens/step, {1e3 * m.step_seconds:.2f} ms/step "
           f"({c.tree.num_nodes} tokens verified per step)")
     print(f"  speedup {c.speedup:.2f}x; outputs identical to plain {c.mode} for "

@@ -270,8 +270,7 @@ class HydraConfig(TrainConfig):
 
 
 # EAGLE-3: the reference trains at lr 1e-4 (SpecForge) on large data; the short
-# self-distilled job on the embedded model needs a larger one (held-out step-1 top-1 after
-# 400 steps of 8 rows: 0.685 at 3e-3, 0.745 at 1e-2, 0.746 at 2e-2; docs/training.md)
+# self-distilled job on the embedded model needs a larger one (the sweep: docs/training.md)
 EAGLE_LR, EAGLE_SELF_DISTILL_LR = 1e-4, 1e-2
 EAGLE_DRAFT_VOCAB = 32000  # the reference's draft vocabulary (capped at the model's)
 

@@ -20,6 +20,7 @@ def finish(result: TrainResult) -> dict:
     run_dir = Path(summary["run_dir"])
     check = result.decoding
     if check is not None:
+        from medusa_jax.decoding import drafter
         from medusa_jax.tools import bench
 
         summary["benchmarks"] = []
@@ -27,7 +28,8 @@ def finish(result: TrainResult) -> dict:
             c = bench.compare_decoding(check.backbone, check.heads, check.cfg, check.prompts,
                                        tree, max_new_tokens=check.max_new_tokens, eos=check.eos)
             summary["benchmarks"].append(c.to_json())
-            bench.print_comparison(c, f"greedy decoding ({check.name})")
+            bench.print_comparison(c, f"greedy decoding ({check.name})",
+                                   drafter.kind_of(check.heads))
         summary["benchmark"] = summary["benchmarks"][0]
         (run_dir / "benchmark.json").write_text(json.dumps(summary["benchmarks"], indent=2))
         print("\n(on this model a step is bound by per-kernel overhead, not by reading the "
