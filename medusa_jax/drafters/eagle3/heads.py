@@ -280,6 +280,32 @@ def causal_mask(num: int) -> jax.Array:
     return jnp.tril(jnp.ones((num, num), bool))[None]
 
 
+def _qkv(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
+         positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The layer's input side: the embedding and the feature normalised apart, concatenated
+    embedding first, projected to q [B, T, NH, D] and k, v [B, T, KVH, D] (q, k rotated)."""
+    dt, eps = hidden.dtype, c.rms_norm_eps
+    e = backbone.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
+    x = jnp.concatenate([e, backbone.rms_norm(hidden, params["hidden_norm"], eps)], axis=-1)
+    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))
+    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))
+    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
+    inv_freq = rope_frequencies(c)
+    return backbone.apply_rope(q, positions, inv_freq), backbone.apply_rope(k, positions,
+                                                                            inv_freq), v
+
+
+def _residual_and_mlp(params: Params, c: Eagle3Config, hidden: jax.Array, o: jax.Array
+                      ) -> jax.Array:
+    """The layer's output side: attention output o [B, T, NH, D] -> the layer's output
+    [B, T, H] (the feature as the residual, then the MLP)."""
+    dt = hidden.dtype
+    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
+    y = backbone.rms_norm(x, params["post_attn_norm"], c.rms_norm_eps)
+    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
+    return x + y @ params["w_down"].astype(dt)
+
+
 def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
           positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
           mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -295,15 +321,7 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     b, t, _ = hidden.shape
     dt = hidden.dtype
     nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
-    eps = c.rms_norm_eps
-    e = backbone.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
-    x = jnp.concatenate([e, backbone.rms_norm(hidden, params["hidden_norm"], eps)], axis=-1)
-    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))  # [B, T, NH, D]
-    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))  # [B, T, KVH, D]
-    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
-    inv_freq = rope_frequencies(c)
-    q = backbone.apply_rope(q, positions, inv_freq)
-    k = backbone.apply_rope(k, positions, inv_freq)
+    q, k, v = _qkv(params, c, x_embed, hidden, positions)
     keys = jnp.concatenate([k_cache.astype(dt), k], axis=1)  # [B, S+T, KVH, D]
     vals = jnp.concatenate([v_cache.astype(dt), v], axis=1)
     qg = q.reshape(b, t, kvh, nh // kvh, d)  # query head j reads key-value head j // G
@@ -312,10 +330,7 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(scores, axis=-1).astype(dt)  # in float32, as the reference upcasts
     o = jnp.einsum("bkgts,bskd->btkgd", p, vals).reshape(b, t, nh, d)
-    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
-    y = backbone.rms_norm(x, params["post_attn_norm"], eps)
-    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
-    return x + y @ params["w_down"].astype(dt), k, v
+    return _residual_and_mlp(params, c, hidden, o), k, v
 
 
 def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
@@ -360,6 +375,42 @@ def ttt_mask(num: int, step: int, valid: jax.Array | None = None) -> jax.Array:
     return jnp.concatenate([causal] + [eye] * step, axis=-1)
 
 
+def _ttt_layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
+               positions: jax.Array, k0: jax.Array | None, v0: jax.Array | None,
+               diag_k: list, diag_v: list, causal: jax.Array):
+    """`layer` at training-time-test step i = len(diag_k) (+1 for the new keys when i > 0)
+    with the step's mask (`ttt_mask`) used as what it is: step 0's keys causally (`causal`
+    [B or 1, T, T]), each later step's key only at the query's own position, so those are
+    one product per position instead of a masked [T, T] block each. k0/v0: step 0's keys
+    and values (None at step 0: the new ones); diag_k/diag_v: those of steps 1 .. i-1.
+    Returns (out, k_new, v_new) as `layer`."""
+    b, t, _ = hidden.shape
+    dt = hidden.dtype
+    nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
+    q, k, v = _qkv(params, c, x_embed, hidden, positions)
+    first = k0 is None
+    k0, v0 = (k, v) if first else (k0, v0)
+    dk, dv = ([] if first else [*diag_k, k]), ([] if first else [*diag_v, v])
+    qg = q.reshape(b, t, kvh, nh // kvh, d)
+    scale = 1.0 / math.sqrt(d)
+    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0.astype(dt),
+                    preferred_element_type=jnp.float32) * scale  # [B, KVH, G, T, T]
+    s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
+    if dk:
+        sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, kj.astype(dt),
+                                   preferred_element_type=jnp.float32) for kj in dk],
+                       -1) * scale  # [B, KVH, G, T, i]
+        p = jax.nn.softmax(jnp.concatenate([s0, sd], -1), axis=-1).astype(dt)
+        p0, pd = p[..., :t], p[..., t:]
+        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
+        o = o + sum(jnp.einsum("bkgt,btkd->btkgd", pd[..., j], vj.astype(dt))
+                    for j, vj in enumerate(dv))
+    else:
+        p0 = jax.nn.softmax(s0, axis=-1).astype(dt)
+        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
+    return _residual_and_mlp(params, c, hidden, o.reshape(b, t, nh, d)), k, v
+
+
 def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
                tokens: jax.Array, attention_mask: jax.Array | None = None,
                steps: int = TTT_STEPS) -> jax.Array:
@@ -370,23 +421,26 @@ def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.
     embed_table [V, H] the backbone's (frozen) embedding as layer 0 reads it (a Gemma
     backbone's scaled by sqrt(H): `embed` of every id), attention_mask [B, T] 1 on real
     tokens. Step i at position t reads token t+1+i and (i = 0) fc(aux_t) or (i > 0) step
-    i-1's output at t, at rotary position t+i, and guesses token t+2+i. Returns logits
+    i-1's output at t, at rotary position t+i, and guesses token t+2+i; it attends step 0's
+    keys causally and each later step's key at t only (`ttt_mask`), which `_ttt_layer`
+    computes as T + i keys per query rather than (i + 1) T masked ones. Returns logits
     [steps, B, T, Vd] float32."""
     b, t = tokens.shape
     hidden = features(heads, aux)
-    dt = hidden.dtype
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     table = jax.lax.stop_gradient(embed_table)
-    ks, vs, out = [], [], []
+    causal = ttt_mask(t, 0, attention_mask)  # [B or 1, T, T]
+    k0 = v0 = None
+    dk, dv, out = [], [], []
     for i in range(steps):  # static and short: unrolled
-        x_embed = table[shift(tokens, i + 1)].astype(dt)
-        empty = jnp.zeros((b, 0, c.num_kv_heads, c.head_dim), dt)
-        k_cache = jnp.concatenate(ks, axis=1) if ks else empty
-        v_cache = jnp.concatenate(vs, axis=1) if vs else empty
-        hidden, k_new, v_new = layer(heads, c, x_embed, hidden, positions + i, k_cache,
-                                     v_cache, ttt_mask(t, i, attention_mask))
-        ks.append(k_new)
-        vs.append(v_new)
+        x_embed = table[shift(tokens, i + 1)].astype(hidden.dtype)
+        hidden, k_new, v_new = _ttt_layer(heads, c, x_embed, hidden, positions + i, k0, v0,
+                                          dk, dv, causal)
+        if i == 0:
+            k0, v0 = k_new, v_new
+        else:
+            dk.append(k_new)
+            dv.append(v_new)
         out.append(draft_logits(heads, c, hidden))
     return jnp.stack(out)
 

@@ -9,10 +9,9 @@ its own previous outputs, step i at position t reading token t+i+1 and guessing 
 against the backbone's distribution (restricted to the draft vocabulary), step i's loss
 weighted `--loss-decay`**i.
 
-- The test is computed here (`ttt_logits`, `ttt_loss`) with the same values and gradients
-  as `eagle3.ttt_logits` / `eagle3.ttt_loss` (tests/training/test_eagle_train.py), but with
-  the later steps' keys read only on the diagonal, where the reference's mask lets a query
-  see them: step i attends T + i keys per query instead of (i + 1) T, under half the time.
+- The logits are `eagle3.ttt_logits`'; the loss (`ttt_loss`) is `eagle3.ttt_loss`'s with
+  the backbone's side computed once for every step (the same values and gradients:
+  tests/training/test_eagle_train.py).
 - Packed rows: the training-time test attends causally within a row, so the recipe gives it
   one example per row (`unpack`, for the training and the held-out rows): the backbone's
   pass still follows the segments and positions, and the drafter never attends across
@@ -32,8 +31,6 @@ weighted `--loss-decay`**i.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -88,88 +85,14 @@ def label_counts(rows: data.Packed, vocab: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- the test
 
 
-def _ttt_layer(params: Params, c: eagle3.Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
-               positions: jax.Array, k0: jax.Array | None, v0: jax.Array | None,
-               diag_k: list, diag_v: list, causal: jax.Array):
-    """`eagle3.layer` at training-time-test step i = len(diag_k) (+1 for the new keys when
-    i > 0), with the step's mask (`eagle3.ttt_mask`) used as what it is: step 0's keys
-    causally (`causal` [B or 1, T, T]), each later step's key only at the query's own
-    position, so those are one product per position instead of a masked [T, T] block.
-    k0/v0: step 0's keys and values (None at step 0: the new ones); diag_k/diag_v: those of
-    steps 1 .. i-1. Returns (out, k_new, v_new) as `eagle3.layer`."""
-    b, t, _ = hidden.shape
-    dt = hidden.dtype
-    nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
-    g, eps = nh // kvh, c.rms_norm_eps
-    e = backbone_lib.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
-    x = jnp.concatenate([e, backbone_lib.rms_norm(hidden, params["hidden_norm"], eps)], -1)
-    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))
-    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))
-    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
-    inv_freq = eagle3.rope_frequencies(c)
-    q = backbone_lib.apply_rope(q, positions, inv_freq)
-    k = backbone_lib.apply_rope(k, positions, inv_freq)
-    first = k0 is None
-    k0, v0 = (k, v) if first else (k0, v0)
-    dk, dv = ([] if first else [*diag_k, k]), ([] if first else [*diag_v, v])
-    qg = q.reshape(b, t, kvh, g, d)
-    scale = 1.0 / math.sqrt(d)
-    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0.astype(dt),
-                    preferred_element_type=jnp.float32) * scale  # [B, KVH, G, T, T]
-    s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
-    if dk:
-        sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, kj.astype(dt),
-                                   preferred_element_type=jnp.float32) for kj in dk],
-                       -1) * scale  # [B, KVH, G, T, i]
-        p = jax.nn.softmax(jnp.concatenate([s0, sd], -1), axis=-1).astype(dt)
-        p0, pd = p[..., :t], p[..., t:]
-        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
-        o = o + sum(jnp.einsum("bkgt,btkd->btkgd", pd[..., j], vj.astype(dt))
-                    for j, vj in enumerate(dv))
-    else:
-        p0 = jax.nn.softmax(s0, axis=-1).astype(dt)
-        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
-    o = o.reshape(b, t, nh, d)
-    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
-    y = backbone_lib.rms_norm(x, params["post_attn_norm"], eps)
-    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
-    return x + y @ params["w_down"].astype(dt), k, v
-
-
-def ttt_logits(heads: Params, c: eagle3.Eagle3Config, embed_table: jax.Array, aux: jax.Array,
-               tokens: jax.Array, attention_mask: jax.Array | None = None,
-               steps: int = eagle3.TTT_STEPS) -> jax.Array:
-    """`eagle3.ttt_logits` (the same arguments, the same logits [steps, B, T, Vd]) with the
-    later steps' keys read only where the mask lets them be (`_ttt_layer`): step i attends
-    T + i keys per query instead of (i + 1) T. On the embedded model's default batch (16 x
-    256, 7 steps) the training step takes about a third of the time."""
-    b, t = tokens.shape
-    hidden = eagle3.features(heads, aux)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    table = jax.lax.stop_gradient(embed_table)
-    causal = eagle3.ttt_mask(t, 0, attention_mask)  # [B or 1, T, T]
-    k0 = v0 = None
-    dk, dv, out = [], [], []
-    for i in range(steps):  # static and short: unrolled
-        x_embed = table[eagle3.shift(tokens, i + 1)].astype(hidden.dtype)
-        hidden, k_new, v_new = _ttt_layer(heads, c, x_embed, hidden, positions + i, k0, v0,
-                                          dk, dv, causal)
-        if i == 0:
-            k0, v0 = k_new, v_new
-        else:
-            dk.append(k_new)
-            dv.append(v_new)
-        out.append(eagle3.draft_logits(heads, c, hidden))
-    return jnp.stack(out)
-
-
 def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
              target_logits: jax.Array, loss_mask: jax.Array,
              decay: float = eagle3.TTT_DECAY) -> tuple[jax.Array, jax.Array]:
-    """`eagle3.ttt_loss` from the training-time test's logits [S, B, T, Vd] (`ttt_logits`)
-    -> (the loss, the per-step losses [S]), with the backbone's side (its argmax, whether
-    that is in the draft vocabulary, its softmax over the draft vocabulary) computed once
-    and moved i + 1 positions for step i instead of recomputed per step. The same values
+    """`eagle3.ttt_loss` from the training-time test's logits [S, B, T, Vd]
+    (`eagle3.ttt_logits`) -> (the loss, the per-step losses [S]), with the backbone's side
+    (its argmax, whether that is in the draft vocabulary, its softmax over the draft
+    vocabulary) computed once and moved i + 1 positions for step i instead of recomputed per
+    step. The same values
     (tests/training/test_eagle_train.py), except at a position whose target lies past the
     row's end, which is never counted here (`eagle3.ttt_loss` scores it against a uniform
     target where the loss mask is set there; `labels_for`'s never is)."""
@@ -282,7 +205,7 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
         aux = aux.astype(jnp.float32)
         tokens, valid = batch["tokens"], batch["segments"] > 0
         labels = labels_for(batch)
-        logits = ttt_logits(heads, c, table, aux, tokens, valid, steps)
+        logits = eagle3.ttt_logits(heads, c, table, aux, tokens, valid, steps)
         loss, losses = ttt_loss(heads, c, logits, target, labels, decay)
         top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), target)
         masks = step_masks(labels, steps)
