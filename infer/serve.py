@@ -215,7 +215,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or (model.model_dir.name if model.model_dir else "model")
-    decoding = f"medusa {engine.tree.name}" if engine.medusa else "plain"
+    decoding = f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa else "plain"
     port = sock.getsockname()[1]
     n = len(engine.programs())
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "

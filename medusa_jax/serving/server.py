@@ -728,7 +728,8 @@ def create_app(engine: Engine, model_name: str,
             return JSONResponse({"status": "starting", **compiled}, status_code=503)
         return {"status": "ok", "slots": engine.slots, "slots_in_use": engine.slots_in_use(),
                 "queue_depth": engine.queue_depth(),
-                "decoding": f"medusa {engine.tree.name}" if engine.medusa else "plain",
+                "decoding": (f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa
+                             else "plain"),
                 **compiled}
 
     @app.get("/metrics")

@@ -42,33 +42,48 @@ def server(_started, offline):
     """(process, url) of the running server; the offline references are computed while it
     compiles."""
     proc, url = _started
-    deadline = time.time() + 180
+    _wait_ready(proc, url)
+    return proc, url
+
+
+def _launch(heads: str = "default", slots: int = SLOTS):
+    """`python -m infer.serve --heads HEADS` with the engine shapes of test_engine:
+    (process, url)."""
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.serve", "--heads", heads, "--slots", str(slots),
+         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--window-block", "64",
+         "--max-queue", str(QUEUE), "--port", str(port)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_ready(proc, url, timeout: float = 180):
+    deadline = time.time() + timeout
     while True:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return
         except httpx.HTTPError:
             pass
         if proc.poll() is not None or time.time() > deadline:
             proc.kill()
             pytest.fail(f"the server did not start:\n{proc.stdout.read()}")
         time.sleep(0.2)
-    return proc, url
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def _started():
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "infer.serve", "--heads", "default", "--slots", str(SLOTS),
-         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--window-block", "64", "--max-queue", str(QUEUE),
-         "--port", str(port)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    yield proc, f"http://127.0.0.1:{port}"
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+    proc, url = _launch()
+    yield proc, url
+    _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +410,34 @@ def test_sigterm_ends_streams_with_an_error_and_exits(server):
     t0 = time.time()
     assert proc.wait(20) == 0
     assert time.time() - t0 < 2  # within 2 s of the last stream
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_an_eagle3_server_gives_plain_greedy_tokens():
+    """`--heads eagle` (the shipped EAGLE-3 drafter): /health names it, and concurrent
+    greedy completions give plain greedy decoding's tokens."""
+    from medusa_jax.api import Medusa
+
+    proc, url = _launch("eagle", slots=2)
+    try:
+        plain = Medusa.load().generate(PROMPTS[:3], max_new_tokens=NEW, medusa=False,
+                                       batch_size=3)
+        _wait_ready(proc, url)
+        assert httpx.get(url + "/health").json()["decoding"].startswith("eagle3 ")
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        out = {}
+
+        def ask(i):
+            r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=NEW,
+                                          temperature=0, extra_body={"return_token_ids": True})
+            out[i] = r.choices[0].token_ids
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [out.get(i) for i in range(3)] == [g.token_ids for g in plain]
+    finally:
+        _stop(proc)
