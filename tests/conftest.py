@@ -104,19 +104,20 @@ def toy_lm():
                       max_position_embeddings=64)
     PROMPT = [1, 3, 5]
 
-    def next_logprobs(params, seqs, sampling):
+    def next_logprobs(params, seqs, sampling, cfg):
         seqs = np.asarray(seqs)
         b, t = seqs.shape
-        cache = KVCache.init(CFG, b, t)
-        logits, _, _ = forward(params, CFG, jnp.asarray(seqs),
+        cache = KVCache.init(cfg, b, t)
+        logits, _, _ = forward(params, cfg, jnp.asarray(seqs),
                                jnp.broadcast_to(jnp.arange(t), (b, t)),
                                causal_mask(cache.lengths, t, t), cache)
         return np.exp(np.asarray(log_probs(logits[:, -1], sampling), np.float64))
 
-    def exact_pair_distribution(params, sampling):
-        """P(x1, x2) of plain sampling, [V, V]."""
-        p1 = next_logprobs(params, [PROMPT], sampling)[0]
-        p2 = next_logprobs(params, [PROMPT + [x] for x in range(V)], sampling)
+    def exact_pair_distribution(params, sampling, cfg=CFG):
+        """P(x1, x2) of plain sampling, [V, V] (`cfg`: another config of this vocabulary,
+        e.g. more layers)."""
+        p1 = next_logprobs(params, [PROMPT], sampling, cfg)[0]
+        p2 = next_logprobs(params, [PROMPT + [x] for x in range(V)], sampling, cfg)
         return p1[:, None] * p2
 
     def pair_counts(out):

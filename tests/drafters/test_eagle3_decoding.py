@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.decoding import step
-from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.drafter import BoundParams, drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.tree import DynamicTree, Tree
@@ -17,17 +17,9 @@ from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.eagle3.drafter import bind
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
-from medusa_jax.model.config import ModelConfig
 
-PROMPTS = [[1, 400, 30], [1, 50], [1, 9, 9, 9, 100, 7, 300]]
-MAX_NEW = 40
 AUX = (1, 2, 4)  # stories260K has 5 layers: below the published rule's 7
 TREE = Tree.load("mc_sim_7b_63:16")
-
-
-def _rows(out):
-    return [np.asarray(out.tokens[i, :int(out.num_new[i])]).tolist()
-            for i in range(len(out.num_new))]
 
 
 @pytest.fixture(scope="module")
@@ -40,35 +32,28 @@ def drafter(stories):
     return bind(eagle3.init_eagle3(jax.random.key(1), c, counts, std=0.2), c, cfg)
 
 
-@pytest.fixture(scope="module")
-def plain_rows(stories):
-    cfg, params, _ = stories
-    tokens, lengths = pad_prompts(PROMPTS)
-    return _rows(generate(params, cfg, tokens, lengths, jax.random.key(0),
-                          max_new_tokens=MAX_NEW, eos=(2,)))
-
-
 @pytest.mark.parametrize("tree", [TREE, DynamicTree(Tree.load("mc_sim_7b_63:32"), 8)],
                          ids=["static", "dynamic"])
-def test_greedy_equals_plain_greedy(stories, drafter, plain_rows, tree):
+def test_greedy_equals_plain_greedy(stories, drafter, story_plain, tree):
     cfg, params, _ = stories
-    tokens, lengths = pad_prompts(PROMPTS)
+    tokens, lengths = pad_prompts(story_plain.prompts)
     out = medusa_generate(params, drafter, cfg, tokens, lengths, jax.random.key(0), tree=tree,
-                          max_new_tokens=MAX_NEW, eos=(2,))
-    assert _rows(out) == plain_rows
+                          max_new_tokens=story_plain.max_new, eos=(2,))
+    assert story_plain.rows(out) == story_plain.rows_plain
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0  # some drafts accepted: the commit path past the root ran
 
 
 def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committed_tokens(
-        stories, drafter):
+        stories, drafter, story_plain):
     """After prefill and 6 Medusa steps (rows of lengths 3 and 7, some drafts accepted), the
     carry `advance` built step by step equals `begin` over prompt + every emitted token, with
     the state's root: each committed token's entry was fed its own aux features and the
     token after it, once."""
     cfg, params, _ = stories
     d = drafter_for(drafter)
-    tokens, lengths = pad_prompts([PROMPTS[0], PROMPTS[2]])
+    prompts = [story_plain.prompts[0], story_plain.prompts[2]]
+    tokens, lengths = pad_prompts(prompts)
     b = tokens.shape[0]
     rows = Rows.of(Sampling(), b, 64, ())
     cap = 96
@@ -90,8 +75,7 @@ def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committe
     count = np.asarray(s.count)
     assert np.all(np.asarray(s.draft.length) == np.asarray(s.cache.lengths))
     assert np.any(count > 6)  # drafts were accepted in some step
-    seqs = [list(PROMPTS[i]) + np.asarray(out[r, :count[r]]).tolist()
-            for r, i in enumerate((0, 2))]
+    seqs = [list(p) + np.asarray(out[r, :count[r]]).tolist() for r, p in enumerate(prompts)]
     full, full_len = pad_prompts(seqs)
 
     @jax.jit
@@ -114,57 +98,33 @@ def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committe
         assert float(jnp.max(jnp.abs(want.v[r, :n] - s.draft.v[r, :n]))) < 1e-4
 
 
-# a 3-layer toy backbone (EAGLE-3 reads three distinct layers) of 8 words: P(x1, x2) exact
-V = 8
-TOY = ModelConfig(model_type="llama", vocab_size=V, hidden_size=16, intermediate_size=24,
-                  num_layers=3, num_heads=2, num_kv_heads=1, head_dim=8,
-                  max_position_embeddings=64)
-TOY_PROMPT = [1, 3, 5]
-
-
-def _next_probs(params, seqs, sampling):
-    from medusa_jax.decoding.acceptance import log_probs
-
-    seqs = np.asarray(seqs)
-    b, t = seqs.shape
-    cache = KVCache.init(TOY, b, t)
-    logits, _, _ = forward(params, TOY, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (b, t)),
-                           causal_mask(cache.lengths, t, t), cache)
-    return np.exp(np.asarray(log_probs(logits[:, -1], sampling), np.float64))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_rejection_sampling_is_lossless(chi_square_ok, dynamic):
-    """EAGLE-3's drafts (a reduced draft vocabulary of 6 of the 8 words), on a static tree and
-    on a dynamic one (its per-row choice from the drafter's own log-probabilities): the first
-    two sampled tokens follow plain sampling's exact joint distribution."""
-    params = jax.jit(lambda k: init_params(TOY, k, std=0.6))(jax.random.key(0))
-    c = eagle3.default_config(TOY, 6, aux_layers=(0, 1, 2))
-    heads = bind(jax.jit(lambda k: eagle3.init_eagle3(k, c, np.arange(V), std=0.5))(
-        jax.random.key(2)), c, TOY)
+def test_rejection_sampling_is_lossless(toy_lm, chi_square_ok, dynamic):
+    """EAGLE-3's drafts (a reduced draft vocabulary of 6 of the 8 words) over toy_lm's
+    vocabulary on 3 layers (EAGLE-3 reads three), on a static tree and on a dynamic one (its
+    per-row choice from the drafter's own log-probabilities): the first two sampled tokens
+    follow plain sampling's exact joint distribution."""
+    toy = toy_lm.CFG.replace(num_layers=3)
+    params = jax.jit(lambda k: init_params(toy, k, std=0.6))(jax.random.key(0))
+    c = eagle3.default_config(toy, 6, aux_layers=(0, 1, 2))
+    heads = bind(jax.jit(lambda k: eagle3.init_eagle3(k, c, np.arange(toy_lm.V), std=0.5))(
+        jax.random.key(2)), c, toy)
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
     tree = DynamicTree(tree, 3) if dynamic else tree
-    sampling = Sampling(mode="rejection", temperature=1.0)
-    p1 = _next_probs(params, [TOY_PROMPT], sampling)[0]
-    p2 = _next_probs(params, [TOY_PROMPT + [x] for x in range(V)], sampling)
-    exact = p1[:, None] * p2
-    rows = 4000
-    tokens, lengths = pad_prompts([TOY_PROMPT] * rows)
-    out = medusa_generate(params, heads, TOY, tokens, lengths, jax.random.key(7), tree=tree,
+    sampling = toy_lm.SAMPLINGS[0]
+    exact = toy_lm.exact_pair_distribution(params, sampling, toy)
+    tokens, lengths = pad_prompts([toy_lm.PROMPT] * 4000)
+    out = medusa_generate(params, heads, toy, tokens, lengths, jax.random.key(7), tree=tree,
                           sampling=sampling, max_new_tokens=3)
-    got = np.asarray(out.tokens)
-    assert np.all(np.asarray(out.num_new) >= 2)
-    counts = np.zeros((V, V))
-    np.add.at(counts, (got[:, 0], got[:, 1]), 1)
-    ok, ratio = chi_square_ok(counts.ravel(), exact.ravel())
+    ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
     assert ok, f"EAGLE-3 rejection sampling is not lossless: chi2/critical = {ratio:.2f}"
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0.05 * hist.sum()  # drafts are accepted: the test has teeth
 
 
 def test_our_artifact_and_the_published_layout_load_bound_and_decode_alike(
-        tmp_path, stories, drafter, plain_rows, one_line_error):
+        tmp_path, stories, drafter, story_plain, one_line_error):
     cfg, params, _ = stories
     file = heads_formats.save_heads(tmp_path / "ours", drafter, cfg, {"note": "x"})
     ours, meta = heads_formats.load_heads(tmp_path / "ours", cfg)
@@ -186,7 +146,7 @@ def test_our_artifact_and_the_published_layout_load_bound_and_decode_alike(
                    "3-layer")
 
 
-def test_the_serving_engine_gives_offline_tokens(stories, drafter, plain_rows):
+def test_the_serving_engine_gives_offline_tokens(stories, drafter, story_plain):
     from medusa_jax.api import Medusa
     from medusa_jax.serving.engine import Engine, generate_offline  # noqa: F401
 
@@ -199,22 +159,22 @@ def test_the_serving_engine_gives_offline_tokens(stories, drafter, plain_rows):
 
         from medusa_jax.serving.engine import Request
         results = []
-        for p in PROMPTS:
+        for p in story_plain.prompts:
             out, done = [], threading.Event()
-            e.submit(Request(prompt=list(p), max_tokens=MAX_NEW, stop_ids=(2,),
+            e.submit(Request(prompt=list(p), max_tokens=story_plain.max_new, stop_ids=(2,),
                              on_event=lambda t, f, err, out=out, done=done: (
                                  out.extend(t), f is not None and done.set())))
             results.append((out, done))
         for out, done in results:
             assert done.wait(300)
-        assert [out for out, _ in results] == plain_rows
+        assert [out for out, _ in results] == story_plain.rows_plain
     finally:
         e.stop()
     with pytest.raises(ValueError, match="plain_above"):
         Engine(m, slots=2, max_context=128, plain_above=1)
 
 
-def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, plain_rows):
+def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, story_plain):
     """`--heads eagle`: the drafter `train.eagle` trains by default, bound to its config by
     load_heads; greedy output identical, and over two tokens per step on the 16 nodes
     of the published tree (a random drafter: about one)."""
@@ -223,8 +183,8 @@ def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, plain_row
     cfg, params, _ = stories
     heads, meta = heads_formats.load_heads(default_eagle_heads_dir(), cfg)
     assert meta["kind"] == "eagle3" and heads.drafter.aux_layers == AUX
-    tokens, lengths = pad_prompts(PROMPTS)
+    tokens, lengths = pad_prompts(story_plain.prompts)
     out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0), tree=TREE,
-                          max_new_tokens=MAX_NEW, eos=(2,))
-    assert _rows(out) == plain_rows
-    assert sum(len(r) for r in plain_rows) / int(np.sum(out.steps)) > 2.0
+                          max_new_tokens=story_plain.max_new, eos=(2,))
+    assert story_plain.rows(out) == story_plain.rows_plain
+    assert sum(len(r) for r in story_plain.rows_plain) / int(np.sum(out.steps)) > 2.0

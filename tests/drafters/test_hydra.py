@@ -9,7 +9,7 @@ import pytest
 from medusa_jax.api import Medusa, default_hydra_heads_dir
 from medusa_jax.decoding import decode
 from medusa_jax.decoding.acceptance import Sampling, rejection
-from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.hydra import heads as hydra
@@ -18,13 +18,6 @@ from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.model.backbone import init_params
 
 BIG_TREE = Tree.load("mc_sim_7b_63")
-PROMPTS = [[1, 400, 30], [1, 50], [1, 9, 9, 9, 100, 7, 300]]
-MAX_NEW = 40
-
-
-def _rows(out):
-    return [np.asarray(out.tokens[i, :int(out.num_new[i])]).tolist()
-            for i in range(len(out.num_new))]
 
 
 @pytest.fixture(scope="module")
@@ -33,28 +26,20 @@ def story_heads(stories, noisy_hydra):
     return jax.jit(lambda p: noisy_hydra(hydra.init_hydra(cfg, p, 5, 2), 0.05, 3))(params)
 
 
-@pytest.fixture(scope="module")
-def plain_rows(stories):
-    cfg, params, _ = stories
-    tokens, lengths = pad_prompts(PROMPTS)
-    return _rows(generate(params, cfg, tokens, lengths, jax.random.key(0),
-                          max_new_tokens=MAX_NEW, eos=(2,)))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [BIG_TREE, DynamicTree(Tree.load("mc_sim_7b_63:16"), 6)],
                          ids=["static", "dynamic"])
-def test_hydra_greedy_equals_plain_greedy(stories, story_heads, plain_rows, tree):
+def test_hydra_greedy_equals_plain_greedy(stories, story_heads, story_plain, tree):
     cfg, params, _ = stories
-    tokens, lengths = pad_prompts(PROMPTS)
+    tokens, lengths = pad_prompts(story_plain.prompts)
     trained, _ = heads_formats.load_heads(default_hydra_heads_dir(), cfg)
     steps = []
     for heads in (story_heads, trained):  # same shapes: one compile
         out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0),
-                              tree=tree, max_new_tokens=MAX_NEW, eos=(2,))
-        assert _rows(out) == plain_rows
+                              tree=tree, max_new_tokens=story_plain.max_new, eos=(2,))
+        assert story_plain.rows(out) == story_plain.rows_plain
         steps.append(int(np.sum(out.steps)))
-    tokens_per_step = sum(len(r) for r in plain_rows) / steps[1]
+    tokens_per_step = sum(len(r) for r in story_plain.rows_plain) / steps[1]
     assert tokens_per_step > 2.0  # the trained heads draft along their paths
 
 
