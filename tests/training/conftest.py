@@ -95,3 +95,23 @@ def toy_train():
 
     return SimpleNamespace(CFG=CFG, K=K, make_params=make_params, random_batch=random_batch,
                            setup=setup, toy_rows=toy_rows, train=train)
+
+
+@pytest.fixture(scope="session")
+def one_device_step():
+    """`one_device_step(method, cfg)`: a recipe's `Method` on a 1-device mesh ->
+    (fresh TrainState, its jitted train step)."""
+    def build(method, cfg):
+        import jax
+        import numpy as np
+
+        from medusa_jax.training import step as ts
+
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                                 ("data", "fsdp", "model"))
+        state, shardings = ts.create_state(method.params, method.tx, mesh,
+                                           ts.param_axes(cfg, method.params))
+        return state, ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings,
+                                         mesh, method.schedule)
+
+    return build

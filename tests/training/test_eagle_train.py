@@ -133,19 +133,14 @@ def _rows(n=8, t=24, seed=3):
 
 
 @pytest.mark.slow
-def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
+def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
     rows = _rows()
     cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=3, aux_layers=AUX, draft_vocab=24,
                       warmup_ratio=0.0)
     c = eagle3.default_config(CFG, 24, AUX)
     params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
     method = recipe.Eagle3.method(cfg, CFG, params, 30, c)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
-                             ("data", "fsdp", "model"))
-    state, shardings = ts.create_state(method.params, method.tx, mesh,
-                                       ts.param_axes(CFG, method.params))
-    step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
-                              method.schedule)
+    state, step = one_device_step(method, CFG)
     batch = rows.rows(np.arange(8))
     before = jax.tree.map(np.asarray, state.params["backbone"])
     maps = {n: np.asarray(state.params["heads"][n]) for n in recipe.MAPS}

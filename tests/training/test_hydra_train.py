@@ -68,19 +68,14 @@ def test_teacher_forced_logits_are_the_drafting_logits(tiny):
 
 
 @pytest.mark.slow
-def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny):
+def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
     params, _ = tiny
     p = {"backbone": params, "heads": hydra.init_hydra(CFG, params, 3, 2)}
     cfg = HydraConfig(lr=3e-2, eval_prompts=0)
     from medusa_jax.training.recipes.hydra import Hydra
 
     method = Hydra.method(cfg, CFG, p, 30)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
-                             ("data", "fsdp", "model"))
-    state, shardings = ts.create_state(method.params, method.tx, mesh,
-                                       ts.param_axes(CFG, method.params))
-    step = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
-                              method.schedule)
+    state, step = one_device_step(method, CFG)
     batch = _batch(b=4, t=24, seed=3)
     before = jax.tree.map(np.asarray, state.params["backbone"])
     losses = []
