@@ -95,6 +95,26 @@ def test_sampling_modes_match_one_device_with_the_same_key(embedded, mode):
     assert got["medusa"] == want["medusa"]
 
 
+@pytest.mark.slow
+def test_eagle3_drafter_greedy_matches_one_device(embedded):
+    """An EAGLE-3 drafter (replicated; its parameters bound to their drafter) on a sharded
+    backbone: the aux features it reads come from the sharded layers. Its cache writes must
+    not become collectives: on the simulated CPU devices those can wait on the backbone's
+    for every thread of XLA's pool (an abort after 40 s, in some runs only)."""
+    from medusa_jax.drafters.eagle3 import heads as eagle3
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    cfg, params, _, prompts, want = embedded
+    c = eagle3.default_config(cfg, 256, aux_layers=(1, 2, 4))
+    drafter = bind(eagle3.init_eagle3(jax.random.key(3), c, np.arange(cfg.vocab_size), std=0.2),
+                   c, cfg)
+    got = _decode(cfg, params, drafter, prompts, sharding.make_mesh("data=2,model=4"),
+                  plain=False, compiled=True)
+    assert got["medusa"] == want["plain"]
+    hlo = got["compiled"].as_text()
+    assert "all-gather" not in "".join(line for line in hlo.splitlines() if "scatter" in line)
+
+
 # ----------------------------------------------------------------------------- architectures
 
 ARCHS = {

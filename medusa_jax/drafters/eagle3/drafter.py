@@ -30,7 +30,7 @@ from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.hydra.heads import tree_plan
-from medusa_jax.model.backbone import Params
+from medusa_jax.model.backbone import MAX_UNROLLED_ROWS, Params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
 
@@ -56,8 +56,8 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
     """Append up to T entries per row: aux [B, T, 3*Ht] the backbone's features of T tokens
     at positions length + j, next_tokens [B, T] the token after each (its embedding is the
     entry's other input), n_valid [B] how many of the T are real (0: the row is unchanged).
-    `embed`: tokens [B, T] -> [B, T, H] (the backbone's embedding). Entries past the cache
-    are dropped (size it to the backbone's capacity)."""
+    `embed`: tokens [B, T] -> [B, T, H] (the backbone's embedding). Size the carry to the
+    backbone's cache: the backbone's own writes keep length + T within it."""
     b, t = next_tokens.shape
     s = carry.k.shape[1]
     hidden = eagle3.features(heads, aux.astype(carry.out.dtype))
@@ -67,12 +67,28 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
                             jnp.broadcast_to(eagle3.causal_mask(t), (b, t, t))], axis=-1)
     out, k_new, v_new = eagle3.layer(heads, c, embed(next_tokens), hidden, pos, carry.k,
                                      carry.v, mask)
-    rows = jnp.arange(b)[:, None]
-    k = carry.k.at[rows, pos].set(k_new.astype(carry.k.dtype), mode="drop")
-    v = carry.v.at[rows, pos].set(v_new.astype(carry.v.dtype), mode="drop")
+    k = _write_rows(carry.k, k_new.astype(carry.k.dtype), carry.length)
+    v = _write_rows(carry.v, v_new.astype(carry.v.dtype), carry.length)
     last = out[jnp.arange(b), jnp.clip(n_valid - 1, 0, t - 1)]
     return Eagle3Carry(k=k, v=v, out=jnp.where((n_valid > 0)[:, None], last, carry.out),
                        length=carry.length + n_valid.astype(jnp.int32))
+
+
+def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+    """cache [B, S, ...], new [B, T, ...]: row b's T entries go to slots starts[b] ... (the
+    caller keeps starts[b] + T <= S for the rows it reads). One in-place update per row, as
+    the backbone writes its cache (`backbone.MAX_UNROLLED_ROWS`). Under a mesh a scatter
+    here is partitioned into all-gathers over parts of `model`, which run beside the
+    backbone's collectives; on XLA:CPU's simulated devices such concurrent collectives can
+    hold every thread of the shared pool while they wait for each other."""
+    if cache.shape[0] > MAX_UNROLLED_ROWS:
+        return jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, 0))(
+            cache, new, starts)
+    zero = jnp.zeros((), jnp.int32)
+    for b in range(cache.shape[0]):
+        at = (jnp.int32(b), starts[b].astype(jnp.int32)) + (zero,) * (cache.ndim - 2)
+        cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], at)
+    return cache
 
 
 @dataclasses.dataclass(frozen=True)
