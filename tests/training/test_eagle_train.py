@@ -158,6 +158,36 @@ def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
         np.testing.assert_array_equal(maps[n], np.asarray(state.params["heads"][n]))
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+def test_a_step_on_a_mesh_equals_the_one_device_step(tiny, one_device_step):
+    """The one trainer's data/fsdp mesh (8 simulated devices, the rows split 8 ways; the
+    drafter replicated) computes the 1-device step's losses, accuracies and updates."""
+    from medusa_jax.runtime import sharding
+
+    rows = _rows()
+    cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=3, aux_layers=AUX, draft_vocab=24,
+                      warmup_ratio=0.0)
+    c = eagle3.default_config(CFG, 24, AUX)
+    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
+    method = recipe.Eagle3.method(cfg, CFG, params, 30, c)
+    one, step1 = one_device_step(method, CFG)
+    mesh = sharding.make_mesh("data=2,fsdp=4")
+    many, shardings = ts.create_state(method.params, method.tx, mesh,
+                                      ts.param_axes(CFG, method.params))
+    step8 = ts.make_train_step(method.loss_fn, method.tx, method.labels, shardings, mesh,
+                               method.schedule)
+    assert len(many.params["heads"]["fc"].sharding.device_set) == 8
+    for seed in range(3):
+        batch = rows.rows(np.random.default_rng(seed).permutation(8))
+        one, m1 = step1(one, batch)
+        many, m8 = step8(many, sharding.shard_batch(batch, mesh))
+        np.testing.assert_allclose(float(m1["loss"]), float(m8["loss"]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(m1["top1"]), np.asarray(m8["top1"]), atol=1e-6)
+    for n in eagle3.WEIGHTS:
+        np.testing.assert_allclose(np.asarray(one.params["heads"][n]),
+                                   np.asarray(many.params["heads"][n]), atol=1e-5, err_msg=n)
+
+
 def test_default_aux_layers():
     assert default_aux_layers(5) == (1, 2, 4)  # the embedded model
     assert default_aux_layers(32) == (2, 16, 29)  # EAGLE's rule (backbone.eagle3_layers)
