@@ -1,7 +1,8 @@
 """Multi-host training: 2 processes x 4 CPU devices on 127.0.0.1.
 
 The same run as 2 processes (gloo collectives, a free port per launch), as 1 process x 8
-devices and as 1 device gives the same losses and heads; killing a process mid-run and
+devices and as 1 device gives the same losses and heads (Medusa heads; an EAGLE-3 drafter's
+2 processes equal its 1 process); killing a process mid-run and
 resuming all of them from the last checkpoint gives the uninterrupted run's heads; a process
 that cannot reach its coordinator fails with one line within its timeout.
 """
@@ -55,15 +56,21 @@ def _env(devices: int):
     return env
 
 
-def _launch(run: Path, data: Path, n: int, *extra, devices: int = 4, mesh="data=2,fsdp=4"):
+# train.eagle through the same trainer: its own flags in place of --num-heads
+_HEADS = FLAGS.index("--num-heads")
+EAGLE_FLAGS = FLAGS[:_HEADS] + FLAGS[_HEADS + 2:] + ["--ttt-steps", "2", "--draft-vocab", "64"]
+
+
+def _launch(run: Path, data: Path, n: int, *extra, devices: int = 4, mesh="data=2,fsdp=4",
+            command="train.medusa1", flags=FLAGS):
     port = _free_port()
     procs = []
     for i in range(n):
         dist = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(n),
                 "--process-id", str(i)] if n > 1 else []
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "train.medusa1", "--output-dir", str(run), "--data",
-             str(data), "--mesh", mesh, *FLAGS, *dist, "--init-timeout", "60", *extra],
+            [sys.executable, "-m", command, "--output-dir", str(run), "--data",
+             str(data), "--mesh", mesh, *flags, *dist, "--init-timeout", "60", *extra],
             cwd=ROOT, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
     return procs
@@ -131,6 +138,18 @@ def test_kill_one_process_and_resume_all_equals_uninterrupted(tmp_path, data_fil
     assert not (run / "heads").exists()  # it had not finished
     _finish(_launch(run, data_file, 2, "--resume", str(run)))
     _close(_result(two_processes), _result(run))
+
+
+@pytest.mark.slow
+def test_eagle3_two_processes_equal_one_process(tmp_path, data_file):
+    """train.eagle (an EAGLE-3 drafter, replicated; rows over 2 x 4 devices) as 2 processes
+    gives the 1-process x 8-device run's losses and drafter."""
+    kw = dict(command="train.eagle", flags=EAGLE_FLAGS)
+    two = _launch(tmp_path / "two", data_file, 2, **kw)
+    one = _launch(tmp_path / "one", data_file, 1, devices=8, **kw)
+    outs = _finish(two + one, timeout=240)
+    assert "process 1 of 2, 8 devices" in outs[1][0]
+    _close(_result(tmp_path / "two"), _result(tmp_path / "one"))
 
 
 def test_unreachable_coordinator_fails_in_one_line(tmp_path, data_file):
