@@ -1,7 +1,7 @@
 """Tensor-parallel decoding on 8 simulated CPU devices.
 
-Plain and Medusa decoding under `data x model` meshes give the tokens of the 1-device run
-(greedy, and rejection/typical with the same key), on the embedded model and on random small
+Plain, Medusa and EAGLE-3 decoding under `data x model` meshes give the tokens of the 1-device
+run (greedy, and rejection/typical with the same key), on the embedded model and on random small
 configs of every architecture (GQA whose KV heads do not divide the axis included); the
 compiled decoder's parameter and KV-cache buffers per device are 1/model of the whole.
 """
@@ -95,24 +95,40 @@ def test_sampling_modes_match_one_device_with_the_same_key(embedded, mode):
     assert got["medusa"] == want["medusa"]
 
 
+def _eagle3(cfg):
+    """A random EAGLE-3 drafter over the 256 first ids, bound to its configuration."""
+    from medusa_jax.drafters.eagle3 import heads as eagle3
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    c = eagle3.default_config(cfg, 256, aux_layers=(1, 2, 4))
+    return bind(eagle3.init_eagle3(jax.random.key(3), c, np.arange(cfg.vocab_size), std=0.2),
+                c, cfg)
+
+
 @pytest.mark.slow
 def test_eagle3_drafter_greedy_matches_one_device(embedded):
     """An EAGLE-3 drafter (replicated; its parameters bound to their drafter) on a sharded
     backbone: the aux features it reads come from the sharded layers. Its cache writes must
     not become collectives: on the simulated CPU devices those can wait on the backbone's
     for every thread of XLA's pool (an abort after 40 s, in some runs only)."""
-    from medusa_jax.drafters.eagle3 import heads as eagle3
-    from medusa_jax.drafters.eagle3.drafter import bind
-
     cfg, params, _, prompts, want = embedded
-    c = eagle3.default_config(cfg, 256, aux_layers=(1, 2, 4))
-    drafter = bind(eagle3.init_eagle3(jax.random.key(3), c, np.arange(cfg.vocab_size), std=0.2),
-                   c, cfg)
-    got = _decode(cfg, params, drafter, prompts, sharding.make_mesh("data=2,model=4"),
+    got = _decode(cfg, params, _eagle3(cfg), prompts, sharding.make_mesh("data=2,model=4"),
                   plain=False, compiled=True)
     assert got["medusa"] == want["plain"]
     hlo = got["compiled"].as_text()
     assert "all-gather" not in "".join(line for line in hlo.splitlines() if "scatter" in line)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["rejection", "typical"])
+def test_eagle3_sampling_modes_match_one_device_with_the_same_key(embedded, mode):
+    cfg, params, _, prompts, _ = embedded
+    s = Sampling(mode=mode, temperature=0.8)
+    drafter = _eagle3(cfg)
+    want = _decode(cfg, params, drafter, prompts, sampling=s, seed=3, plain=False)
+    got = _decode(cfg, params, drafter, prompts, sharding.make_mesh("data=2,model=4"),
+                  sampling=s, seed=3, plain=False)
+    assert got["medusa"] == want["medusa"]
 
 
 # ----------------------------------------------------------------------------- architectures
