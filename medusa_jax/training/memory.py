@@ -90,13 +90,12 @@ def compile_step(recipe, cfg, model_cfg: ModelConfig, mesh) -> Compiled:
     dtypes = recipe.backbone_dtypes(cfg)
     mc = model_cfg.replace(**dtypes)
     key = jax.random.key(0)
-    method_of = type(recipe).method
     holder = {}
 
     def build():
         backbone = init_params(mc, key)
         params = recipe.memory_params(cfg, mc, backbone)
-        m = method_of(cfg, mc, params, cfg.steps or cfg.DEFAULT_STEPS)
+        m = recipe.memory_method(cfg, mc, params, cfg.steps or cfg.DEFAULT_STEPS)
         holder["method"] = m
         return ts.init_state(params, m.tx)
 
@@ -164,7 +163,7 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
 
     def build():
         params = recipe.memory_params(cfg, mc, init_params(mc, key))
-        m = type(recipe).method(cfg, mc, params, cfg.steps or cfg.DEFAULT_STEPS)
+        m = recipe.memory_method(cfg, mc, params, cfg.steps or cfg.DEFAULT_STEPS)
         return ts.init_state(params, m.tx)
 
     state = jax.eval_shape(build)
@@ -181,14 +180,15 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
         "method": recipe.name, "shape": shape, "layers": full.num_layers,
         "layers_compiled": sorted(runs), "mesh": sharding.mesh_str(mesh),
         "devices": mesh.size, "platform": devices[0].platform,
-        "batch_size": cfg.batch_size, "batch_per_device": cfg.batch_size // sharding.batch_ways(mesh),
+        "batch_size": cfg.batch_size,
+        "batch_per_device": cfg.batch_size // sharding.batch_ways(mesh),
         "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "dtype": cfg.dtype,
         "backbone_param_dtype": dtypes["param_dtype"], "num_heads": cfg.num_heads,
         "head_layers": cfg.num_layers, "loss_chunking": ts.loss_chunking(
             cfg.seq_len, cfg.batch_size // cfg.grad_accum // sharding.batch_ways(mesh),
             cfg.num_heads, getattr(cfg, "reduced_vocab", 0) or full.vocab_size,
             cfg.loss_chunk, 1 if cfg.shared_proj else cfg.num_heads, not cfg.shared_proj),
-        "remat": bool(getattr(cfg, "remat", False)),
+        "remat": bool(getattr(cfg, "remat", False)), "heads": recipe.memory_heads(cfg),
         "per_device_bytes": total, "parts_bytes": parts, "params_bytes": params,
         "temporaries_bytes_by_layers": {str(n): int(r.memory.temp_size_in_bytes)
                                         for n, r in runs.items()},
@@ -223,7 +223,8 @@ def print_report(r: dict):
           f"({r['devices']} {r['platform']} devices), batch {r['batch_size']} "
           f"({r['batch_per_device']} per device) x {r['seq_len']} tokens, grad-accum "
           f"{r['grad_accum']}, backbone {r['dtype']} (weights {r['backbone_param_dtype']}), "
-          f"{r['num_heads']} heads, heads' loss {_chunking(r['loss_chunking'])}"
+          + (r.get("heads") or f"{r['num_heads']} heads, heads' loss "
+                                 f"{_chunking(r['loss_chunking'])}")
           + (", remat" if r["remat"] else ""))
     print("per-device memory:")
     names = {"params": "parameters", "optimizer_state": "optimizer state",

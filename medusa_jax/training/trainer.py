@@ -118,6 +118,16 @@ class Recipe:
     def build(self, ctx: Context, total_steps: int) -> Method:
         raise NotImplementedError
 
+    def memory_method(self, cfg: TrainConfig, model_cfg, params: dict,
+                      total_steps: int) -> Method:
+        """The Method `--memory-report` compiles, for `memory_params`' parameters."""
+        return type(self).method(cfg, model_cfg, params, total_steps)
+
+    def memory_heads(self, cfg: TrainConfig) -> str | None:
+        """What the memory report says it trains (None: `cfg.num_heads` heads and their
+        loss's chunking)."""
+        return None
+
     def batch(self, batch: dict, step: int) -> dict:
         """A host batch before it is sharded (Medusa-2 adds the step)."""
         return batch

@@ -115,6 +115,7 @@ def test_eagle3_drafter_greedy_matches_one_device(embedded):
     got = _decode(cfg, params, _eagle3(cfg), prompts, sharding.make_mesh("data=2,model=4"),
                   plain=False, compiled=True)
     assert got["medusa"] == want["plain"]
+    assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(got["heads"]))
     hlo = got["compiled"].as_text()
     assert "all-gather" not in "".join(line for line in hlo.splitlines() if "scatter" in line)
 

@@ -102,3 +102,31 @@ def test_micro_batch_not_divisible_by_the_mesh_fails_before_any_work(tmp_path, c
                       "--output-dir", str(run)])
     assert "2 rows per micro-batch is not divisible by the 4 batch shards" in str(e.value)
     assert not run.exists()
+
+
+@pytest.mark.slow
+def test_eagle_report_counts_the_drafter_and_its_adam_moments_exactly(capsys):
+    """train.eagle's report: the drafter the run would train (the shape's default aux layers,
+    the given draft vocabulary), its weights' two Adam moments (d2t/t2d frozen), and a
+    compiled depth that cannot hold the aux layers is a one-line error."""
+    from medusa_jax.drafters.eagle3 import heads as eagle3
+    from train.eagle import command
+
+    args = ["--memory-report", "--shape", SHAPE, "--batch-size", "4", "--seq-len", "128",
+            "--draft-vocab", "8000", "--ttt-steps", "2", "--json"]
+    command.main(args)
+    r = json.loads(capsys.readouterr().out)
+    cfg = memory.model_config(SHAPE)
+    c = eagle3.default_config(cfg, 8000, (1, 3, 5))  # the 6-layer shape's default layers
+    shapes = eagle3.param_shapes(c)
+    n_all = sum(int(np.prod(shapes[n])) for n in eagle3.NAMES)
+    n_trained = sum(int(np.prod(shapes[n])) for n in eagle3.WEIGHTS)
+    assert r["params_bytes"]["heads"] == 4 * n_all
+    assert 0 <= r["parts_bytes"]["optimizer_state"] - 2 * 4 * n_trained < 64
+    assert r["method"] == "eagle3" and "layers [1, 3, 5]" in r["heads"]
+    assert r["layers_compiled"] == [6]
+    with pytest.raises(SystemExit) as e:
+        command.main([*args, "--memory-layers", "2,3"])
+    msg = str(e.value)
+    assert msg.startswith("error: --memory-layers") and "give depths of at least 4" in msg
+    assert "\n" not in msg

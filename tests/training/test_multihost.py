@@ -142,8 +142,8 @@ def test_kill_one_process_and_resume_all_equals_uninterrupted(tmp_path, data_fil
 
 @pytest.mark.slow
 def test_eagle3_two_processes_equal_one_process(tmp_path, data_file):
-    """train.eagle (an EAGLE-3 drafter, replicated; rows over 2 x 4 devices) as 2 processes
-    gives the 1-process x 8-device run's losses and drafter."""
+    """train.eagle (an EAGLE-3 drafter split over fsdp; rows over 2 x 4 devices) as 2
+    processes gives the 1-process x 8-device run's losses and drafter."""
     kw = dict(command="train.eagle", flags=EAGLE_FLAGS)
     two = _launch(tmp_path / "two", data_file, 2, **kw)
     one = _launch(tmp_path / "one", data_file, 1, devices=8, **kw)

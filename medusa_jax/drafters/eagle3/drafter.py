@@ -177,7 +177,7 @@ class Eagle3Drafter:
 
     @classmethod
     def axes(cls, heads: Params) -> dict:
-        return {n: () for n in heads}  # no axes named: replicated (`sharding.spec_for`)
+        return {n: eagle3.AXES.get(n, ()) for n in heads}  # norms, token maps: replicated
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":

@@ -112,6 +112,21 @@ def param_shapes(c: Eagle3Config) -> dict[str, tuple]:
     }
 
 
+# Logical axes (`runtime.sharding`): only "embed" has a rule, fsdp's. Training splits the
+# drafter's weights and their optimizer state over fsdp by the hidden dimension; decoding
+# (model-axis rules only) keeps them whole on every device, so drafting needs no collectives.
+AXES = {
+    "fc": ("eagle_features", "embed"),
+    "wq": ("embed", "eagle_heads", "eagle_head_dim"),
+    "wk": ("embed", "eagle_kv_heads", "eagle_head_dim"),
+    "wv": ("embed", "eagle_kv_heads", "eagle_head_dim"),
+    "wo": ("eagle_heads", "eagle_head_dim", "embed"),
+    "w_gate": ("embed", "eagle_mlp"), "w_up": ("embed", "eagle_mlp"),
+    "w_down": ("eagle_mlp", "embed"),
+    "lm_head": ("embed", "eagle_vocab"),
+}
+
+
 def vocab_maps(counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """The reference trainer's draft vocabulary (`Model.scandata`): the `draft_vocab_size`
     most frequent target tokens, kept in target-id order. counts [V] token frequencies ->

@@ -308,8 +308,26 @@ class Eagle3(Recipe):
                       totals_fn=lambda batch: eagle3_totals(batch, steps))
 
     def memory_params(self, cfg, model_cfg, backbone) -> dict:
-        raise ValueError("--memory-report does not cover train.eagle yet (it compiles the "
-                         "step at 1 and 2 layers, fewer than the drafter's three aux layers)")
+        """The drafter the run would train (its aux layers and draft vocabulary from the
+        flags and the shape; the draft ids are placeholders of the same size). At a depth
+        below the shape's (--memory-layers) the default aux layers are that depth's."""
+        n = model_cfg.num_layers
+        need = 4 if cfg.aux_layers is None else max(cfg.aux_layers) + 1
+        if n < need:
+            raise ValueError(f"--memory-layers: train.eagle's step compiled at {n} layers "
+                             f"cannot read the drafter's aux layers; give depths of at least "
+                             f"{need}")
+        aux, vd = cfg.drafter_shape(model_cfg)
+        self.config = eagle3.default_config(model_cfg, vd, aux)
+        return self.params(cfg, model_cfg, backbone, self.config)
+
+    def memory_method(self, cfg, model_cfg, params, total_steps) -> Method:
+        return self.method(cfg, model_cfg, params, total_steps, self.config)
+
+    def memory_heads(self, cfg) -> str:
+        c = self.config
+        return (f"an EAGLE-3 drafter over layers {list(c.aux_layers)} (draft vocabulary "
+                f"{c.draft_vocab_size}, {cfg.ttt_steps} training-time-test steps)")
 
     def heads_artifact(self, ctx: Context, heads: Params) -> Params:
         out = {n: np.asarray(heads[n], np.float32) for n in eagle3.WEIGHTS}
