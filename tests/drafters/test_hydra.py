@@ -7,8 +7,6 @@ import numpy as np
 import pytest
 
 from medusa_jax.api import Medusa, default_hydra_heads_dir
-from medusa_jax.decoding import decode
-from medusa_jax.decoding.acceptance import Sampling, rejection
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats as heads_formats
@@ -70,32 +68,21 @@ def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok)
     assert hist[2:].sum() > 0.05 * hist.sum()  # drafts are accepted, the test has teeth
 
 
-def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, tiny_hydra):
+def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, tiny_hydra,
+                                                                      walks_into_unverified):
     """Hydra's dynamic proposal marks the pool nodes it did not choose as unverified; even
-    when the target puts almost all mass on such a node's token, rejection never accepts it."""
-    V, CFG, TREE = toy_lm.V, toy_lm.CFG, toy_lm.TREE
+    when the target puts almost all mass on such a node's token, rejection never accepts it
+    (and does, for some rows, without the proposal's mask)."""
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
     params, heads = tiny_hydra
     rows, tree = 128, DynamicTree(TREE, 2)
     hidden = jax.random.normal(jax.random.key(5), (rows, CFG.hidden_size))
     root = jnp.full((rows,), 3, jnp.int32)
     prop = jax.jit(lambda p, h, x, r: HydraDrafter().propose(p, h, x, r, tree))(
         params, heads, hidden[None], root)
-    valid = np.asarray(prop.valid)
-    tokens = np.asarray(prop.tokens)
-    assert not valid.all() and valid[:, 0].all()
-    # per row: the token of an unverified child of the root gets the target's mass
-    children = [i for i, p in enumerate(TREE.paths_ranks, start=1) if len(p) == 1]
-    target = np.zeros(rows, np.int64)
-    for r in range(rows):
-        unver = [c for c in children if not valid[r, c]]
-        target[r] = tokens[r, unver[0]] if unver else tokens[r, children[0]]
-    logits = jnp.zeros((rows, TREE.num_nodes, V)).at[jnp.arange(rows), :, target].set(12.0)
-    keys = jax.random.split(jax.random.key(3), rows)
-    best, acc_len, _ = jax.jit(lambda *a: rejection(a[0], a[1], TREE, Sampling(
-        mode="rejection"), a[2], a[3]))(logits, prop.tokens, keys, prop.valid)
-    paths = np.asarray(TREE.paths)[np.asarray(best)]
-    for r, (path, n) in enumerate(zip(paths, np.asarray(acc_len))):
-        assert valid[r, path[1:n + 1]].all()
+    with_mask, without = walks_into_unverified(tree.pool, prop, toy_lm.V)
+    assert not any(with_mask)
+    assert any(without)
 
 
 def test_hydra_artifact_round_trip_and_strict_load(toy_lm, tmp_path, tiny_hydra):

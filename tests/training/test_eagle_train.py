@@ -132,15 +132,20 @@ def _rows(n=8, t=24, seed=3):
                        loss_mask=np.tile(np.arange(t) >= 2, (n, 1)))
 
 
-@pytest.mark.slow
-def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
-    rows = _rows()
+def _method(backbone, rows):
+    """The recipe's Method for a 24-id drafter over `rows`, 3 training-time-test steps."""
     cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=3, aux_layers=AUX, draft_vocab=24,
                       warmup_ratio=0.0)
     c = eagle3.default_config(CFG, 24, AUX)
-    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
-    method = recipe.Eagle3.method(cfg, CFG, params, 30, c)
-    state, step = one_device_step(method, CFG)
+    params = recipe.Eagle3.params(cfg, CFG, backbone, c,
+                                  recipe.label_counts(rows, CFG.vocab_size))
+    return recipe.Eagle3.method(cfg, CFG, params, 30, c)
+
+
+@pytest.mark.slow
+def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
+    rows = _rows()
+    state, step = one_device_step(_method(tiny, rows), CFG)
     batch = rows.rows(np.arange(8))
     before = jax.tree.map(np.asarray, state.params["backbone"])
     maps = {n: np.asarray(state.params["heads"][n]) for n in recipe.MAPS}
@@ -166,11 +171,7 @@ def test_a_step_on_a_mesh_equals_the_one_device_step(tiny, one_device_step):
     from medusa_jax.runtime import sharding
 
     rows = _rows()
-    cfg = EagleConfig(lr=1e-2, eval_prompts=0, ttt_steps=3, aux_layers=AUX, draft_vocab=24,
-                      warmup_ratio=0.0)
-    c = eagle3.default_config(CFG, 24, AUX)
-    params = recipe.Eagle3.params(cfg, CFG, tiny, c, recipe.label_counts(rows, CFG.vocab_size))
-    method = recipe.Eagle3.method(cfg, CFG, params, 30, c)
+    method = _method(tiny, rows)
     one, step1 = one_device_step(method, CFG)
     mesh = sharding.make_mesh("data=2,fsdp=4")
     many, shardings = ts.create_state(method.params, method.tx, mesh,
