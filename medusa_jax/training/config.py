@@ -346,7 +346,7 @@ class EagleConfig(TrainConfig):
         return self
 
     def tree_heads(self) -> int | None:
-        return self.ttt_steps  # the depth the drafter is trained to draft
+        return None  # any depth: the drafter runs on its own outputs (as it decodes)
 
     def check_model(self, model_cfg) -> None:
         self.drafter_shape(model_cfg)

@@ -219,6 +219,14 @@ def test_bad_flags_are_one_line_errors(flags, needle, tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_fewer_steps_than_the_benchmark_trees_depth_is_fine(tmp_path):
+    """The drafter drafts any depth on its own outputs: --ttt-steps below the depth of the
+    closing benchmark's tree (the default mc_sim_7b_63, depth 4) is no error."""
+    cfg, _, _ = train_eagle.command.parse_args(["--output-dir", str(tmp_path / "run"),
+                                                "--ttt-steps", "2"])
+    assert cfg.ttt_steps == 2 and not (tmp_path / "run").exists()
+
+
 TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "24",
         "--distill-batch-size", "8", "--batch-size", "4", "--seq-len", "64",
         "--eval-prompts", "0", "--save-every", "2", "--log-every", "1", "--eval-every", "2",
