@@ -115,6 +115,11 @@ class Recipe:
 
     head_label = "head"  # what one entry of the per-head metrics is called in the report
 
+    def tree_depth(self, ctx: Context, heads: Params) -> int | None:
+        """How deep a tree the trained drafter fills (None: any depth); the closing
+        benchmark's trees are checked against it."""
+        return self.num_heads(ctx, heads)
+
     def build(self, ctx: Context, total_steps: int) -> Method:
         raise NotImplementedError
 
@@ -377,7 +382,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         check = DecodingCheck(
             backbone=jax.device_put(decoding_layout(model_cfg, decode_backbone)),
             heads=jax.device_put(heads), cfg=model_cfg, prompts=bench_prompts[:cfg.eval_prompts],
-            trees=benchmark_trees(cfg, num_heads), eos=ctx.stops,
+            trees=benchmark_trees(cfg, recipe.tree_depth(ctx, heads)), eos=ctx.stops,
             max_new_tokens=cfg.eval_max_new_tokens, name=recipe.name)
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -410,7 +415,7 @@ class TrainResult:
     decoding: DecodingCheck | None = None
 
 
-def benchmark_trees(cfg: TrainConfig, num_heads: int) -> list[Tree]:
+def benchmark_trees(cfg: TrainConfig, num_heads: int | None) -> list[Tree]:
     """The model's default tree (the one it decodes with) when it fits these heads, then
     --tree when that differs."""
     trees = []

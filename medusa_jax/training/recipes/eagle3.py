@@ -279,6 +279,9 @@ class Eagle3(Recipe):
     def num_heads(self, ctx: Context, heads: Params) -> int:
         return ctx.cfg.ttt_steps
 
+    def tree_depth(self, ctx: Context, heads: Params) -> None:
+        return None  # any depth: the drafter runs on its own outputs
+
     @staticmethod
     def params(cfg: EagleConfig, model_cfg: ModelConfig, backbone: Params,
                c: eagle3.Eagle3Config, counts=None) -> dict:
