@@ -92,10 +92,9 @@ def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
     (`eagle3.ttt_logits`) -> (the loss, the per-step losses [S]), with the backbone's side
     (its argmax, whether that is in the draft vocabulary, its softmax over the draft
     vocabulary) computed once and moved i + 1 positions for step i instead of recomputed per
-    step. The same values
-    (tests/training/test_eagle_train.py), except at a position whose target lies past the
-    row's end, which is never counted here (`eagle3.ttt_loss` scores it against a uniform
-    target where the loss mask is set there; `labels_for`'s never is)."""
+    step. The same values (tests/training/test_eagle_train.py), except at a position whose
+    target lies past the row's end, which is never counted here (`eagle3.ttt_loss` scores it
+    against a uniform target where the loss mask is set there; `labels_for`'s never is)."""
     steps = logits.shape[0]
     tgt = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
     in_draft = jnp.asarray(heads["t2d"], bool)[jnp.argmax(tgt, axis=-1)]  # [B, T]
