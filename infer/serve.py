@@ -10,11 +10,12 @@ chunk, then the server exits.
 
 Start-up: the flags, paths and the address are checked first (before JAX is imported),
 the port opens as soon as the model is loaded, and the engine's programs compile while it
-is open (--warmup): one prefill and insert per prompt bucket, one step per attention
-window and slot bucket (a call computes only the leading slots in use), a line each with
-its time. /health answers 503 {"status": "starting"} until the programs a short first
-request needs are in, then 200 {"status": "ok"}; a request that needs a program not
-compiled yet waits for it. What trades start-up for coverage: fewer --prefill-buckets or
+is open (--warmup): one prefill and insert per prompt bucket and prefill batch (waiting
+requests are prefilled together, --prefill-batch), one step per attention window and slot
+bucket (a call computes only the leading slots in use), a line each with its time.
+/health answers 503 {"status": "starting"} until the programs a short first request needs
+are in, then 200 {"status": "ok"}; a request that needs a program not compiled yet waits
+for it. What trades start-up for coverage: fewer --prefill-buckets, --prefill-batch or
 --slot-buckets and a larger --window-block mean fewer programs (more padding, wider
 attention per step, more idle rows per call); a smaller --max-context means fewer of both;
 --warmup all compiles everything before the port opens (no waiting later). The persistent
@@ -86,6 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slot counts a step is compiled for, e.g. 1,4,16 (default: powers of "
                         "two below --slots, and --slots): a call computes the smallest that "
                         "holds the slots in use; fewer: a faster start, more idle rows")
+    p.add_argument("--short-call-ms", type=options.nonnegative_float, default=20.0,
+                   metavar="MS",
+                   help="while a slot is free or a request waits, a call runs only as many "
+                        "of its --steps-per-call steps as fit MS milliseconds at the measured "
+                        "step time, so a new request's prefill waits less (0: always all)")
+    p.add_argument("--prefill-batch", type=options.positive_int, default=4, metavar="N",
+                   help="at most N waiting requests prefilled in one call (batches of 1, 2, "
+                        "4 ... N; 1: one at a time, fewer programs)")
     p.add_argument("--plain-above-slots", type=options.int_in(0), default=None, metavar="N",
                    help="with heads: plain steps while more than N slots are live (where a "
                         "batch of trees costs more than it gains; default: always Medusa)")
@@ -209,7 +218,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
                         buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
-                        plain_above=args.plain_above_slots,
+                        plain_above=args.plain_above_slots, prefill_batch=args.prefill_batch,
+                        short_call_ms=args.short_call_ms or None,
                         acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -220,8 +230,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     n = len(engine.programs())
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
-        f"{args.warmup}; --prefill-buckets, --slot-buckets, --window-block and --max-context "
-        f"set how many)")
+        f"{args.warmup}; --prefill-buckets, --prefill-batch, --slot-buckets, --window-block and "
+        f"--max-context set how many)")
 
     def ready_note():
         engine._ready.wait()

@@ -167,6 +167,17 @@ nonnegative_int = int_in(0, 2**63 - 1, bounds="must be in 0..2**63-1")  # what n
 seed_int = int_in(-2**63, 2**63 - 1, bounds="must be in -2**63..2**63-1")  # jax.random.key's
 
 
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def name_list(text: str) -> str:
     """argparse type: comma-separated names without empty entries (kept as the string)."""
     if any(not x.strip() for x in text.split(",")):

@@ -10,9 +10,10 @@ plain step.
 The serving loop of JetStream / jax-llm-examples, three jitted programs, each compiled once
 per shape it uses (all before serving, or in the background while the first requests are
 served with the first shapes compiled, or each when first needed: `Engine.start`'s warmup):
-  - `prefill` (one request, its prompt right-padded to a bucket): a one-row state (its
-    cache, its first token chosen with its own sampling, the drafter started);
-  - `insert` (the decode state donated): puts a prefilled request into slot b;
+  - `prefill` (N waiting requests together, N a prefill batch bucket, their prompts
+    right-padded to a length bucket): an N-row state (their caches, their first tokens
+    chosen with their own sampling, the drafter started);
+  - `insert` (the decode state donated): puts row j of a prefilled batch into slot b;
   - `step`: K shared steps for the first R slots in one call (R a slot bucket holding the
     highest slot in use), each slot at its own length; returns a fixed [R, K*W] token
     buffer and per-slot counts (W: a step's tokens at most). Under load (`plain_above`) a
@@ -85,21 +86,40 @@ def init_state(cfg: ModelConfig, params, slots: int, capacity: int, width: int,
         rows=jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), slots, axis=0), rows))
 
 
-def prefill(params, heads, tokens: jax.Array, length: jax.Array, key: jax.Array, rows: Rows,
+def prefill(params, heads, tokens: jax.Array, lengths: jax.Array, keys: jax.Array, rows: Rows,
             *, cfg: ModelConfig, drafter, tree, capacity: int | None = None) -> DecodeState:
-    """One request: tokens [1, P] right-padded, length [1], key [1, ...] key data (uint32),
-    rows: its one row. A one-row state whose root is its first token (drafter None: plain);
-    `capacity`: a slot's cache length, which a drafter's own carry is sized to."""
+    """N requests at once: tokens [N, P] right-padded, lengths [N], keys [N, ...] key data
+    (uint32), rows: their N rows. An N-row state whose roots are their first tokens (drafter
+    None: plain); `capacity`: a slot's cache length, which a drafter's own carry is sized
+    to."""
     width = 1 if drafter is None else static_tree(tree).depth + 1
-    return step.start(params, cfg, tokens, length, jax.random.wrap_key_data(key), rows,
+    return step.start(params, cfg, tokens, lengths, jax.random.wrap_key_data(keys), rows,
                       tokens.shape[1], drafter, heads, width, draft_capacity=capacity)
 
 
-def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, *,
+def take_row(pre: DecodeState, row: jax.Array, axis: int) -> DecodeState:
+    """Row `row` (int32 scalar) of a prefilled batch, as a one-row state; `axis`: the
+    drafter carry's batch axis."""
+    one = lambda a, ax=0: jax.lax.dynamic_slice_in_dim(a, row, 1, ax)  # noqa: E731
+    c = pre.cache
+    if isinstance(c.k, tuple):  # per layer [B*KVH, P, D]: row b's heads at b*KVH ..
+        kvh = c.k[0].shape[0] // pre.root.shape[0]
+        heads = lambda a: jax.lax.dynamic_slice_in_dim(a, row * kvh, kvh, 0)  # noqa: E731
+        k, v = tuple(map(heads, c.k)), tuple(map(heads, c.v))
+    else:  # [L, B, KVH, P, D]
+        k, v = one(c.k, 1), one(c.v, 1)
+    draft = None if pre.draft is None else jax.tree.map(lambda a: one(a, axis), pre.draft)
+    fields = {f: jax.tree.map(one, getattr(pre, f)) for f in _ROW_FIELDS}
+    return pre.replace(cache=c.replace(k=k, v=v, lengths=one(c.lengths)), draft=draft,
+                       **fields)
+
+
+def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array, *,
            axis: int) -> DecodeState:
-    """Put a prefilled request (one row) into slot `slot` (int32 scalar); `axis`: the
+    """Put row `row` of a prefilled batch into slot `slot` (int32 scalars); `axis`: the
     drafter carry's batch axis. A first token that ends the request leaves the slot idle
     (the host hands it out)."""
+    pre = take_row(pre, row, axis)
     c, pc = state.cache, pre.cache
     if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]; row b's heads at b*KVH ..
         kvh = pc.k[0].shape[0]
@@ -145,10 +165,11 @@ def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeSt
     return full.replace(cache=full.cache.put_leading(sub.cache), draft=draft, **put)
 
 
-def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tree, k: int,
-                window: int, rows: int | None = None,
+def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelConfig, drafter,
+                tree, k: int, window: int, rows: int | None = None,
                 plain: bool = False) -> tuple[DecodeState, StepOut]:
-    """`k` shared steps (`decoding.step`) in one call: Medusa steps (a drafter and its
+    """`steps` (int32 scalar, 1..k) shared steps (`decoding.step`) in one call, the token
+    buffer sized for `k` (one program serves every count): Medusa steps (a drafter and its
     prepared `heads`, `tree`) or plain steps (drafter None), attending over the first
     `window` cache slots, for the first `rows` slots (default all: the others must be free).
     `plain`: plain steps on a Medusa engine's state (its drafter carry left as it is: the
@@ -178,8 +199,8 @@ def engine_step(params, heads, s: DecodeState, *, cfg: ModelConfig, drafter, tre
 
     zeros = jnp.zeros((b,), jnp.int32)
     s0 = s
-    s, buf, counts = jax.lax.fori_loop(0, k, body, (s, jnp.zeros((b, k * width), jnp.int32),
-                                                    zeros))
+    s, buf, counts = jax.lax.fori_loop(0, jnp.clip(steps, 1, k), body,
+                                       (s, jnp.zeros((b, k * width), jnp.int32), zeros))
     out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
                   lengths=s.cache.lengths, done=s.done)
     return (put_leading_rows(full, s, axis) if part else s), out
@@ -219,7 +240,7 @@ class Request:
 class _Slot:
     req: Request | None = None
     known_len: int = 0  # cache length at the last read
-    unread: int = 0  # steps dispatched since then
+    unread: int = 0  # steps dispatched since then (in calls not read yet)
     limit: int = 0  # prompt + max_tokens: the length never exceeds it while live
     skip: int = 0  # tokens the device will emit that the host has handed out already
 
@@ -235,7 +256,10 @@ class Metrics:
         self.step_tokens = 0  # tokens those steps emitted
         self.calls = 0
         self.calls_by_slots = collections.Counter()  # slot bucket -> step calls computing it
+        self.calls_by_steps = collections.Counter()  # steps in a call -> calls
         self.plain_calls = 0  # of a Medusa engine, under load (`plain_above`)
+        self.prefill_calls = 0
+        self.prefills_by_batch = collections.Counter()  # prompts in a call -> calls
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
         self.ttft_count = 0
@@ -244,26 +268,37 @@ class Metrics:
 class Engine:
     """Continuous batching over `slots` slots of `model` (a `medusa_jax.api.Medusa`).
 
-    medusa: use the heads (Medusa or Hydra: any registered drafter) and `tree` (a static
-    tree or "dynamic:N"; default: with heads). acceptance: how a Medusa engine's sampled
-    rows (temperature > 0) accept a tree: "rejection" (lossless) or "typical" (the paper's
-    typical acceptance; epsilon and delta as `Sampling`'s). steps_per_call: K steps per
-    `step` call. max_context: the KV cache's length per slot (default: the model's
-    context). window_block: attention windows are compiled in multiples of this.
-    max_queue: waiting requests past which `submit` raises QueueFull. buckets: the prompt
-    lengths prefill is compiled for (default: powers of two from 16, and the context); a
-    prompt is padded to the smallest that holds it. slot_buckets: the slot counts `step` is
-    compiled for (default: powers of two below `slots`, and `slots`): a call computes the
-    smallest that holds the highest slot in use (requests take the lowest free slot), so
-    one client pays for one row. plain_above: a Medusa engine's calls are plain steps while
-    more than this many slots are live (where a batch of trees costs more than it gains;
-    default None: always Medusa)."""
+    - medusa: use the heads (Medusa or Hydra: any registered drafter) and `tree` (a static
+      tree or "dynamic:N"; default: with heads).
+    - acceptance: how a Medusa engine's sampled rows (temperature > 0) accept a tree:
+      "rejection" (lossless) or "typical" (the paper's typical acceptance; epsilon and delta
+      as `Sampling`'s).
+    - steps_per_call: K, the steps of a `step` call (at most, with `short_call_ms`).
+    - short_call_ms: while a slot is free or a request waits, a call runs only as many of
+      its K steps as fit this many milliseconds at the measured step time (at least one;
+      one compiled program runs any count up to K), so a request arriving meanwhile waits
+      less for its prefill; None: always K.
+    - max_context: the KV cache's length per slot (default: the model's context).
+    - window_block: attention windows are compiled in multiples of this.
+    - max_queue: waiting requests past which `submit` raises QueueFull.
+    - buckets: the prompt lengths prefill is compiled for (default: powers of two from 16,
+      and the context); a prompt is padded to the smallest that holds it.
+    - prefill_batch: at most this many waiting requests are prefilled in one call (batches
+      of powers of two below it, and it; 1: one at a time): the weights are read once for
+      all of them.
+    - slot_buckets: the slot counts `step` is compiled for (default: powers of two below
+      `slots`, and `slots`): a call computes the smallest that holds the highest slot in
+      use (requests take the lowest free slot), so one client pays for one row.
+    - plain_above: a Medusa engine's calls are plain steps while more than this many slots
+      are live (where a batch of trees costs more than it gains; default None: always
+      Medusa)."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
                  buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
                  slot_buckets: tuple[int, ...] | None = None, plain_above: int | None = None,
+                 prefill_batch: int = 4, short_call_ms: float | None = 20.0,
                  log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
@@ -313,6 +348,10 @@ class Engine:
             raise ValueError(f"slot buckets must be in 1..{slots} (the slots), "
                              f"got {list(slot_buckets)}")
         self.slot_buckets = sorted({int(r) for r in slot_buckets} | {slots})
+        if not isinstance(prefill_batch, int) or prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be an integer >= 1, got {prefill_batch!r}")
+        most = min(prefill_batch, slots)  # more than the slots never fit at once
+        self.prefill_batches = sorted({2**i for i in range(most.bit_length())} | {most})
         if plain_above is not None and self.drafter is not None and self.drafter.aux_layers:
             raise ValueError(f"plain_above={plain_above}: a {self.drafter.kind} drafter keeps "
                              f"its own cache of every committed token, which plain steps do "
@@ -322,6 +361,12 @@ class Engine:
                              f"Medusa engine, got {plain_above!r}"
                              + ("" if use_medusa else " on a plain engine"))
         self.plain_above = plain_above
+        if short_call_ms is not None and not short_call_ms > 0:
+            raise ValueError(f"short_call_ms must be > 0 (or None: always K steps), "
+                             f"got {short_call_ms!r}")
+        self.short_call_ms = short_call_ms
+        self._step_ms: dict[tuple[str, int], float] = {}  # (kind, slot bucket) -> ms a step
+        self._last_done = 0.0  # when the last call read was seen done
         self.metrics = Metrics()
         self._waiting: collections.deque[Request] = collections.deque()
         self._cv = threading.Condition()
@@ -332,8 +377,8 @@ class Engine:
         self._warm_thread: threading.Thread | None = None
         self.compile_seconds = 0.0  # summed over the programs compiled so far
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        # compiled programs by (kind, size): ("prefill" | "insert", bucket),
-        # ("step", (window, slot bucket))
+        # compiled programs by (kind, size): ("prefill" | "insert", (bucket, batch)),
+        # ("step" | "plain", (window, slot bucket))
         self._programs: dict[tuple[str, object], object] = {}
         self._compile_lock = threading.RLock()  # one compile at a time
         self._demand_cv = threading.Condition()
@@ -385,9 +430,10 @@ class Engine:
         """Every program the engine can use, in the order a warm-up compiles them: what a
         first short request needs (`first_programs`), then what serves any request (the
         longest bucket, the widest window), then the rest from small to large."""
-        b, w, r = self.buckets, self.windows, self.slot_buckets
-        cover = [("step", (w[-1], r[-1])), ("prefill", b[-1]), ("insert", b[-1])]
-        rest = [(k, x) for x in b[1:-1] for k in ("prefill", "insert")] + \
+        b, w, r, n = self.buckets, self.windows, self.slot_buckets, self.prefill_batches
+        cover = [("step", (w[-1], r[-1])), ("prefill", (b[-1], 1)), ("insert", (b[-1], 1))]
+        rest = [(k, (x, 1)) for x in b[1:-1] for k in ("prefill", "insert")] + \
+            [(k, (x, y)) for y in n[1:] for x in b for k in ("prefill", "insert")] + \
             [("step", (x, y)) for y in r for x in w] + \
             [("plain", (x, y)) for y in r for x in w
              if self.plain_above is not None and y > self.plain_above]
@@ -396,7 +442,8 @@ class Engine:
     def first_programs(self) -> list[tuple[str, int]]:
         """The programs a request with a short prompt needs: the smallest prefill bucket,
         its insert, the step over the narrowest window and the fewest slots."""
-        return [("prefill", self.buckets[0]), ("insert", self.buckets[0]),
+        first = (self.buckets[0], 1)
+        return [("prefill", first), ("insert", first),
                 ("step", (self.windows[0], self.slot_buckets[0]))]
 
     def status(self) -> dict:
@@ -476,7 +523,8 @@ class Engine:
     def _size_name(self, kind: str, size) -> str:
         if kind in ("step", "plain"):
             return f"window {size[0]}, {size[1]} slot{'s' if size[1] > 1 else ''}"
-        return f"bucket {size}"
+        bucket, n = size
+        return f"bucket {bucket}" + (f", {n} prompts" if n > 1 else "")
 
     def _build(self, kind: str, size):
         self._setup()
@@ -487,15 +535,19 @@ class Engine:
         t0 = time.perf_counter()
         try:
             if kind == "prefill":
+                bucket, n = size
                 lowered = j["prefill"].lower(
-                    m.params, self._heads_d, np.zeros((1, size), np.int32),
-                    np.ones((1,), np.int32), self._key_data(0), self._rows())
+                    m.params, self._heads_d, np.zeros((n, bucket), np.int32),
+                    np.ones((n,), np.int32), np.concatenate([self._key_data(0)] * n),
+                    self._stack_rows([self._rows()] * n))
                 prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
             elif kind == "insert":
-                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0)).compile()
+                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0),
+                                         np.int32(0)).compile()
             elif kind in ("step", "plain"):
                 window, rows = size
-                prog = j["step"].lower(m.params, self._heads_d, j["state"], cfg=self.cfg,
+                prog = j["step"].lower(m.params, self._heads_d, j["state"], np.int32(1),
+                                       cfg=self.cfg,
                                        drafter=self.drafter, tree=self.tree, k=self.k,
                                        window=window, rows=rows,
                                        plain=kind == "plain").compile()
@@ -556,11 +608,24 @@ class Engine:
         with self._finish_lock:
             self._held = max(0, self._held - 1)
 
-    def _bucket(self, n: int) -> int:
-        """The bucket a prompt of n tokens is prefilled in: the smallest compiled one that
-        holds it, else the smallest that does (compiled now)."""
+    def _bucket(self, n: int, batch: int = 1) -> int:
+        """The bucket a prompt of n tokens is prefilled in, in a batch of `batch`: the
+        smallest compiled one that holds it, else the smallest that does (compiled now)."""
         fits = [b for b in self.buckets if b >= n]
-        return next((b for b in fits if ("insert", b) in self._programs), fits[0])
+        return next((b for b in fits if ("insert", (b, batch)) in self._programs), fits[0])
+
+    def _batch(self, waiting: int) -> int:
+        """Prompts to prefill in one call when `waiting` can be admitted now: the largest
+        batch bucket that holds no more than them, compiled ones first (a compile would
+        hold every one of them back)."""
+        fits = [n for n in self.prefill_batches if n <= waiting]
+        compiled = [n for n in fits if any(("insert", (b, n)) in self._programs
+                                           for b in self.buckets)]
+        return max(compiled or fits)
+
+    @staticmethod
+    def _stack_rows(rows: list[Rows]) -> Rows:
+        return jax.tree.map(lambda *x: np.concatenate(x), *rows)
 
     # --- public
 
@@ -683,47 +748,74 @@ class Engine:
             return np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
         return np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
 
-    def _admit(self) -> list[tuple[Request, int, jax.Array]]:
-        """Prefill and insert waiting requests into free slots. Returns (request, slot, its
-        first token on the device) for each: `_first_tokens` hands them out."""
+    def _admit(self) -> list[tuple[Request, int, jax.Array, int]]:
+        """Prefill waiting requests, several in one call where they fit the same bucket, and
+        insert them into free slots. Returns (request, slot, the batch's first tokens on the
+        device, its row) for each: `_first_tokens` hands them out."""
         admitted = []
         while True:
             with self._cv:
                 free = [i for i, s in enumerate(self._slots) if s.req is None]
-                if not free or not self._waiting:
-                    return admitted
-                req = self._waiting.popleft()
-            if req.cancelled:
-                self._finish(req, "cancelled")
-                continue
-            i = free[0]
-            n = len(req.prompt)
-            bucket = self._bucket(n)
-            tokens = np.zeros((1, bucket), np.int32)
-            tokens[0, :n] = req.prompt
-            stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
-            rows = self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
-                              req.top_p, req.max_tokens, stop)
-            pre = self._program("prefill", bucket)(self.model.params, self._heads_d, tokens,
-                                                   np.array([n], np.int32),
-                                                   self._key_data(req.seed), rows)
+                gone = []
+                while self._waiting and self._waiting[0].cancelled:
+                    gone.append(self._waiting.popleft())
+                batch = []
+                if free and self._waiting:
+                    # the head's bucket, and the requests behind it that fit there (one
+                    # cancelled meanwhile is finished by `_first_tokens`)
+                    n = self._batch(min(len(free), len(self._waiting)))
+                    bucket = self._bucket(len(self._waiting[0].prompt), n)
+                    batch = [r for r in itertools.islice(self._waiting, len(free))
+                             if len(r.prompt) <= bucket][:n]
+                    batch = batch[:self._batch(len(batch))]
+                    for r in batch:
+                        self._waiting.remove(r)
+            for r in gone:
+                self._finish(r, "cancelled")
+            if not batch:
+                if gone:
+                    continue
+                return admitted
+            n = len(batch)
+            bucket = self._bucket(max(len(r.prompt) for r in batch), n)
+            tokens = np.zeros((n, bucket), np.int32)
+            lengths = np.array([len(r.prompt) for r in batch], np.int32)
+            rows = []
+            for j, req in enumerate(batch):
+                tokens[j, :lengths[j]] = req.prompt
+                stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
+                rows.append(self._rows(req.temperature if req.temperature > 0 else 0.0,
+                                       req.top_k, req.top_p, req.max_tokens, stop))
+            keys = np.concatenate([self._key_data(r.seed) for r in batch])
+            pre = self._program("prefill", (bucket, n))(self.model.params, self._heads_d,
+                                                        tokens, lengths, keys,
+                                                        self._stack_rows(rows))
             pre.root.copy_to_host_async()
-            self._state = self._program("insert", bucket)(self._state, pre, np.int32(i))
-            # the first token goes out now (`_first_tokens`); the slot's first step emits it
-            # again, and that copy is skipped
-            self._slots[i] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens,
-                                   skip=1)
-            self.metrics.prompt_tokens += n
-            admitted.append((req, i, pre.root))
+            self.metrics.prefill_calls += 1
+            self.metrics.prefills_by_batch[n] += 1
+            insert = self._program("insert", (bucket, n))
+            for j, (req, i) in enumerate(zip(batch, free)):
+                self._state = insert(self._state, pre, np.int32(i), np.int32(j))
+                # the first token goes out now (`_first_tokens`); the slot's first step
+                # emits it again, and that copy is skipped
+                length = int(lengths[j])
+                self._slots[i] = _Slot(req=req, known_len=length, unread=0,
+                                       limit=length + req.max_tokens, skip=1)
+                self.metrics.prompt_tokens += length
+                admitted.append((req, i, pre.root, j))
 
     def _first_tokens(self, admitted):
-        for req, i, root in admitted:
+        roots = {}  # one read per prefill batch
+        for req, i, root, j in admitted:
             if self._slots[i].req is not req:
                 continue
             if req.cancelled:
                 self._finish(req, "cancelled")
                 self._slots[i] = _Slot()
-            elif self._deliver(req, [int(np.asarray(root)[0])]):
+                continue
+            if id(root) not in roots:
+                roots[id(root)] = np.asarray(root)
+            if self._deliver(req, [int(roots[id(root)][j])]):
                 self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
 
     def _step_kind(self) -> str:
@@ -731,17 +823,18 @@ class Engine:
         live = sum(s.req is not None for s in self._slots)
         return "plain" if self.plain_above is not None and live > self.plain_above else "step"
 
-    def _step_size(self, kind: str = "step") -> tuple[int, int]:
-        """(window, slot bucket) of the next call: the narrowest window every live slot's
-        K steps fit in, over the fewest slots that hold the highest one in use; a compiled
-        program that covers both if the smallest is not compiled yet."""
+    def _step_size(self, kind: str = "step", steps: int | None = None) -> tuple[int, int]:
+        """(window, slot bucket) of the next call of `steps` steps (default K): the narrowest
+        window every live slot's steps fit in, over the fewest slots that hold the highest
+        one in use; a compiled program that covers both if the smallest is not compiled
+        yet."""
+        steps = self.k if steps is None else steps
         need, used = 0, 0
-        per_call = self.k * self.width
         for i, s in enumerate(self._slots):
             if s.req is not None:
                 used = i + 1
-                start = min(s.known_len + s.unread * per_call, s.limit)
-                need = max(need, min(start + (self.k - 1) * self.width, s.limit) + self.fed)
+                start = min(s.known_len + s.unread * self.width, s.limit)
+                need = max(need, min(start + (steps - 1) * self.width, s.limit) + self.fed)
         windows = [w for w in self.windows if w >= need] or self.windows[-1:]
         counts = [r for r in self.slot_buckets if r >= used]
         fits = [(w, r) for r in counts for w in windows]
@@ -757,18 +850,45 @@ class Engine:
         ended after all, the next iteration dispatches once its tokens are read (only the
         overlap of one call with the host's work is lost)."""
         m = self.metrics
-        per_call = self.k * (m.step_tokens / m.slot_steps if m.slot_steps else 1.0)
-        return all(s.unread > 0 and s.known_len + s.unread * per_call >= s.limit
+        per_step = m.step_tokens / m.slot_steps if m.slot_steps else 1.0
+        return all(s.unread > 0 and s.known_len + s.unread * per_step >= s.limit
                    for s in self._slots if s.req is not None)
 
-    def _process(self, out, owners: list[Request | None]):
+    def _call_steps(self, kind: str, rows: int) -> int:
+        """Steps for the next call: K while every slot is busy and nobody waits; else as
+        many as keep the call within `short_call_ms` at the step time measured for this
+        kind and slot bucket (1 until measured), so that a request arriving now waits less
+        for the calls ahead of its prefill."""
+        if self.short_call_ms is None or self.k == 1:
+            return self.k
+        if self._waiting or any(s.req is None for s in self._slots):
+            step_ms = self._step_ms.get((kind, rows))
+            if step_ms is None:
+                return 1
+            return int(min(self.k, max(1, self.short_call_ms // step_ms)))
+        return self.k
+
+    def _timed(self, call: tuple, done: float):
+        """Update the step time of a call read at `done` (perf_counter seconds): it ran
+        from its dispatch or the previous call's end, whichever is later (calls run in
+        order); a call queued behind a prefill is not timed."""
+        kind, rows, steps, dispatched, behind_prefill = call
+        began, self._last_done = max(dispatched, self._last_done), done
+        if behind_prefill:
+            return
+        ms = (done - began) * 1e3 / steps
+        old = self._step_ms.get((kind, rows))
+        self._step_ms[(kind, rows)] = ms if old is None else 0.8 * old + 0.2 * ms
+
+    def _process(self, out, owners: list[Request | None], call: tuple):
         tokens, counts, steps, lengths = (np.asarray(x) for x in
                                           (out.tokens, out.counts, out.steps, out.lengths))
+        self._timed(call, time.perf_counter())
         for i, req in enumerate(owners[:len(counts)]):  # the call's slots: the others are free
             slot = self._slots[i]
             if req is None or slot.req is not req:
                 continue  # the slot changed hands: these tokens belong to nobody now
-            slot.known_len, slot.unread = int(lengths[i]), slot.unread - 1
+            slot.known_len, slot.unread = int(lengths[i]), slot.unread - call[2]
             if req.cancelled:
                 self._slots[i] = _Slot()
                 self._finish(req, "cancelled")
@@ -802,18 +922,22 @@ class Engine:
                 if any(s.req is not None for s in self._slots) and not self._ending():
                     owners = [s.req for s in self._slots]
                     kind = self._step_kind()
-                    size = self._step_size(kind)
+                    steps = self._call_steps(kind, self._step_size(kind)[1])
+                    size = self._step_size(kind, steps)
                     step = self._program(kind, size)
-                    self._state, out = step(self.model.params, self._heads_d, self._state)
+                    dispatched = time.perf_counter()
+                    self._state, out = step(self.model.params, self._heads_d, self._state,
+                                            np.int32(steps))
                     for x in (out.tokens, out.counts, out.steps, out.lengths):
                         x.copy_to_host_async()
                     for s in self._slots:
                         if s.req is not None:
-                            s.unread += 1
+                            s.unread += steps
                     self.metrics.calls += 1
                     self.metrics.calls_by_slots[size[1]] += 1
+                    self.metrics.calls_by_steps[steps] += 1
                     self.metrics.plain_calls += kind == "plain"
-                    nxt = (out, owners)
+                    nxt = (out, owners, (kind, size[1], steps, dispatched, bool(admitted)))
                 self._first_tokens(admitted)  # while the step runs
                 if pending is not None:
                     self._process(*pending)

@@ -344,6 +344,12 @@ class ServerMetrics:
         for n in e.slot_buckets:
             self.calls_by_slots.labels(slots=str(n))
         self._synced_by_slots = collections.Counter()
+        self.prefills_by_batch = Counter("medusa_prefill_calls_by_batch", "Prefill calls by "
+                                         "the prompts they prefilled together", ["prompts"],
+                                         registry=r)
+        for n in e.prefill_batches:
+            self.prefills_by_batch.labels(prompts=str(n))
+        self._synced_by_batch = collections.Counter()
         m = e.metrics
         Gauge("medusa_tokens_per_step", "Tokens per live slot step (accepted length + 1)",
               registry=r).set_function(lambda: m.step_tokens / max(m.slot_steps, 1))
@@ -373,6 +379,10 @@ class ServerMetrics:
             if now > self._synced_by_slots[n]:
                 self.calls_by_slots.labels(slots=str(n)).inc(now - self._synced_by_slots[n])
                 self._synced_by_slots[n] = now
+        for n, now in list(m.prefills_by_batch.items()):
+            if now > self._synced_by_batch[n]:
+                self.prefills_by_batch.labels(prompts=str(n)).inc(now - self._synced_by_batch[n])
+                self._synced_by_batch[n] = now
         return generate_latest(self.registry).decode()
 
 

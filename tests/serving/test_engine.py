@@ -4,6 +4,7 @@ sampled slots are reproducible by seed and keep plain sampling's distribution; a
 never sees its previous request's tokens."""
 
 import collections
+import functools
 import threading
 import time
 
@@ -205,13 +206,144 @@ def test_slot_buckets_out_of_range_are_refused_in_one_line(model):
         Engine(model, slots=4, max_context=CONTEXT, slot_buckets=(8,))
 
 
+def _burst(engine, prompts, max_tokens, **kw):
+    """Submit every prompt before the engine thread looks (it waits on the lock we hold), so
+    they are admitted together; each one's tokens. max_tokens: one for all, or a list."""
+    limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
+    with engine._cv:
+        runs = [_submit(engine, p, n, **kw) for p, n in zip(prompts, limits)]
+    for _, _, done, _ in runs:
+        assert done.wait(120)
+    return [out for _, out, _, _ in runs]
+
+
 def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     kw = dict(temperature=0.9, top_k=20, seed=1234)
     a = generate_offline(medusa_engine, [prompts[0]], NEW, **kw)[0]
-    # the same request again, now sharing the batch with others
+    # the same request again, sharing its batch with others, then prefilled beside them
     b = generate_offline(medusa_engine, [prompts[2], prompts[0], prompts[3]], NEW, **kw)[1]
+    before = medusa_engine.metrics.prefills_by_batch[SLOTS]
+    burst = _burst(medusa_engine, [prompts[2], prompts[0], prompts[3], prompts[5]], NEW, **kw)
+    assert medusa_engine.metrics.prefills_by_batch[SLOTS] == before + 1
     c = generate_offline(medusa_engine, [prompts[0]], NEW, **dict(kw, seed=99))[0]
-    assert a == b and a != c
+    assert a == b == burst[1] and a != c
+
+
+@pytest.mark.parametrize("which", ["medusa", "plain"])
+def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, prompts,
+                                                                reference):
+    """More waiting requests than slots, of different lengths: the free slots' requests are
+    prefilled in one call (a batch of SLOTS), the rest in batches as slots free up, and every
+    request keeps offline decoding's tokens."""
+    e = request.getfixturevalue(f"{which}_engine")
+    assert e.prefill_batches == [1, 2, 4] == [1, 2, SLOTS]
+    before = collections.Counter(e.metrics.prefills_by_batch)
+    calls = e.metrics.prefill_calls
+    n = 2 * SLOTS + 1
+    assert len({len(p) for p in prompts[:n]}) > 3
+    assert _burst(e, prompts[:n], NEW) == reference[:n]
+    used = collections.Counter(e.metrics.prefills_by_batch)
+    used.subtract(before)
+    assert used[SLOTS] >= 1 and sum(k * v for k, v in used.items()) == n, used
+    assert e.metrics.prefill_calls - calls < n
+
+
+@pytest.mark.parametrize("which", ["medusa", "plain"])
+def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, model, prompts,
+                                                              reference):
+    """With a slot free or a request waiting, a call runs as few steps as fit
+    `short_call_ms` (here: one); with every slot busy and nobody waiting, all K. The same
+    compiled programs serve both, and the tokens stay offline decoding's."""
+    e = request.getfixturevalue(f"{which}_engine")
+    assert e.k == 4
+    before = collections.Counter(e.metrics.calls_by_steps)
+    compiled = len(e._programs)
+    e.short_call_ms = 1e-9  # shorter than any step: one step a call while a slot is free
+    long = 3 * NEW  # every slot busy at first, then one alone
+    try:
+        out = _burst(e, prompts[:SLOTS], [NEW] * (SLOTS - 1) + [long])
+    finally:
+        e.short_call_ms = 20.0
+    assert out[:-1] == reference[:SLOTS - 1]
+    assert out[-1] == model.generate([prompts[SLOTS - 1]], max_new_tokens=long)[0].token_ids
+    used = collections.Counter(e.metrics.calls_by_steps)
+    used.subtract(before)
+    assert used[1] > 0 and used[e.k] > 0 and set(+used) <= {1, e.k}, used
+    assert len(e._programs) == compiled
+
+
+def test_a_step_time_sets_the_steps_of_a_call(model):
+    e = Engine(model, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               steps_per_call=8, short_call_ms=20.0)
+    assert e._call_steps("step", 1) == 1  # not measured yet: one step
+    e._timed(("step", 1, 2, 0.0, False), 0.012)  # 2 steps in 12 ms
+    assert e._step_ms[("step", 1)] == pytest.approx(6.0)
+    assert e._call_steps("step", 1) == 3
+    e._timed(("step", 1, 8, 0.0, True), 1.0)  # behind a prefill: not timed
+    assert e._step_ms[("step", 1)] == pytest.approx(6.0)
+    e._slots = [eng_slot(), eng_slot()]  # every slot busy, nobody waiting: all K
+    assert e._call_steps("step", 1) == 8
+    with pytest.raises(ValueError, match="short_call_ms must be > 0"):
+        Engine(model, slots=2, max_context=CONTEXT, short_call_ms=0)
+
+
+def eng_slot():
+    from medusa_jax.serving.engine import _Slot
+
+    return _Slot(req=Request(prompt=[1], max_tokens=1, on_event=lambda *a: None))
+
+
+@pytest.mark.parametrize("layout", ["decoding", "standard"])
+def test_insert_puts_each_row_of_a_batched_prefill_as_its_own_prefill(model, prompts, layout):
+    """Row j of a prefill over several prompts, inserted into a slot, gives that slot what a
+    prefill of prompt j alone gives it (caches, first token, drafter carry), in both cache
+    layouts (the decoding layout's per-layer buffers, the stacked one of meshes)."""
+    from medusa_jax.decoding.step import batch_axis
+    from medusa_jax.model.backbone import standard_layout
+    from medusa_jax.serving import engine as eng
+
+    e = Engine(model, slots=3, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW)
+    cfg, tree, drafter = model.cfg, e.tree, e.drafter
+    params = model.params if layout == "decoding" else standard_layout(cfg, model.params)
+    heads = drafter.prepare(model.heads, tree, cpu_kernels=False)
+    pre = jax.jit(functools.partial(eng.prefill, cfg=cfg, drafter=drafter, tree=tree,
+                                    capacity=CONTEXT))
+    ins = jax.jit(functools.partial(eng.insert, axis=batch_axis(drafter)))
+    ps = prompts[:3]
+    rows = [e._rows(0.9 if j == 1 else 0.0, 0, 1.0, NEW, tuple(e.eos)) for j in range(3)]
+    keys = [e._key_data(7 + j) for j in range(3)]
+
+    def prefilled(js):
+        tokens = np.zeros((len(js), 64), np.int32)
+        for i, j in enumerate(js):
+            tokens[i, :len(ps[j])] = ps[j]
+        return pre(params, heads, tokens, np.array([len(ps[j]) for j in js], np.int32),
+                   np.concatenate([keys[j] for j in js]), e._stack_rows([rows[j] for j in js]))
+
+    row1 = e._rows()
+    draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         prefilled([0]).draft)
+    axis = batch_axis(drafter)
+    draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape[:axis] + (3,) + x.shape[axis + 1:], x.dtype), draft)
+    empty = lambda: eng.init_state(cfg, params, 3, CONTEXT, e.width, row1, draft)  # noqa: E731
+    together, alone = empty(), empty()
+    batch = prefilled([0, 1, 2])
+    for slot, j in ((2, 0), (0, 1), (1, 2)):  # rows into other slots, out of order
+        together = ins(together, batch, np.int32(slot), np.int32(j))
+        alone = ins(alone, prefilled([j]), np.int32(slot), np.int32(0))
+    assert np.asarray(together.root).tolist() == np.asarray(alone.root).tolist()
+    assert np.asarray(together.cache.lengths).tolist() == [len(ps[1]), len(ps[2]), len(ps[0])]
+    for a, b in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        else:
+            assert np.array_equal(np.asarray(jax.random.key_data(a) if
+                                             jnp.issubdtype(a.dtype, jax.dtypes.prng_key)
+                                             else a),
+                                  np.asarray(jax.random.key_data(b) if
+                                             jnp.issubdtype(b.dtype, jax.dtypes.prng_key)
+                                             else b))
 
 
 @pytest.mark.slow
@@ -289,8 +421,8 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
 
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=(16, 64),
                window_block=WINDOW, max_queue=64)
-    assert e.programs()[:3] == e.first_programs() == [("prefill", 16), ("insert", 16),
-                                                      ("step", (64, 1))]
+    assert e.programs()[:3] == e.first_programs() == [("prefill", (16, 1)),
+                                                      ("insert", (16, 1)), ("step", (64, 1))]
     e.start(warmup)
     try:
         if warmup == "lazy":
@@ -300,8 +432,9 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
             assert e._all_compiled.wait(180)
         else:
             e.compile()  # the rest, now
-        # prefill and insert for 2 buckets, a step for 2 windows x 3 slot buckets (1, 2, 4)
-        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 10
+        # prefill and insert for 2 buckets x 3 prefill batches (1, 2, 4), a step for
+        # 2 windows x 3 slot buckets (1, 2, 4)
+        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 18
         traced = []
         listener = lambda event, *a, **k: traced.append(event) \
             if "compile" in event else None  # noqa: E731

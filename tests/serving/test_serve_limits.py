@@ -29,7 +29,7 @@ MODEL = "stories260K"
 LIMIT = 1 << 20  # the default --max-request-bytes
 # plain decoding: its programs compile faster than Medusa's, and the limits are the same
 ARGS = ["--slots", "4", "--slot-buckets", "1,4", "--max-context", "128", "--prefill-buckets",
-        "64", "--window-block", "64", "--max-queue", "4"]
+        "64", "--prefill-batch", "1", "--window-block", "64", "--max-queue", "4"]
 SHORT = [{"role": "system", "content": "Short stories."}]
 
 
@@ -466,6 +466,8 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--slot-buckets", "16"], "--slot-buckets 16 is more than --slots (8)"),
     (["--plain-above-slots", "8"], "--plain-above-slots 8 must be in 0..7 (below --slots)"),
     (["--slot-buckets", "0,4"], "--slot-buckets: expected positive integers"),
+    (["--short-call-ms", "nan"], "--short-call-ms: must be a finite number >= 0, got nan"),
+    (["--prefill-batch", "0"], "--prefill-batch: must be >= 1, got 0"),
     (["--port", "TAKEN"], "cannot listen there"),
 ])
 def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
