@@ -46,10 +46,15 @@ async def _metrics(client, url) -> dict:
     return out
 
 
-async def one_request(client, url, model, prompt, max_tokens, temperature, cancel_after=None):
-    """Stream one completion. Returns a dict of timings, the text and the token count."""
+async def one_request(client, url, model, prompt, max_tokens, temperature, cancel_after=None,
+                      prompt_cache=True):
+    """Stream one completion. Returns a dict of timings, the text and the token count.
+    prompt_cache False: ask the server not to reuse a cached prompt prefix (llama.cpp's
+    `cache_prompt`)."""
     body = dict(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                 stream=True, stream_options={"include_usage": True}, return_token_ids=True)
+    if not prompt_cache:
+        body["cache_prompt"] = False
     t0 = time.perf_counter()
     times, counts, text, tokens, finish, error = [], [], [], 0, None, None
     chunks = 0
@@ -84,7 +89,7 @@ async def one_request(client, url, model, prompt, max_tokens, temperature, cance
 
 
 async def run_level(url, model, prompts, concurrency, n, max_tokens, temperature,
-                    cancel_fraction=0.0, seed=0):
+                    cancel_fraction=0.0, seed=0, prompt_cache=True):
     import httpx
 
     rng = random.Random(seed)
@@ -102,7 +107,7 @@ async def run_level(url, model, prompts, concurrency, n, max_tokens, temperature
             while not queue.empty():
                 i, p = queue.get_nowait()
                 results[i] = await one_request(client, url, model, p, max_tokens, temperature,
-                                               cancel.get(i))
+                                               cancel.get(i), prompt_cache)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -149,6 +154,10 @@ def build_parser():
     p.add_argument("--model", help="with --check-greedy: the served model's folder "
                                    "(default: the embedded model)")
     p.add_argument("--heads", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-prompt-cache", action="store_true",
+                   help="send cache_prompt: false (llama-server then prefills every prompt "
+                        "in full, as this project's server does; by default it reuses the "
+                        "cached prefix of a prompt it has seen)")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     return p
 
@@ -180,7 +189,8 @@ def main(argv=None) -> int:
             for u in urls:
                 res, wall, acc, _ = asyncio.run(run_level(
                     u, models[u], prompts, c, args.num_requests, args.max_tokens,
-                    args.temperature, args.cancel_fraction, seed=rnd))
+                    args.temperature, args.cancel_fraction, seed=rnd,
+                    prompt_cache=not args.no_prompt_cache))
                 rows.setdefault((u, c), []).append(summarize(res, wall, acc))
                 if args.check_greedy:
                     for i, r in res.items():

@@ -87,11 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slot counts a step is compiled for, e.g. 1,4,16 (default: powers of "
                         "two below --slots, and --slots): a call computes the smallest that "
                         "holds the slots in use; fewer: a faster start, more idle rows")
-    p.add_argument("--short-call-ms", type=options.nonnegative_float, default=20.0,
+    p.add_argument("--short-call-ms", type=options.nonnegative_float, default=0.0,
                    metavar="MS",
                    help="while a slot is free or a request waits, a call runs only as many "
                         "of its --steps-per-call steps as fit MS milliseconds at the measured "
-                        "step time, so a new request's prefill waits less (0: always all)")
+                        "step time: a new request's prefill waits less, at some cost per "
+                        "token (default 0: always all)")
+    p.add_argument("--overlap-ms", type=options.nonnegative_float, default=20.0,
+                   metavar="MS",
+                   help="the next call is dispatched before the current one is read only "
+                        "while calls take less than MS milliseconds; a longer call is read "
+                        "first, so a new request waits behind one call, not two (0: always "
+                        "overlap)")
     p.add_argument("--prefill-batch", type=options.positive_int, default=4, metavar="N",
                    help="at most N waiting requests prefilled in one call (batches of 1, 2, "
                         "4 ... N; 1: one at a time, fewer programs)")
@@ -220,6 +227,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                         buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
                         plain_above=args.plain_above_slots, prefill_batch=args.prefill_batch,
                         short_call_ms=args.short_call_ms or None,
+                        overlap_ms=args.overlap_ms or None,
                         acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -277,7 +277,12 @@ class Engine:
     - short_call_ms: while a slot is free or a request waits, a call runs only as many of
       its K steps as fit this many milliseconds at the measured step time (at least one;
       one compiled program runs any count up to K), so a request arriving meanwhile waits
-      less for its prefill; None: always K.
+      less for its prefill; None (default): always K.
+    - overlap_ms: the next call is dispatched before the current one's tokens are read (the
+      host's work overlaps the device's) while calls take less than this many milliseconds
+      at the measured step time; a longer call is read first, so a request arriving during
+      it is prefilled behind it alone, not behind the call queued after it too. None:
+      always overlap.
     - max_context: the KV cache's length per slot (default: the model's context).
     - window_block: attention windows are compiled in multiples of this.
     - max_queue: waiting requests past which `submit` raises QueueFull.
@@ -298,8 +303,8 @@ class Engine:
                  window_block: int = 128, max_queue: int = 64,
                  buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
                  slot_buckets: tuple[int, ...] | None = None, plain_above: int | None = None,
-                 prefill_batch: int = 4, short_call_ms: float | None = 20.0,
-                 log: Callable[[str], None] | None = None):
+                 prefill_batch: int = 4, short_call_ms: float | None = None,
+                 overlap_ms: float | None = 20.0, log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
                              f"got {acceptance!r}")
@@ -364,7 +369,10 @@ class Engine:
         if short_call_ms is not None and not short_call_ms > 0:
             raise ValueError(f"short_call_ms must be > 0 (or None: always K steps), "
                              f"got {short_call_ms!r}")
-        self.short_call_ms = short_call_ms
+        if overlap_ms is not None and not overlap_ms > 0:
+            raise ValueError(f"overlap_ms must be > 0 (or None: always overlap), "
+                             f"got {overlap_ms!r}")
+        self.short_call_ms, self.overlap_ms = short_call_ms, overlap_ms
         self._step_ms: dict[tuple[str, int], float] = {}  # (kind, slot bucket) -> ms a step
         self._last_done = 0.0  # when the last call read was seen done
         self.metrics = Metrics()
@@ -868,6 +876,14 @@ class Engine:
             return int(min(self.k, max(1, self.short_call_ms // step_ms)))
         return self.k
 
+    def _long(self, call: tuple) -> bool:
+        """Whether a dispatched call most likely takes `overlap_ms` or more (at the step
+        time measured for its kind and slot bucket)."""
+        kind, rows, steps = call[:3]
+        step_ms = self._step_ms.get((kind, rows))
+        return (self.overlap_ms is not None and step_ms is not None
+                and step_ms * steps >= self.overlap_ms)
+
     def _timed(self, call: tuple, done: float):
         """Update the step time of a call read at `done` (perf_counter seconds): it ran
         from its dispatch or the previous call's end, whichever is later (calls run in
@@ -917,6 +933,11 @@ class Engine:
                     if s.req is not None and s.req.cancelled:
                         self._finish(s.req, "cancelled")
                         self._slots[i] = _Slot()
+                if pending is not None and self._long(pending[2]):
+                    # read a long call before dispatching the next: a request arriving
+                    # meanwhile is then prefilled behind one call, not two
+                    self._process(*pending)
+                    pending = None
                 admitted = self._admit()
                 nxt = None
                 if any(s.req is not None for s in self._slots) and not self._ending():

@@ -118,6 +118,9 @@ class GenerationRequest(_Object):
     frequency_penalty: Number = Field(0, ge=-2, le=2, description="a number in [-2, 2]")
     logit_bias: dict[str, Any] = Field({}, description="an object mapping token ids to "
                                                        "numbers in [-100, 100]")
+    # llama.cpp's: reuse the cached prefix of a prompt; this server keeps no prompt cache,
+    # so either value gives the same answer in the same time
+    cache_prompt: bool = True
 
     @field_validator("n")
     @classmethod

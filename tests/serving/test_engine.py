@@ -263,7 +263,7 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
     try:
         out = _burst(e, prompts[:SLOTS], [NEW] * (SLOTS - 1) + [long])
     finally:
-        e.short_call_ms = 20.0
+        e.short_call_ms = None
     assert out[:-1] == reference[:SLOTS - 1]
     assert out[-1] == model.generate([prompts[SLOTS - 1]], max_new_tokens=long)[0].token_ids
     used = collections.Counter(e.metrics.calls_by_steps)
@@ -285,6 +285,34 @@ def test_a_step_time_sets_the_steps_of_a_call(model):
     assert e._call_steps("step", 1) == 8
     with pytest.raises(ValueError, match="short_call_ms must be > 0"):
         Engine(model, slots=2, max_context=CONTEXT, short_call_ms=0)
+
+
+def test_a_call_is_read_before_the_next_only_when_long(model):
+    e = Engine(model, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               steps_per_call=8, overlap_ms=20.0)
+    assert not e._long(("step", 1, 8, 0.0, False))  # not measured yet: overlapped
+    e._timed(("step", 1, 2, 0.0, False), 0.012)  # 6 ms a step
+    assert e._long(("step", 1, 4, 0.0, False))  # 24 ms: read first
+    assert not e._long(("step", 1, 3, 0.0, False))  # 18 ms: overlapped
+    assert not e._long(("step", 2, 8, 0.0, False))  # another slot bucket: not measured
+    e.overlap_ms = None
+    assert not e._long(("step", 1, 8, 0.0, False))  # None: always overlapped
+    with pytest.raises(ValueError, match="overlap_ms must be > 0"):
+        Engine(model, slots=2, max_context=CONTEXT, overlap_ms=0)
+
+
+@pytest.mark.parametrize("which", ["medusa", "plain"])
+def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, reference):
+    """With every call counted long (each read before the next is dispatched), staggered
+    requests still get offline decoding's tokens."""
+    e = request.getfixturevalue(f"{which}_engine")
+    old = e.overlap_ms
+    e.overlap_ms = 1e-9
+    try:
+        assert _burst(e, prompts[:SLOTS + 1], NEW) == reference[:SLOTS + 1]
+        assert any(e._long(("step", r, 1, 0.0, False)) for r in e.slot_buckets)
+    finally:
+        e.overlap_ms = old
 
 
 def eng_slot():

@@ -303,9 +303,14 @@ def test_null_is_absent_and_text_parts_are_text(url):
     plain = dict(model=MODEL, prompt="Once", max_tokens=6, temperature=0)
     nulls = dict(plain, seed=None, stop=None, top_p=None, n=None, stream_options=None,
                  logit_bias=None, user=None)
-    a, b = (httpx.post(url + "/v1/completions", json=x, timeout=30) for x in (plain, nulls))
-    assert a.status_code == b.status_code == 200, b.text
-    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    uncached = dict(plain, cache_prompt=False)  # llama.cpp's field: nothing to reuse here
+    a, b, c = (httpx.post(url + "/v1/completions", json=x, timeout=30)
+               for x in (plain, nulls, uncached))
+    assert a.status_code == b.status_code == c.status_code == 200, (b.text, c.text)
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"] == \
+        c.json()["choices"][0]["text"]
+    bad = httpx.post(url + "/v1/completions", json=dict(plain, cache_prompt="no"), timeout=30)
+    _error(bad, 400, "cache_prompt")
     chat = [httpx.post(url + "/v1/chat/completions", timeout=30, json=dict(
         model=MODEL, max_tokens=4, temperature=0, messages=SHORT + [{"role": "user",
                                                                      "content": c}]))
@@ -468,6 +473,7 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--slot-buckets", "0,4"], "--slot-buckets: expected positive integers"),
     (["--short-call-ms", "nan"], "--short-call-ms: must be a finite number >= 0, got nan"),
     (["--prefill-batch", "0"], "--prefill-batch: must be >= 1, got 0"),
+    (["--overlap-ms", "-2"], "--overlap-ms: must be a finite number >= 0, got -2"),
     (["--port", "TAKEN"], "cannot listen there"),
 ])
 def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
