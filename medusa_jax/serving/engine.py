@@ -165,6 +165,25 @@ def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeSt
     return full.replace(cache=full.cache.put_leading(sub.cache), draft=draft, **put)
 
 
+def resize(s: DecodeState, *, capacity: int) -> DecodeState:
+    """`s` with each slot's cache `capacity` slots long: cut, or zero-padded at the end
+    (only a slot's first `lengths` cache slots hold anything; the drafter carry keeps its
+    own length)."""
+    def fit(a, axis):
+        if capacity <= a.shape[axis]:
+            return jax.lax.slice_in_dim(a, 0, capacity, axis=axis)
+        pad = [(0, 0)] * a.ndim
+        pad[axis] = (0, capacity - a.shape[axis])
+        return jnp.pad(a, pad)
+
+    c = s.cache
+    if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]
+        k, v = tuple(fit(a, 1) for a in c.k), tuple(fit(a, 1) for a in c.v)
+    else:  # [L, S, KVH, C, D]
+        k, v = fit(c.k, 3), fit(c.v, 3)
+    return s.replace(cache=c.replace(k=k, v=v))
+
+
 def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelConfig, drafter,
                 tree, k: int, window: int, rows: int | None = None,
                 plain: bool = False) -> tuple[DecodeState, StepOut]:
@@ -259,6 +278,7 @@ class Metrics:
         self.calls_by_steps = collections.Counter()  # steps in a call -> calls
         self.plain_calls = 0  # of a Medusa engine, under load (`plain_above`)
         self.prefill_calls = 0
+        self.resizes = 0  # the slots' cache resized to another window
         self.prefills_by_batch = collections.Counter()  # prompts in a call -> calls
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
@@ -284,7 +304,10 @@ class Engine:
       it is prefilled behind it alone, not behind the call queued after it too. None:
       always overlap.
     - max_context: the KV cache's length per slot (default: the model's context).
-    - window_block: attention windows are compiled in multiples of this.
+    - window_block: attention windows are compiled in multiples of this. The slots' KV
+      cache is kept as long as the current window (resized when the live requests need a
+      longer one, or fit a shorter one to their ends), so a call attends over the whole
+      cache it holds and copies none of it.
     - max_queue: waiting requests past which `submit` raises QueueFull.
     - buckets: the prompt lengths prefill is compiled for (default: powers of two from 16,
       and the context); a prompt is padded to the smallest that holds it.
@@ -338,6 +361,7 @@ class Engine:
         self.windows = sorted({min(w, self.capacity)
                                for w in range(window_block, self.capacity + window_block,
                                               window_block)})
+        self._width = self.windows[0]  # the slots' cache length now: one of the windows
         if buckets is None:
             buckets, b = [self.capacity], MIN_BUCKET
             while b < self.capacity:
@@ -385,8 +409,9 @@ class Engine:
         self._warm_thread: threading.Thread | None = None
         self.compile_seconds = 0.0  # summed over the programs compiled so far
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        # compiled programs by (kind, size): ("prefill" | "insert", (bucket, batch)),
-        # ("step" | "plain", (window, slot bucket))
+        # compiled programs by (kind, size): ("prefill", (bucket, batch)), ("insert",
+        # (bucket, batch, window)), ("step" | "plain", (window, slot bucket)), ("resize",
+        # (window, the next window up or down))
         self._programs: dict[tuple[str, object], object] = {}
         self._compile_lock = threading.RLock()  # one compile at a time
         self._demand_cv = threading.Condition()
@@ -439,9 +464,12 @@ class Engine:
         first short request needs (`first_programs`), then what serves any request (the
         longest bucket, the widest window), then the rest from small to large."""
         b, w, r, n = self.buckets, self.windows, self.slot_buckets, self.prefill_batches
-        cover = [("step", (w[-1], r[-1])), ("prefill", (b[-1], 1)), ("insert", (b[-1], 1))]
-        rest = [(k, (x, 1)) for x in b[1:-1] for k in ("prefill", "insert")] + \
-            [(k, (x, y)) for y in n[1:] for x in b for k in ("prefill", "insert")] + \
+        resizes = [("resize", p) for p in zip(w, w[1:])] + [("resize", p) for p in
+                                                            zip(w[1:], w)]
+        cover = [("step", (w[-1], r[-1])), ("prefill", (b[-1], 1)),
+                 ("insert", (b[-1], 1, w[-1]))] + resizes
+        rest = [x for y in n for x1 in b for x in
+                [("prefill", (x1, y))] + [("insert", (x1, y, v)) for v in w if v >= x1]] + \
             [("step", (x, y)) for y in r for x in w] + \
             [("plain", (x, y)) for y in r for x in w
              if self.plain_above is not None and y > self.plain_above]
@@ -451,8 +479,12 @@ class Engine:
         """The programs a request with a short prompt needs: the smallest prefill bucket,
         its insert, the step over the narrowest window and the fewest slots."""
         first = (self.buckets[0], 1)
-        return [("prefill", first), ("insert", first),
+        return [("prefill", first), ("insert", first + (self._fit(self.buckets[0]),)),
                 ("step", (self.windows[0], self.slot_buckets[0]))]
+
+    def _fit(self, n: int) -> int:
+        """The narrowest window of at least n cache slots (the widest if none is)."""
+        return next((w for w in self.windows if w >= n), self.windows[-1])
 
     def status(self) -> dict:
         """Compile progress: ready (the first requests' programs are compiled), compiled /
@@ -487,13 +519,17 @@ class Engine:
                 draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
                     x.shape[:axis] + (self.slots,) + x.shape[axis + 1:], x.dtype), pre.draft)
             state = jax.jit(init_state, static_argnums=(0, 2, 3, 4, 6))(
-                cfg, m.params, self.slots, self.capacity, self.width, row1, draft)
-        # the programs are lowered against the state's shapes, never the live (donated) state
-        spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), state)
+                cfg, m.params, self.slots, self._width, self.width, row1, draft)
+        # the programs are lowered against the state's shapes at each window, never the
+        # live (donated) state
+        specs = {w: jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                   sharding=x.sharding),
+                                 jax.eval_shape(functools.partial(resize, capacity=w), state),
+                                 state)
+                 for w in self.windows}
         self._state = state
         self._jits = dict(
-            state=spec, pre_info={}, prefill=prefill_fn,
+            states=specs, pre_info={}, prefill=prefill_fn,
             insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
                            donate_argnums=(0,)),
             step=jax.jit(engine_step, donate_argnums=(2,),
@@ -531,14 +567,17 @@ class Engine:
     def _size_name(self, kind: str, size) -> str:
         if kind in ("step", "plain"):
             return f"window {size[0]}, {size[1]} slot{'s' if size[1] > 1 else ''}"
-        bucket, n = size
-        return f"bucket {bucket}" + (f", {n} prompts" if n > 1 else "")
+        if kind == "resize":
+            return f"window {size[0]} to {size[1]}"
+        bucket, n = size[:2]
+        return (f"bucket {bucket}" + (f", {n} prompts" if n > 1 else "")
+                + (f", window {size[2]}" if kind == "insert" else ""))
 
     def _build(self, kind: str, size):
         self._setup()
         j, m = self._jits, self.model
-        if kind == "insert" and size not in j["pre_info"]:
-            self._program("prefill", size)  # insert is lowered against prefill's output
+        if kind == "insert" and size[:2] not in j["pre_info"]:
+            self._program("prefill", size[:2])  # insert is lowered against its output
         self.compiling = (kind, size)
         t0 = time.perf_counter()
         try:
@@ -550,11 +589,17 @@ class Engine:
                     self._stack_rows([self._rows()] * n))
                 prog, j["pre_info"][size] = lowered.compile(), lowered.out_info
             elif kind == "insert":
-                prog = j["insert"].lower(j["state"], j["pre_info"][size], np.int32(0),
-                                         np.int32(0)).compile()
+                prog = j["insert"].lower(j["states"][size[2]], j["pre_info"][size[:2]],
+                                         np.int32(0), np.int32(0)).compile()
+            elif kind == "resize":
+                out = j["states"][size[1]]
+                prog = jax.jit(functools.partial(resize, capacity=size[1]),
+                               out_shardings=jax.tree.map(lambda x: x.sharding, out)).lower(
+                    j["states"][size[0]]).compile()
             elif kind in ("step", "plain"):
                 window, rows = size
-                prog = j["step"].lower(m.params, self._heads_d, j["state"], np.int32(1),
+                prog = j["step"].lower(m.params, self._heads_d, j["states"][window],
+                                       np.int32(1),
                                        cfg=self.cfg,
                                        drafter=self.drafter, tree=self.tree, k=self.k,
                                        window=window, rows=rows,
@@ -620,14 +665,14 @@ class Engine:
         """The bucket a prompt of n tokens is prefilled in, in a batch of `batch`: the
         smallest compiled one that holds it, else the smallest that does (compiled now)."""
         fits = [b for b in self.buckets if b >= n]
-        return next((b for b in fits if ("insert", (b, batch)) in self._programs), fits[0])
+        return next((b for b in fits if ("prefill", (b, batch)) in self._programs), fits[0])
 
     def _batch(self, waiting: int) -> int:
         """Prompts to prefill in one call when `waiting` can be admitted now: the largest
         batch bucket that holds no more than them, compiled ones first (a compile would
         hold every one of them back)."""
         fits = [n for n in self.prefill_batches if n <= waiting]
-        compiled = [n for n in fits if any(("insert", (b, n)) in self._programs
+        compiled = [n for n in fits if any(("prefill", (b, n)) in self._programs
                                            for b in self.buckets)]
         return max(compiled or fits)
 
@@ -801,7 +846,8 @@ class Engine:
             pre.root.copy_to_host_async()
             self.metrics.prefill_calls += 1
             self.metrics.prefills_by_batch[n] += 1
-            insert = self._program("insert", (bucket, n))
+            self._resize(max(self._width, self._fit(bucket)))  # the prompts fit the cache
+            insert = self._program("insert", (bucket, n, self._width))
             for j, (req, i) in enumerate(zip(batch, free)):
                 self._state = insert(self._state, pre, np.int32(i), np.int32(j))
                 # the first token goes out now (`_first_tokens`); the slot's first step
@@ -832,24 +878,40 @@ class Engine:
         return "plain" if self.plain_above is not None and live > self.plain_above else "step"
 
     def _step_size(self, kind: str = "step", steps: int | None = None) -> tuple[int, int]:
-        """(window, slot bucket) of the next call of `steps` steps (default K): the narrowest
-        window every live slot's steps fit in, over the fewest slots that hold the highest
-        one in use; a compiled program that covers both if the smallest is not compiled
-        yet."""
+        """(window, slot bucket) of the next call of `steps` steps (default K), over the
+        fewest slots that hold the highest one in use. The window is the cache's length now
+        if every live slot's steps fit in it; else the narrowest they fit in; and no wider
+        than the narrowest that holds every live request to its end (a resize copies the
+        cache once, where a call through a narrower window than the cache would copy it at
+        every call). A compiled program that covers both if that one is not compiled yet."""
         steps = self.k if steps is None else steps
-        need, used = 0, 0
+        need, hold, used = 0, 0, 0
         for i, s in enumerate(self._slots):
             if s.req is not None:
                 used = i + 1
                 start = min(s.known_len + s.unread * self.width, s.limit)
                 need = max(need, min(start + (steps - 1) * self.width, s.limit) + self.fed)
+                hold = max(hold, s.limit + self.fed)
+        target = min(max(self._width, self._fit(need)), self._fit(hold))
         windows = [w for w in self.windows if w >= need] or self.windows[-1:]
         counts = [r for r in self.slot_buckets if r >= used]
         fits = [(w, r) for r in counts for w in windows]
         if kind == "plain":  # more live slots than plain_above: only those buckets hold them
             fits = [(w, r) for w, r in fits if r > self.plain_above]
         compiled = [x for x in fits if (kind, x) in self._programs]
-        return min(compiled, key=lambda x: x[0] * x[1]) if compiled else fits[0]
+        best = [x for x in fits if x[0] == target]
+        if best and best[0] in compiled:
+            return best[0]
+        return min(compiled, key=lambda x: x[0] * x[1]) if compiled else (best or fits)[0]
+
+    def _resize(self, window: int):
+        """Resize the slots' cache to `window` slots, a window at a time."""
+        while self._width != window:
+            i = self.windows.index(self._width)
+            nxt = self.windows[i + 1 if window > self._width else i - 1]
+            self._state = self._program("resize", (self._width, nxt))(self._state)
+            self._width = nxt
+            self.metrics.resizes += 1
 
     def _ending(self) -> bool:
         """Whether every live slot will most likely have ended within the calls already
@@ -946,6 +1008,7 @@ class Engine:
                     steps = self._call_steps(kind, self._step_size(kind)[1])
                     size = self._step_size(kind, steps)
                     step = self._program(kind, size)
+                    self._resize(size[0])
                     dispatched = time.perf_counter()
                     self._state, out = step(self.model.params, self._heads_d, self._state,
                                             np.int32(steps))

@@ -336,7 +336,9 @@ class ServerMetrics:
                                    registry=r),
             "calls": Counter("medusa_step_calls", "Engine step calls", registry=r),
             "plain_calls": Counter("medusa_plain_step_calls", "Engine step calls of plain "
-                                   "steps under load (--plain-above-slots)", registry=r)}
+                                   "steps under load (--plain-above-slots)", registry=r),
+            "resizes": Counter("medusa_cache_resizes", "Times the slots' KV cache was "
+                               "resized to the next attention window", registry=r)}
         self._synced = dict.fromkeys(self._engine_counters, 0)
         self.calls_by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by "
                                       "the slot bucket they computed (the rows a call "

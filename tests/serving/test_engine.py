@@ -84,12 +84,24 @@ def test_staggered_greedy_requests_match_offline_decoding(which, request, prompt
         assert reason == ["stop" if ref[-1] in engine.eos else "length"]
 
 
-def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts):
-    """90 new tokens: both engines move from the 64-slot window to the 128-slot one."""
+def _cache_width(e) -> int:
+    return e._state.cache.capacity
+
+
+def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts,
+                                                        reference):
+    """90 new tokens: both engines move from the 64-slot window to the 128-slot one, the
+    slots' cache resized with it; a short request alone afterwards shrinks it back."""
     assert medusa_engine.windows == plain_engine.windows == [64, 128]
     long = generate_offline(medusa_engine, prompts[:2], 90)
     assert long == generate_offline(plain_engine, prompts[:2], 90)
     assert all(len(t) == 90 for t in long)
+    for e in (medusa_engine, plain_engine):
+        assert len(prompts[0]) + 4 + e.fed <= 64  # a request that fits the narrow window
+        assert _cache_width(e) == e._width == 128 and e.metrics.resizes >= 1
+        resizes = e.metrics.resizes
+        assert generate_offline(e, [prompts[0]], 4) == [reference[0][:4]]
+        assert _cache_width(e) == e._width == 64 and e.metrics.resizes == resizes + 1
 
 
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, prompts,
@@ -153,18 +165,19 @@ def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, p
 
 
 @pytest.mark.parametrize("which", ["medusa", "plain"])
-def test_a_step_through_a_narrow_window_copies_no_cache(which, request):
-    """The step loop carries only the window it attends over (cut once per call): a cache
-    read through a narrower window inside the loop would make XLA copy every layer's whole
-    cache at every step."""
+def test_a_step_at_every_window_copies_no_cache(which, request):
+    """A step attends over the whole cache the slots hold (kept at the window's length), so
+    its program copies no layer's cache: a cut per call would copy the window out and back,
+    and a narrower read inside the loop would copy the cache at every step."""
     e = request.getfixturevalue(f"{which}_engine")
-    k = e._state.cache.k
-    full = k[0].shape if isinstance(k, tuple) else k.shape
-    assert e.windows[0] < full[-2]  # a narrow window of a wider cache
-    text = e._program("step", (e.windows[0], e.slots)).as_text()
-    shape = "f32[" + ",".join(map(str, full)) + "]"
-    copies = [line for line in text.splitlines() if f"= {shape}" in line and " copy(" in line]
-    assert copies == [], copies[:2]
+    for window in e.windows:
+        k = e._jits["states"][window].cache.k
+        shape = k[0].shape if isinstance(k, tuple) else k.shape
+        assert shape[-2] == window
+        text = e._program("step", (window, e.slots)).as_text()
+        f32 = "f32[" + ",".join(map(str, shape)) + "]"
+        copies = [line for line in text.splitlines() if f"= {f32}" in line and " copy(" in line]
+        assert copies == [], copies[:2]
 
 
 @pytest.mark.slow
@@ -450,7 +463,8 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=(16, 64),
                window_block=WINDOW, max_queue=64)
     assert e.programs()[:3] == e.first_programs() == [("prefill", (16, 1)),
-                                                      ("insert", (16, 1)), ("step", (64, 1))]
+                                                      ("insert", (16, 1, 64)),
+                                                      ("step", (64, 1))]
     e.start(warmup)
     try:
         if warmup == "lazy":
@@ -460,9 +474,9 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
             assert e._all_compiled.wait(180)
         else:
             e.compile()  # the rest, now
-        # prefill and insert for 2 buckets x 3 prefill batches (1, 2, 4), a step for
-        # 2 windows x 3 slot buckets (1, 2, 4)
-        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 18
+        # prefill for 2 buckets x 3 prefill batches (1, 2, 4), insert for those at
+        # 2 windows, a step for 2 windows x 3 slot buckets (1, 2, 4), a resize each way
+        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 26
         traced = []
         listener = lambda event, *a, **k: traced.append(event) \
             if "compile" in event else None  # noqa: E731

@@ -131,9 +131,9 @@ def test_health_answers_starting_while_the_programs_compile(launched):
     assert first["r"].status_code == 200 and first["r"].json()["choices"][0]["text"]
     progress = [x for x in launched.lines if x.startswith("compiled ")]
     assert [x.split(" in ")[0] for x in progress[:3]] == [
-        "compiled prefill (bucket 64)", "compiled insert (bucket 64)",
+        "compiled prefill (bucket 64)", "compiled insert (bucket 64, window 64)",
         "compiled step (window 64, 1 slot)"], launched.lines
-    assert all(x.endswith(("[1/6]", "[2/6]", "[3/6]")) for x in progress[:3])
+    assert all(x.endswith(("[1/9]", "[2/9]", "[3/9]")) for x in progress[:3])
     assert any(x.startswith("ready for requests") for x in launched.lines)
     # the last program compiles in the background while the next tests run:
     # test_the_rest_compiled_in_the_background checks it
@@ -495,17 +495,19 @@ def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
 @pytest.mark.subprocess
 def test_the_rest_compiled_in_the_background(launched, url):
     deadline = time.time() + 120
-    while not any(line.startswith("all 6 programs compiled") for line in launched.lines):
+    while not any(line.startswith("all 9 programs compiled") for line in launched.lines):
         assert time.time() < deadline and launched.proc.poll() is None, launched.lines
         time.sleep(0.2)
     progress = [x for x in launched.lines if x.startswith("compiled ")]
     # what serves any request next (the widest window over every slot), then the rest
     assert progress[3].startswith("compiled step (window 128, 4 slots) in ") and \
-        progress[3].endswith("[4/6]"), launched.lines
+        progress[3].endswith("[4/9]"), launched.lines
     assert sorted(x.split(" in ")[0] for x in progress[4:]) == [
-        "compiled step (window 128, 1 slot)", "compiled step (window 64, 4 slots)"]
+        "compiled insert (bucket 64, window 128)", "compiled resize (window 128 to 64)",
+        "compiled resize (window 64 to 128)", "compiled step (window 128, 1 slot)",
+        "compiled step (window 64, 4 slots)"]
     h = httpx.get(url + "/health", timeout=5).json()
-    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 6
+    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 9
 
 
 @pytest.mark.slow
