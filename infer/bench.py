@@ -44,8 +44,8 @@ def build_parser():
     p.add_argument("--num-prompts", type=options.positive_int, default=16)
     p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
     p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
-    p.add_argument("--trees", type=options.name_list, default=None, help="comma list of tree names/files "
-                                                 "(default: the model's default tree)")
+    p.add_argument("--trees", type=options.name_list, default=None,
+                   help="comma list of tree names/files (default: the model's default tree)")
     p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=options.int_list(1),
                    default=[1],
                    help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
