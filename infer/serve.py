@@ -50,6 +50,13 @@ def _buckets(text: str) -> tuple[int, ...]:
     return out
 
 
+def _plain_above(text: str) -> int | str | None:
+    """--plain-above-slots: 'auto', 'never' (None) or a slot count >= 0."""
+    if text in ("auto", "never"):
+        return None if text == "never" else text
+    return options.int_in(0, what="a slot count, 'auto' or 'never'")(text)
+
+
 _port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
 
 
@@ -102,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-batch", type=options.positive_int, default=4, metavar="N",
                    help="at most N waiting requests prefilled in one call (batches of 1, 2, "
                         "4 ... N; 1: one at a time, fewer programs)")
-    p.add_argument("--plain-above-slots", type=options.int_in(0), default=None, metavar="N",
+    p.add_argument("--plain-above-slots", type=_plain_above, default="auto", metavar="N",
                    help="with heads: plain steps while more than N slots are live (where a "
-                        "batch of trees costs more than it gains; default: always Medusa)")
+                        "batch of trees costs more than it gains); 'never': always Medusa "
+                        "steps; default 'auto': 4 on CPU with more than 4 slots (not for "
+                        "EAGLE-3 drafters), else never")
     p.add_argument("--window-block", type=options.positive_int, default=128,
                    help="attention windows are compiled in multiples of this (larger: fewer "
                         "step programs, more attention work per step)")
@@ -167,10 +176,10 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
         ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
                  f"({limit} tokens)")
-    if args.plain_above_slots is not None and not 0 <= args.plain_above_slots < args.slots:
+    if isinstance(args.plain_above_slots, int) and not 0 <= args.plain_above_slots < args.slots:
         ap.error(f"--plain-above-slots {args.plain_above_slots} must be in 0..{args.slots - 1} "
                  f"(below --slots)")
-    if args.plain_above_slots is not None and args.heads is None:
+    if isinstance(args.plain_above_slots, int) and args.heads is None:
         ap.error("--plain-above-slots needs --heads (a plain server's steps are plain already)")
     if args.slot_buckets and max(args.slot_buckets) > args.slots:
         ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots "
@@ -234,6 +243,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         return 2
     name = args.served_model_name or (model.model_dir.name if model.model_dir else "model")
     decoding = f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa else "plain"
+    if engine.plain_above is not None:
+        decoding += f", plain steps above {engine.plain_above} live slots"
     port = sock.getsockname()[1]
     n = len(engine.programs())
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "

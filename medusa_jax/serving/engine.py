@@ -285,6 +285,21 @@ class Metrics:
         self.ttft_count = 0
 
 
+# On CPU a tree step over many slots is compute-bound (S slots verify S x tree rows) and
+# costs more than the tokens it accepts; around this many slots plain and tree steps give
+# the same throughput (measured: docs/serving.md, "Against llama-server").
+AUTO_PLAIN_ABOVE = 4
+
+
+def auto_plain_above(drafter, slots: int, backend: str) -> int | None:
+    """The default `plain_above`: on CPU, plain steps while more than AUTO_PLAIN_ABOVE
+    slots are live; elsewhere, with fewer slots, or for a drafter that plain steps cannot
+    carry along (one with its own cache, `aux_layers`), always Medusa (None)."""
+    if drafter is None or drafter.aux_layers or backend != "cpu" or slots <= AUTO_PLAIN_ABOVE:
+        return None
+    return AUTO_PLAIN_ABOVE
+
+
 class Engine:
     """Continuous batching over `slots` slots of `model` (a `medusa_jax.api.Medusa`).
 
@@ -319,13 +334,15 @@ class Engine:
       use (requests take the lowest free slot), so one client pays for one row.
     - plain_above: a Medusa engine's calls are plain steps while more than this many slots
       are live (where a batch of trees costs more than it gains; default None: always
-      Medusa)."""
+      Medusa); "auto": `auto_plain_above`'s choice for this drafter, slot count and
+      backend."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
                  window_block: int = 128, max_queue: int = 64,
                  buckets: tuple[int, ...] | None = None, acceptance: str = "rejection",
-                 slot_buckets: tuple[int, ...] | None = None, plain_above: int | None = None,
+                 slot_buckets: tuple[int, ...] | None = None,
+                 plain_above: int | str | None = None,
                  prefill_batch: int = 4, short_call_ms: float | None = None,
                  overlap_ms: float | None = 20.0, log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
@@ -381,6 +398,8 @@ class Engine:
             raise ValueError(f"prefill_batch must be an integer >= 1, got {prefill_batch!r}")
         most = min(prefill_batch, slots)  # more than the slots never fit at once
         self.prefill_batches = sorted({2**i for i in range(most.bit_length())} | {most})
+        if plain_above == "auto":
+            plain_above = auto_plain_above(self.drafter, slots, jax.default_backend())
         if plain_above is not None and self.drafter is not None and self.drafter.aux_layers:
             raise ValueError(f"plain_above={plain_above}: a {self.drafter.kind} drafter keeps "
                              f"its own cache of every committed token, which plain steps do "

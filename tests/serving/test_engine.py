@@ -16,7 +16,13 @@ import pytest
 from medusa_jax.decoding.acceptance import Sampling, log_probs
 from medusa_jax.decoding.sampling import row_log_probs
 from medusa_jax.runtime import assets
-from medusa_jax.serving.engine import Engine, QueueFull, Request, generate_offline
+from medusa_jax.serving.engine import (
+    Engine,
+    QueueFull,
+    Request,
+    auto_plain_above,
+    generate_offline,
+)
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
@@ -209,6 +215,24 @@ def test_plain_above_out_of_range_is_refused_in_one_line(model):
         Engine(model, slots=4, max_context=CONTEXT, plain_above=4)
     with pytest.raises(ValueError, match="got 1 on a plain engine"):
         Engine(model, slots=4, max_context=CONTEXT, medusa=False, plain_above=1)
+
+
+def test_auto_plain_above_is_plain_steps_above_four_live_slots_on_cpu(model):
+    """plain_above="auto" (the server's default): on CPU a Medusa engine of more than 4 slots
+    takes plain steps above 4 live slots; with 4 slots or fewer, on another backend, on a
+    plain engine or with a drafter that keeps its own cache (EAGLE-3), always Medusa."""
+    from medusa_jax.api import Medusa
+
+    assert jax.default_backend() == "cpu"
+    auto = dict(max_context=CONTEXT, plain_above="auto")
+    assert Engine(model, slots=8, **auto).plain_above == 4
+    assert Engine(model, slots=4, **auto).plain_above is None
+    assert Engine(model, slots=8, medusa=False, **auto).plain_above is None
+    drafter = Engine(model, slots=8, max_context=CONTEXT).drafter
+    assert auto_plain_above(drafter, 8, "cpu") == 4
+    assert auto_plain_above(drafter, 8, "gpu") is None
+    assert auto_plain_above(drafter, 8, "tpu") is None
+    assert Engine(Medusa.load(heads="eagle"), slots=8, **auto).plain_above is None
 
 
 def test_slot_buckets_out_of_range_are_refused_in_one_line(model):

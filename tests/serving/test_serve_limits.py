@@ -470,6 +470,8 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--prefill-buckets", "1024"], "--prefill-buckets 1024"),
     (["--slot-buckets", "16"], "--slot-buckets 16 is more than --slots (8)"),
     (["--plain-above-slots", "8"], "--plain-above-slots 8 must be in 0..7 (below --slots)"),
+    (["--plain-above-slots", "some"],
+     "--plain-above-slots: expected a slot count, 'auto' or 'never', got 'some'"),
     (["--slot-buckets", "0,4"], "--slot-buckets: expected positive integers"),
     (["--short-call-ms", "nan"], "--short-call-ms: must be a finite number >= 0, got nan"),
     (["--prefill-batch", "0"], "--prefill-batch: must be >= 1, got 0"),
