@@ -187,10 +187,11 @@ def resize(s: DecodeState, *, capacity: int) -> DecodeState:
 def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelConfig, drafter,
                 tree, k: int, window: int, rows: int | None = None,
                 plain: bool = False) -> tuple[DecodeState, StepOut]:
-    """`steps` (int32 scalar, 1..k) shared steps (`decoding.step`) in one call, the token
-    buffer sized for `k` (one program serves every count): Medusa steps (a drafter and its
-    prepared `heads`, `tree`) or plain steps (drafter None), attending over the first
-    `window` cache slots, for the first `rows` slots (default all: the others must be free).
+    """`steps` (int32 scalar, 1..k) shared steps (`decoding.step`) in one call, fewer once
+    every slot has finished, the token buffer sized for `k` (one program serves every
+    count): Medusa steps (a drafter and its prepared `heads`, `tree`) or plain steps
+    (drafter None), attending over the first `window` cache slots, for the first `rows`
+    slots (default all: the others must be free).
     `plain`: plain steps on a Medusa engine's state (its drafter carry left as it is: the
     next Medusa step drafts from it once, verification keeps the tokens exact, and then
     drafts from its own state again). Returns the state and those slots' tokens (`rows`
@@ -211,15 +212,19 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
         s = leading_rows(s, rows, window, axis)
     b = s.root.shape[0]
 
-    def body(_, carry):
-        s, buf, counts = carry
+    def more(carry):  # a call whose slots have all finished stops: its other steps are idle
+        i, s, _, _ = carry
+        return (i < jnp.clip(steps, 1, k)) & ~jnp.all(s.done)
+
+    def body(carry):
+        i, s, buf, counts = carry
         new, chunk, n = one(s)
-        return new, step.append(buf, chunk, counts, ~s.done), counts + n
+        return i + 1, new, step.append(buf, chunk, counts, ~s.done), counts + n
 
     zeros = jnp.zeros((b,), jnp.int32)
     s0 = s
-    s, buf, counts = jax.lax.fori_loop(0, jnp.clip(steps, 1, k), body,
-                                       (s, jnp.zeros((b, k * width), jnp.int32), zeros))
+    _, s, buf, counts = jax.lax.while_loop(
+        more, body, (jnp.int32(0), s, jnp.zeros((b, k * width), jnp.int32), zeros))
     out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
                   lengths=s.cache.lengths, done=s.done)
     return (put_leading_rows(full, s, axis) if part else s), out
@@ -965,22 +970,27 @@ class Engine:
         return (self.overlap_ms is not None and step_ms is not None
                 and step_ms * steps >= self.overlap_ms)
 
-    def _timed(self, call: tuple, done: float):
+    def _timed(self, call: tuple, done: float, out_steps=None):
         """Update the step time of a call read at `done` (perf_counter seconds): it ran
         from its dispatch or the previous call's end, whichever is later (calls run in
-        order); a call queued behind a prefill is not timed."""
+        order), for as many steps as its longest-live slot took (`out_steps` [S]; a call
+        stops once all its slots have finished); a call queued behind a prefill is not
+        timed."""
         kind, rows, steps, dispatched, behind_prefill = call
         began, self._last_done = max(dispatched, self._last_done), done
         if behind_prefill:
             return
-        ms = (done - began) * 1e3 / steps
+        ran = int(np.max(out_steps)) if out_steps is not None else steps
+        if ran < 1:  # every slot had finished before it: nothing ran
+            return
+        ms = (done - began) * 1e3 / ran
         old = self._step_ms.get((kind, rows))
         self._step_ms[(kind, rows)] = ms if old is None else 0.8 * old + 0.2 * ms
 
     def _process(self, out, owners: list[Request | None], call: tuple):
         tokens, counts, steps, lengths = (np.asarray(x) for x in
                                           (out.tokens, out.counts, out.steps, out.lengths))
-        self._timed(call, time.perf_counter())
+        self._timed(call, time.perf_counter(), steps)
         for i, req in enumerate(owners[:len(counts)]):  # the call's slots: the others are free
             slot = self._slots[i]
             if req is None or slot.req is not req:
