@@ -50,11 +50,14 @@ def _buckets(text: str) -> tuple[int, ...]:
     return out
 
 
+_slot_count = options.int_in(0, what="a slot count, 'auto' or 'never'")
+
+
 def _plain_above(text: str) -> int | str | None:
     """--plain-above-slots: 'auto', 'never' (None) or a slot count >= 0."""
     if text in ("auto", "never"):
         return None if text == "never" else text
-    return options.int_in(0, what="a slot count, 'auto' or 'never'")(text)
+    return _slot_count(text)
 
 
 _port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
