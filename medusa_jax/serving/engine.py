@@ -403,6 +403,9 @@ class Engine:
             raise ValueError(f"prefill_batch must be an integer >= 1, got {prefill_batch!r}")
         most = min(prefill_batch, slots)  # more than the slots never fit at once
         self.prefill_batches = sorted({2**i for i in range(most.bit_length())} | {most})
+        if isinstance(plain_above, str) and plain_above != "auto":
+            raise ValueError(f"plain_above must be a slot count, \"auto\" or None, "
+                             f"got {plain_above!r}")
         if plain_above == "auto":
             plain_above = auto_plain_above(self.drafter, slots, jax.default_backend())
         if plain_above is not None and self.drafter is not None and self.drafter.aux_layers:

@@ -215,6 +215,9 @@ def test_plain_above_out_of_range_is_refused_in_one_line(model):
         Engine(model, slots=4, max_context=CONTEXT, plain_above=4)
     with pytest.raises(ValueError, match="got 1 on a plain engine"):
         Engine(model, slots=4, max_context=CONTEXT, medusa=False, plain_above=1)
+    with pytest.raises(ValueError, match=r"plain_above must be a slot count, \"auto\" or "
+                                         r"None, got 'sometimes'"):
+        Engine(model, slots=4, max_context=CONTEXT, plain_above="sometimes")
 
 
 def test_auto_plain_above_is_plain_steps_above_four_live_slots_on_cpu(model):
