@@ -117,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "batch of trees costs more than it gains); 'never': always Medusa "
                         "steps; default 'auto': 4 on CPU with more than 4 slots (not for "
                         "EAGLE-3 drafters), else never")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="prefill every prompt whole (default: a prompt whose beginning a "
+                        "slot's cache holds, from a live request or a finished one, is "
+                        "prefilled only after it; not with EAGLE-3 heads)")
     p.add_argument("--window-block", type=options.positive_int, default=128,
                    help="attention windows are compiled in multiples of this (larger: fewer "
                         "step programs, more attention work per step)")
@@ -240,6 +244,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                         plain_above=args.plain_above_slots, prefill_batch=args.prefill_batch,
                         short_call_ms=args.short_call_ms or None,
                         overlap_ms=args.overlap_ms or None,
+                        prefix_cache=not args.no_prefix_cache,
                         acceptance=args.acceptance, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -248,6 +253,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     decoding = f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa else "plain"
     if engine.plain_above is not None:
         decoding += f", plain steps above {engine.plain_above} live slots"
+    if engine.prefix_cache:
+        decoding += ", prefix cache"
     port = sock.getsockname()[1]
     n = len(engine.programs())
     log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "

@@ -40,6 +40,7 @@ from medusa_jax.model.backbone import (
     forward,
     forward_scratch,
     is_decoding_layout,
+    logits_from_hidden,
     tree_mask_after_prefix,
     write_kv,
 )
@@ -237,13 +238,43 @@ def start(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
     the drafter (None: plain decoding). `heads`: the drafter's prepared parameters; `width`:
     the tokens a step emits at most; `draft_capacity`: the slots the drafter's carry may
     fill (default `capacity`; the serving engine's slots are longer than a prefill)."""
-    b = tokens.shape[0]
     aux_layers = () if drafter is None else tuple(drafter.aux_layers)
     logits, hidden, aux, cache = _prefill(params, cfg, tokens, lengths, capacity, aux_layers)
+    return _begin(params, cache, logits, hidden, aux, tokens, lengths, keys, rows, drafter,
+                  heads, width, draft_capacity or capacity)
+
+
+def start_after_prefix(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
+                       lengths: jax.Array, keys: jax.Array, rows: Rows, drafter=None,
+                       heads: Params = None, width: int = 1,
+                       draft_capacity: int | None = None) -> DecodeState:
+    """`start` for prompts whose first `cache.lengths[b]` tokens are in the cache already (a
+    cached prefix): tokens [B, Q] are the rest of each prompt (right-padded; the cache must
+    hold lengths + Q slots), lengths [B] the whole prompts' lengths. A drafter that reads
+    every prompt token (`aux_layers`) cannot start here: it never saw the prefix."""
+    if drafter is not None and drafter.aux_layers:
+        raise ValueError(f"a {drafter.kind} drafter reads every prompt token's hidden state, "
+                         f"so it cannot start after a cached prefix")
+    b, q = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
+    _, hidden, cache = forward(params, cfg, tokens, positions,
+                               causal_mask(cache.lengths, q, cache.capacity), cache,
+                               return_logits=False)
+    new = lengths - cache.lengths  # [B] prompt tokens fed here
+    logits = logits_from_hidden(cfg, params, hidden[jnp.arange(b), new - 1])
+    return _begin(params, cache.replace(lengths=lengths), logits, hidden, None, tokens, new,
+                  keys, rows, drafter, heads, width, draft_capacity or cache.capacity)
+
+
+def _begin(params, cache, logits, hidden, aux, tokens, lengths, keys, rows, drafter, heads,
+           width, draft_capacity) -> DecodeState:
+    """The rows' first state after their prompts are in `cache`: logits [B, V] of each last
+    prompt token, hidden [B, P, H] of the tokens fed, `lengths` [B] counted in them."""
+    b = tokens.shape[0]
     keys, sub = split_rows(keys)
     root = sample_rows(sub, logits, rows, PLAIN_DRAWS if drafter is None else ROOT_DRAWS)
     draft = None if drafter is None else drafter.begin(
-        params, heads, hidden, aux, tokens, lengths, root, draft_capacity or capacity)
+        params, heads, hidden, aux, tokens, lengths, root, draft_capacity)
     zeros = jnp.zeros((b,), jnp.int32)
     return DecodeState(cache=cache, root=root, draft=draft, count=zeros, steps=zeros,
                        hist=jnp.zeros((b, width + 1), jnp.int32), done=jnp.zeros((b,), bool),

@@ -14,6 +14,10 @@ served with the first shapes compiled, or each when first needed: `Engine.start`
     right-padded to a length bucket): an N-row state (their caches, their first tokens
     chosen with their own sampling, the drafter started);
   - `insert` (the decode state donated): puts row j of a prefilled batch into slot b;
+  - `extend` (the prefix cache): a prompt whose first tokens are in a slot's cache already
+    (a live slot's prompt, or what a finished request left in its slot) is prefilled only
+    after them, from a copy of that slot's cache row, then `insert`ed into a free slot;
+    `move` copies a free slot's cache row to another before its slot takes a request;
   - `step`: K shared steps for the first R slots in one call (R a slot bucket holding the
     highest slot in use), each slot at its own length; returns a fixed [R, K*W] token
     buffer and per-slot counts (W: a step's tokens at most). Under load (`plain_above`) a
@@ -55,6 +59,9 @@ from medusa_jax.runtime import pytree as struct
 MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
 ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
 WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
+# the rest of a prompt after a cached prefix is padded to these or a shorter prefill bucket:
+# a repeated prompt feeds one token
+EXTEND_BUCKETS = (1, 4)
 # the background warm-up waits while requests run (compiling competes with them for the
 # CPU and the GIL), but no longer than this per program under a steady load
 BACKGROUND_YIELD_S = 2.0
@@ -97,21 +104,47 @@ def prefill(params, heads, tokens: jax.Array, lengths: jax.Array, keys: jax.Arra
                       tokens.shape[1], drafter, heads, width, draft_capacity=capacity)
 
 
+def cache_row(c: KVCache, row: jax.Array) -> KVCache:
+    """Row `row` (int32 scalar) of a cache, as a one-row cache (a copy)."""
+    if isinstance(c.k, tuple):  # per layer [B*KVH, C, D]: row b's heads at b*KVH ..
+        kvh = c.k[0].shape[0] // c.lengths.shape[0]
+        heads = lambda a: jax.lax.dynamic_slice_in_dim(a, row * kvh, kvh, 0)  # noqa: E731
+        k, v = tuple(map(heads, c.k)), tuple(map(heads, c.v))
+    else:  # [L, B, KVH, C, D]
+        k, v = (jax.lax.dynamic_slice_in_dim(a, row, 1, 1) for a in (c.k, c.v))
+    return c.replace(k=k, v=v, lengths=jax.lax.dynamic_slice_in_dim(c.lengths, row, 1, 0))
+
+
+def put_cache_row(c: KVCache, one: KVCache, row: jax.Array) -> KVCache:
+    """`c` with row `row` (int32 scalar) replaced by the one-row cache `one`'s keys/values
+    (its length is left as it was)."""
+    if isinstance(c.k, tuple):  # per layer [B*KVH, C, D]
+        at = (row * one.k[0].shape[0], jnp.int32(0), jnp.int32(0))
+        k = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.k, one.k))
+        v = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.v, one.v))
+    else:  # [L, B, KVH, C, D]
+        z = jnp.int32(0)
+        k = jax.lax.dynamic_update_slice(c.k, one.k, (z, row, z, z, z))
+        v = jax.lax.dynamic_update_slice(c.v, one.v, (z, row, z, z, z))
+    return c.replace(k=k, v=v)
+
+
+def move(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
+    """Copy slot `src`'s cache row over slot `dst`'s (int32 scalars; the state donated):
+    a finished request's cache kept as a prefix while its slot takes a new request. Its
+    length goes along: a free slot's steps still write at its length, past what it holds."""
+    c = state.cache
+    c = put_cache_row(c, cache_row(c, src), dst)
+    return state.replace(cache=c.replace(lengths=c.lengths.at[dst].set(c.lengths[src])))
+
+
 def take_row(pre: DecodeState, row: jax.Array, axis: int) -> DecodeState:
     """Row `row` (int32 scalar) of a prefilled batch, as a one-row state; `axis`: the
     drafter carry's batch axis."""
     one = lambda a, ax=0: jax.lax.dynamic_slice_in_dim(a, row, 1, ax)  # noqa: E731
-    c = pre.cache
-    if isinstance(c.k, tuple):  # per layer [B*KVH, P, D]: row b's heads at b*KVH ..
-        kvh = c.k[0].shape[0] // pre.root.shape[0]
-        heads = lambda a: jax.lax.dynamic_slice_in_dim(a, row * kvh, kvh, 0)  # noqa: E731
-        k, v = tuple(map(heads, c.k)), tuple(map(heads, c.v))
-    else:  # [L, B, KVH, P, D]
-        k, v = one(c.k, 1), one(c.v, 1)
     draft = None if pre.draft is None else jax.tree.map(lambda a: one(a, axis), pre.draft)
     fields = {f: jax.tree.map(one, getattr(pre, f)) for f in _ROW_FIELDS}
-    return pre.replace(cache=c.replace(k=k, v=v, lengths=one(c.lengths)), draft=draft,
-                       **fields)
+    return pre.replace(cache=cache_row(pre.cache, row), draft=draft, **fields)
 
 
 def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array, *,
@@ -143,6 +176,21 @@ def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array
 
 
 _ROW_FIELDS = ("root", "count", "steps", "hist", "done", "keys", "rows")  # besides cache, draft
+
+
+def extend(params, heads, cache: KVCache, tokens: jax.Array, start: jax.Array,
+           length: jax.Array, key: jax.Array, rows: Rows, src: jax.Array, *,
+           cfg: ModelConfig, drafter, tree, capacity: int) -> DecodeState:
+    """A prompt whose first `start` tokens are in slot `src`'s row of the slots' `cache`
+    (int32 scalars; read only): the rest, tokens [1, Q] (right-padded; start + Q within
+    the cache), prefilled after a copy of that row. length [1]: the whole prompt's; key
+    [1, ...]: its key data. A one-row state, as `prefill`'s, for `insert`. (Updating the
+    slots' cache here too would make XLA copy all of it, to read the row first.)"""
+    width = 1 if drafter is None else static_tree(tree).depth + 1
+    row = cache_row(cache, src).replace(lengths=start[None])
+    return step.start_after_prefix(params, cfg, row, tokens, length,
+                                   jax.random.wrap_key_data(key), rows, drafter, heads, width,
+                                   draft_capacity=capacity)
 
 
 def leading_rows(s: DecodeState, rows: int, window: int, axis: int) -> DecodeState:
@@ -251,10 +299,13 @@ class Request:
     top_p: float = 1.0
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()  # beyond the model's EOS
+    cache_prompt: bool = True  # may start from a cached prefix (the engine's `prefix_cache`)
     # filled in by the engine
     id: int = -1
     cancelled: bool = False
     emitted: int = 0
+    tokens: list[int] = dataclasses.field(default_factory=list)  # handed out so far
+    cached: int = 0  # prompt tokens taken from the prefix cache
     t_submit: float = 0.0
     t_first: float | None = None
     finished: bool = False
@@ -284,6 +335,8 @@ class Metrics:
         self.plain_calls = 0  # of a Medusa engine, under load (`plain_above`)
         self.prefill_calls = 0
         self.resizes = 0  # the slots' cache resized to another window
+        self.prefix_hits = 0  # prompts prefilled after a cached prefix (`extend`)
+        self.prefix_tokens = 0  # prompt tokens those took from the cache
         self.prefills_by_batch = collections.Counter()  # prompts in a call -> calls
         self.ttft = []  # seconds, recent
         self.ttft_sum = 0.0
@@ -340,7 +393,14 @@ class Engine:
     - plain_above: a Medusa engine's calls are plain steps while more than this many slots
       are live (where a batch of trees costs more than it gains; default None: always
       Medusa); "auto": `auto_plain_above`'s choice for this drafter, slot count and
-      backend."""
+      backend.
+    - prefix_cache: a request (with `cache_prompt`) whose prompt begins with tokens some
+      slot's cache holds (a live request's prompt and output so far, or what a finished
+      request left in its slot) is prefilled only after them, when that takes a shorter
+      prompt bucket (`extend`; compiled last in a warm-up, and used once compiled). Not
+      with one prompt bucket, nor for a drafter with its own cache of every token
+      (`aux_layers`). A free slot's cache is moved to another free one (the least recently
+      used) before its slot takes a new request, so the slots keep what they held."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
                  steps_per_call: int = 4, max_context: int | None = None,
@@ -349,7 +409,8 @@ class Engine:
                  slot_buckets: tuple[int, ...] | None = None,
                  plain_above: int | str | None = None,
                  prefill_batch: int = 4, short_call_ms: float | None = None,
-                 overlap_ms: float | None = 20.0, log: Callable[[str], None] | None = None):
+                 overlap_ms: float | None = 20.0, prefix_cache: bool = True,
+                 log: Callable[[str], None] | None = None):
         if acceptance not in ACCEPTANCE:
             raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
                              f"got {acceptance!r}")
@@ -393,6 +454,12 @@ class Engine:
             raise ValueError(f"prefill buckets must be in 1..{self.capacity} (the context), "
                              f"got {list(buckets)}")
         self.buckets = sorted(set(int(b) for b in buckets))
+        # a cached prefix pays where the rest of a prompt takes a shorter bucket than the
+        # whole prompt (so never the longest)
+        self.extend_buckets = sorted({b for b in EXTEND_BUCKETS if b < self.buckets[-1]}
+                                     | set(self.buckets[:-1]))
+        self.prefix_cache = (bool(prefix_cache) and bool(self.extend_buckets)
+                             and not (self.drafter is not None and self.drafter.aux_layers))
         if slot_buckets is None:
             slot_buckets = [slots] + [2**i for i in range(slots.bit_length()) if 2**i < slots]
         if not slot_buckets or any(not 1 <= int(r) <= slots for r in slot_buckets):
@@ -417,6 +484,12 @@ class Engine:
                              f"Medusa engine, got {plain_above!r}"
                              + ("" if use_medusa else " on a plain engine"))
         self.plain_above = plain_above
+        # the tokens whose keys/values a free slot's cache holds from its last request, and
+        # when that request ended (the least recently used goes first)
+        self._kept: list[list[int]] = [[] for _ in range(slots)]
+        self._kept_at = [0] * slots
+        self._ticks = itertools.count(1)
+        self._lazy = False  # `start(warmup="lazy")`: compile `extend` when first needed
         if short_call_ms is not None and not short_call_ms > 0:
             raise ValueError(f"short_call_ms must be > 0 (or None: always K steps), "
                              f"got {short_call_ms!r}")
@@ -438,7 +511,8 @@ class Engine:
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         # compiled programs by (kind, size): ("prefill", (bucket, batch)), ("insert",
         # (bucket, batch, window)), ("step" | "plain", (window, slot bucket)), ("resize",
-        # (window, the next window up or down))
+        # (window, the next window up or down)), ("extend", (bucket, window)): the extend
+        # and its insert, ("move", window)
         self._programs: dict[tuple[str, object], object] = {}
         self._compile_lock = threading.RLock()  # one compile at a time
         self._demand_cv = threading.Condition()
@@ -500,6 +574,9 @@ class Engine:
             [("step", (x, y)) for y in r for x in w] + \
             [("plain", (x, y)) for y in r for x in w
              if self.plain_above is not None and y > self.plain_above]
+        if self.prefix_cache:  # after at least one cached token
+            rest += [("move", x) for x in w]
+            rest += [("extend", (q, x)) for x in w for q in self.extend_buckets if q < x]
         return list(dict.fromkeys(self.first_programs() + cover + rest))
 
     def first_programs(self) -> list[tuple[str, int]]:
@@ -559,6 +636,9 @@ class Engine:
             states=specs, pre_info={}, prefill=prefill_fn,
             insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
                            donate_argnums=(0,)),
+            extend=jax.jit(functools.partial(extend, cfg=cfg, drafter=self.drafter,
+                                             tree=self.tree, capacity=self.capacity)),
+            move=jax.jit(move, donate_argnums=(0,)),
             step=jax.jit(engine_step, donate_argnums=(2,),
                          static_argnames=("cfg", "drafter", "tree", "k", "window", "rows",
                                           "plain")))
@@ -596,6 +676,10 @@ class Engine:
             return f"window {size[0]}, {size[1]} slot{'s' if size[1] > 1 else ''}"
         if kind == "resize":
             return f"window {size[0]} to {size[1]}"
+        if kind == "extend":
+            return f"bucket {size[0]}, window {size[1]}"
+        if kind == "move":
+            return f"window {size}"
         bucket, n = size[:2]
         return (f"bucket {bucket}" + (f", {n} prompts" if n > 1 else "")
                 + (f", window {size[2]}" if kind == "insert" else ""))
@@ -618,6 +702,17 @@ class Engine:
             elif kind == "insert":
                 prog = j["insert"].lower(j["states"][size[2]], j["pre_info"][size[:2]],
                                          np.int32(0), np.int32(0)).compile()
+            elif kind == "extend":  # and the insert of what it prefilled
+                bucket, window = size
+                state = j["states"][window]
+                lowered = j["extend"].lower(m.params, self._heads_d, state.cache,
+                                            np.zeros((1, bucket), np.int32), np.int32(1),
+                                            np.full((1,), 2, np.int32), self._key_data(0),
+                                            self._rows(), np.int32(0))
+                prog = (lowered.compile(), j["insert"].lower(
+                    state, lowered.out_info, np.int32(0), np.int32(0)).compile())
+            elif kind == "move":
+                prog = j["move"].lower(j["states"][size], np.int32(0), np.int32(0)).compile()
             elif kind == "resize":
                 out = j["states"][size[1]]
                 prog = jax.jit(functools.partial(resize, capacity=size[1]),
@@ -717,6 +812,7 @@ class Engine:
         compiled waits for it, whatever the warm-up."""
         if warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, got {warmup!r}")
+        self._lazy = warmup == "lazy"
         if warmup == "all":
             self.compile()
         else:
@@ -804,6 +900,7 @@ class Engine:
                 reason = "length"
                 break
         self.metrics.generation_tokens += len(out)
+        req.tokens.extend(out)
         if req.t_first is None:
             req.t_first = time.perf_counter()
             ttft = req.t_first - req.t_submit
@@ -828,6 +925,114 @@ class Engine:
             return np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
         return np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
 
+    def _free(self, i: int, keep: bool = True):
+        """Free slot i. keep: its cache goes on serving as a cached prefix (a request that
+        finished: the device row is done). A cancelled request's row may still run on the
+        device, so nothing of it is kept."""
+        req = self._slots[i].req
+        self._kept[i] = self._slot_tokens(req) if keep and req is not None else []
+        self._kept_at[i] = next(self._ticks)
+        self._slots[i] = _Slot()
+
+    def _usable(self, kind: str, size) -> bool:
+        """A prefix-cache program runs only once compiled (a request never waits for one),
+        but under the lazy warm-up, when first needed."""
+        return self._lazy or (kind, size) in self._programs
+
+    def _keep_elsewhere(self, i: int, taken: set[int]):
+        """Slot i (free) is about to take a request: move what its cache holds to the free
+        slot (not in `taken`) holding nothing, else the least recently used one."""
+        if self._kept[i]:
+            spare = [j for j, s in enumerate(self._slots)
+                     if s.req is None and j != i and j not in taken]
+            if spare and self._usable("move", self._width):
+                j = min(spare, key=lambda j: (bool(self._kept[j]), self._kept_at[j]))
+                self._state = self._program("move", self._width)(self._state, np.int32(i),
+                                                                 np.int32(j))
+                self._kept[j], self._kept_at[j] = self._kept[i], self._kept_at[i]
+        self._kept[i] = []
+
+    @staticmethod
+    def _slot_tokens(req: Request) -> list[int]:
+        """The tokens whose keys/values a request's slot holds for certain: its prompt and
+        every token handed out but the last (each step feeds the tokens it emits; the last
+        one may not have been fed)."""
+        return req.prompt + req.tokens[:-1]
+
+    def _prefix_hit(self, req: Request) -> tuple[int, int, int, int] | None:
+        """Where to prefill `req` from a cached prefix: (source slot, cached tokens used,
+        the rest's bucket, window), or None when no slot holds enough of its prompt to
+        prefill the rest in a shorter bucket (or that program is not compiled yet)."""
+        if not (self.prefix_cache and req.cache_prompt):
+            return None
+        n, best, src = len(req.prompt), 0, -1
+        for i, s in enumerate(self._slots):
+            held = self._slot_tokens(s.req) if s.req is not None else self._kept[i]
+            same = 0
+            for a, b in zip(held, req.prompt):
+                if a != b:
+                    break
+                same += 1
+            if same > best:
+                best, src = same, i
+        start = min(best, n - 1)  # the last prompt token is fed: its logits choose the root
+        if start < 1:
+            return None
+        bucket = next((q for q in self.extend_buckets if q >= n - start), self.capacity)
+        if bucket >= next(q for q in self.buckets if q >= n):
+            return None
+        start = min(start, self.capacity - bucket)  # the cache must hold start + bucket
+        window = max(self._width, self._fit(start + bucket))
+        if not self._usable("extend", (bucket, window)):
+            return None
+        return src, start, bucket, window
+
+    def _extend(self, req: Request, slot: int, hit: tuple[int, int, int, int]):
+        """Prefill `req` into `slot` after its cached prefix (`_prefix_hit`'s `hit`)."""
+        src, start, bucket, window = hit
+        n = len(req.prompt)
+        tokens = np.zeros((1, bucket), np.int32)
+        tokens[0, :n - start] = req.prompt[start:]
+        stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
+        rows = self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
+                          req.top_p, req.max_tokens, stop)
+        self._resize(window)
+        # where the slot's cached tokens go: into the source once it is read, if that is
+        # free and this request goes on from all it holds (a repeated prompt, a next turn),
+        # else to a spare slot now
+        stash = slot
+        follows = start >= min(n, len(self._kept[src])) - 1
+        if src == slot:
+            if follows:
+                self._kept[slot] = []
+            else:  # a copy first: the rest of what it holds is of use to others
+                self._keep_elsewhere(slot, set())
+        elif (self._kept[slot] and self._slots[src].req is None and follows
+              and self._usable("move", self._width)):
+            stash, self._kept[src] = src, self._kept[slot]
+            self._kept_at[src] = self._kept_at[slot]
+            self._kept[slot] = []
+        else:
+            self._keep_elsewhere(slot, {src})
+        prefill_after, put = self._program("extend", (bucket, self._width))
+        pre = prefill_after(self.model.params, self._heads_d, self._state.cache, tokens,
+                            np.int32(start), np.full((1,), n, np.int32),
+                            self._key_data(req.seed), rows, np.int32(src))
+        pre.root.copy_to_host_async()
+        if stash != slot:  # after the read above: the runtime orders it behind
+            self._state = self._program("move", self._width)(self._state, np.int32(slot),
+                                                             np.int32(stash))
+        self._state = put(self._state, pre, np.int32(slot), np.int32(0))
+        root = pre.root
+        self._slots[slot] = _Slot(req=req, known_len=n, unread=0, limit=n + req.max_tokens,
+                                  skip=1)
+        req.cached = start
+        m = self.metrics
+        m.prompt_tokens += n
+        m.prefix_hits += 1
+        m.prefix_tokens += start
+        return req, slot, root, 0
+
     def _admit(self) -> list[tuple[Request, int, jax.Array, int]]:
         """Prefill waiting requests, several in one call where they fit the same bucket, and
         insert them into free slots. Returns (request, slot, the batch's first tokens on the
@@ -839,19 +1044,28 @@ class Engine:
                 gone = []
                 while self._waiting and self._waiting[0].cancelled:
                     gone.append(self._waiting.popleft())
-                batch = []
+                batch, hit = [], None
                 if free and self._waiting:
-                    # the head's bucket, and the requests behind it that fit there (one
-                    # cancelled meanwhile is finished by `_first_tokens`)
+                    hit = self._prefix_hit(self._waiting[0])
+                if hit is not None:  # the head goes alone, after its cached prefix
+                    batch = [self._waiting.popleft()]
+                elif free and self._waiting:
+                    # the head's bucket, and the requests behind it that fit there and
+                    # have no cached prefix (one cancelled meanwhile is finished by
+                    # `_first_tokens`)
                     n = self._batch(min(len(free), len(self._waiting)))
                     bucket = self._bucket(len(self._waiting[0].prompt), n)
-                    batch = [r for r in itertools.islice(self._waiting, len(free))
-                             if len(r.prompt) <= bucket][:n]
+                    batch = [r for j, r in enumerate(itertools.islice(self._waiting, len(free)))
+                             if len(r.prompt) <= bucket
+                             and (j == 0 or self._prefix_hit(r) is None)][:n]
                     batch = batch[:self._batch(len(batch))]
                     for r in batch:
                         self._waiting.remove(r)
             for r in gone:
                 self._finish(r, "cancelled")
+            if hit is not None:
+                admitted.append(self._extend(batch[0], free[0], hit))
+                continue
             if not batch:
                 if gone:
                     continue
@@ -876,6 +1090,7 @@ class Engine:
             self._resize(max(self._width, self._fit(bucket)))  # the prompts fit the cache
             insert = self._program("insert", (bucket, n, self._width))
             for j, (req, i) in enumerate(zip(batch, free)):
+                self._keep_elsewhere(i, set(free[:n]))
                 self._state = insert(self._state, pre, np.int32(i), np.int32(j))
                 # the first token goes out now (`_first_tokens`); the slot's first step
                 # emits it again, and that copy is skipped
@@ -892,12 +1107,12 @@ class Engine:
                 continue
             if req.cancelled:
                 self._finish(req, "cancelled")
-                self._slots[i] = _Slot()
+                self._free(i, keep=False)
                 continue
             if id(root) not in roots:
                 roots[id(root)] = np.asarray(root)
             if self._deliver(req, [int(roots[id(root)][j])]):
-                self._slots[i] = _Slot()  # ended by its first token (the device slot is idle)
+                self._free(i)  # ended by its first token (the device slot is idle)
 
     def _step_kind(self) -> str:
         """"plain" while more than `plain_above` slots are live, else "step"."""
@@ -939,6 +1154,9 @@ class Engine:
             self._state = self._program("resize", (self._width, nxt))(self._state)
             self._width = nxt
             self.metrics.resizes += 1
+            # a narrower cache keeps less; and a free slot's steps write at its length, or
+            # at the last `fed` slots where that is past the end
+            self._kept = [kept[:nxt - self.fed] for kept in self._kept]
 
     def _ending(self) -> bool:
         """Whether every live slot will most likely have ended within the calls already
@@ -1000,7 +1218,7 @@ class Engine:
                 continue  # the slot changed hands: these tokens belong to nobody now
             slot.known_len, slot.unread = int(lengths[i]), slot.unread - call[2]
             if req.cancelled:
-                self._slots[i] = _Slot()
+                self._free(i, keep=False)
                 self._finish(req, "cancelled")
                 continue
             n = int(counts[i])
@@ -1009,7 +1227,7 @@ class Engine:
             skip = min(slot.skip, n)
             slot.skip -= skip
             if n > skip and self._deliver(req, [int(t) for t in tokens[i, skip:n]]):
-                self._slots[i] = _Slot()
+                self._free(i)
 
     def _loop(self):
         pending = None
@@ -1026,7 +1244,7 @@ class Engine:
                 for i, s in enumerate(self._slots):  # cancelled while running
                     if s.req is not None and s.req.cancelled:
                         self._finish(s.req, "cancelled")
-                        self._slots[i] = _Slot()
+                        self._free(i, keep=False)
                 if pending is not None and self._long(pending[2]):
                     # read a long call before dispatching the next: a request arriving
                     # meanwhile is then prefilled behind one call, not two

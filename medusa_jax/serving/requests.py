@@ -118,8 +118,8 @@ class GenerationRequest(_Object):
     frequency_penalty: Number = Field(0, ge=-2, le=2, description="a number in [-2, 2]")
     logit_bias: dict[str, Any] = Field({}, description="an object mapping token ids to "
                                                        "numbers in [-100, 100]")
-    # llama.cpp's: reuse the cached prefix of a prompt; this server keeps no prompt cache,
-    # so either value gives the same answer in the same time
+    # llama.cpp's: false prefills the whole prompt, even where a slot's cache holds its
+    # beginning (the engine's prefix cache)
     cache_prompt: bool = True
 
     @field_validator("n")
@@ -165,7 +165,8 @@ class GenerationRequest(_Object):
                     top_p=float(self.top_p), top_k=max(0, self.top_k), seed=self.seed,
                     stop=list(self.stop), stop_ids=tuple(self.stop_token_ids),
                     stream=self.stream, include_usage=self.stream_options.include_usage,
-                    return_token_ids=self.return_token_ids, echo=False)
+                    return_token_ids=self.return_token_ids, cache_prompt=self.cache_prompt,
+                    echo=False)
 
 
 class CompletionRequest(GenerationRequest):

@@ -338,7 +338,11 @@ class ServerMetrics:
             "plain_calls": Counter("medusa_plain_step_calls", "Engine step calls of plain "
                                    "steps under load (--plain-above-slots)", registry=r),
             "resizes": Counter("medusa_cache_resizes", "Times the slots' KV cache was "
-                               "resized to the next attention window", registry=r)}
+                               "resized to the next attention window", registry=r),
+            "prefix_hits": Counter("medusa_prefix_cache_hits", "Prompts prefilled after a "
+                                   "prefix a slot's cache held", registry=r),
+            "prefix_tokens": Counter("medusa_prefix_cache_tokens", "Prompt tokens taken "
+                                     "from the prefix cache", registry=r)}
         self._synced = dict.fromkeys(self._engine_counters, 0)
         self.calls_by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by "
                                       "the slot bucket they computed (the rows a call "
@@ -484,9 +488,11 @@ class Server:
             return template_prompt(conv, self.tokenizer, self.encoder)
         return vicuna_prompt(conv, self.tokenizer, self.encoder)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held."""
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
     async def run(self, http: HTTPRequest, chat: bool):
         """One request, held in the engine (`Engine.hold`) until its answer is sent: a
@@ -545,7 +551,7 @@ class Server:
 
         req = Request(prompt=prompt, max_tokens=max_tokens, on_event=on_event,
                       temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
-                      seed=f["seed"], stop_ids=f["stop_ids"])
+                      seed=f["seed"], stop_ids=f["stop_ids"], cache_prompt=f["cache_prompt"])
         try:
             self.engine.submit(req)
         except QueueFull as e:
@@ -636,7 +642,7 @@ class Server:
             choice["token_ids"] = ids
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.name, "choices": [choice],
-                "usage": self.usage(len(prompt), len(ids))}
+                "usage": self.usage(len(prompt), len(ids), req.cached)}
 
     async def _watch(self, http: HTTPRequest, req: Request):
         """Cancel `req` when its client goes away (uvicorn drops what is sent to a closed
@@ -685,7 +691,8 @@ class Server:
             if f["include_usage"]:
                 yield "data: " + json.dumps({
                     "id": rid, "object": obj, "created": created, "model": self.name,
-                    "choices": [], "usage": self.usage(prompt_tokens, completion)}) + "\n\n"
+                    "choices": [], "usage": self.usage(prompt_tokens, completion,
+                                                       req.cached)}) + "\n\n"
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()

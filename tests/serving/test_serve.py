@@ -46,14 +46,15 @@ def server(_started, offline):
     return proc, url
 
 
-def _launch(heads: str = "default", slots: int = SLOTS):
-    """`python -m infer.serve --heads HEADS` with the engine shapes of test_engine:
+def _launch(heads: str = "default", slots: int = SLOTS, buckets: str = "16,64"):
+    """`python -m infer.serve --heads HEADS` with the engine shapes of test_engine (and a
+    16-token bucket, which the rest of a prompt after a cached prefix takes):
     (process, url)."""
     port = _free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(
         [sys.executable, "-m", "infer.serve", "--heads", heads, "--slots", str(slots),
-         "--max-context", str(CONTEXT), "--prefill-buckets", "64", "--window-block", "64",
+         "--max-context", str(CONTEXT), "--prefill-buckets", buckets, "--window-block", "64",
          "--max-queue", str(QUEUE), "--port", str(port)], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, f"http://127.0.0.1:{port}"
@@ -147,8 +148,13 @@ def test_greedy_completions_match_offline_streamed_or_not(client, server, model,
             stream_options={"include_usage": True}, return_token_ids=True)) as resp:
         events = _sse(resp)
     assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    # the same prompt was served already, but its cached prefix pays only once the
+    # background warm-up has compiled the prefix cache's programs (the last ones)
+    cached = events[-2]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached in (0, len(ids) - 1)
     assert events[-2]["usage"] == {"prompt_tokens": len(ids), "completion_tokens": NEW,
-                                   "total_tokens": len(ids) + NEW}
+                                   "total_tokens": len(ids) + NEW,
+                                   "prompt_tokens_details": {"cached_tokens": cached}}
     assert sum((e["choices"][0]["token_ids"] for e in events[:-2]), []) == refs[0].token_ids
     assert all(e["usage"] is None for e in events[:-2])
 
@@ -365,6 +371,43 @@ def test_disconnects_free_their_slots(server, client, model, offline):
     assert r.choices[0].text == ref.text
 
 
+def _all_compiled(url, timeout: float = 180):
+    deadline = time.time() + timeout
+    while (h := httpx.get(url + "/health", timeout=10).json())["compiled"] < h["programs"]:
+        assert time.time() < deadline, h
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_repeated_prompt_and_a_next_turn_start_after_their_cached_prefix(client, server,
+                                                                         model, offline):
+    """usage's cached_tokens says how many prompt tokens a slot's cache held, /metrics
+    counts them, and the tokens are offline decoding's."""
+    from medusa_jax.serving.server import vicuna_prompt
+
+    _all_compiled(server[1])
+    hits = _metric(server[1], "medusa_prefix_cache_hits_total")
+    ids = vicuna_prompt([(m["role"], m["content"]) for m in CHAT], model.tokenizer)
+    answers = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NEW,
+                                              temperature=0) for _ in range(2)]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content \
+        == offline([ids])[0].text
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == len(ids) - 1
+    # the next turn, as token ids: the prompt, the answer and more (the answer's last
+    # token is the one the slot's cache does not hold)
+    first = model.encode(PROMPTS[1])
+    answer = client.completions.create(model=MODEL, prompt=first, max_tokens=NEW, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    turn = first + answer.choices[0].token_ids + model.encode(PROMPTS[2])[1:8]
+    r = client.completions.create(model=MODEL, prompt=turn, max_tokens=8, temperature=0,
+                                  extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == model.generate([turn], max_new_tokens=8)[0].token_ids
+    assert r.usage.prompt_tokens_details.cached_tokens == len(first) + NEW - 1
+    assert _metric(server[1], "medusa_prefix_cache_hits_total") >= hits + 2
+    assert _metric(server[1], "medusa_prefix_cache_tokens_total") >= len(ids)
+
+
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_bench_serve_reports_each_level(server, capsys):
@@ -419,7 +462,7 @@ def test_an_eagle3_server_gives_plain_greedy_tokens():
     greedy completions give plain greedy decoding's tokens."""
     from medusa_jax.api import Medusa
 
-    proc, url = _launch("eagle", slots=2)
+    proc, url = _launch("eagle", slots=2, buckets="64")
     try:
         plain = Medusa.load().generate(PROMPTS[:3], max_new_tokens=NEW, medusa=False,
                                        batch_size=3)

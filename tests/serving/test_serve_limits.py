@@ -133,7 +133,7 @@ def test_health_answers_starting_while_the_programs_compile(launched):
     assert [x.split(" in ")[0] for x in progress[:3]] == [
         "compiled prefill (bucket 64)", "compiled insert (bucket 64, window 64)",
         "compiled step (window 64, 1 slot)"], launched.lines
-    assert all(x.endswith(("[1/9]", "[2/9]", "[3/9]")) for x in progress[:3])
+    assert all(x.endswith(("[1/15]", "[2/15]", "[3/15]")) for x in progress[:3])
     assert any(x.startswith("ready for requests") for x in launched.lines)
     # the last program compiles in the background while the next tests run:
     # test_the_rest_compiled_in_the_background checks it
@@ -497,19 +497,22 @@ def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
 @pytest.mark.subprocess
 def test_the_rest_compiled_in_the_background(launched, url):
     deadline = time.time() + 120
-    while not any(line.startswith("all 9 programs compiled") for line in launched.lines):
+    while not any(line.startswith("all 15 programs compiled") for line in launched.lines):
         assert time.time() < deadline and launched.proc.poll() is None, launched.lines
         time.sleep(0.2)
     progress = [x for x in launched.lines if x.startswith("compiled ")]
     # what serves any request next (the widest window over every slot), then the rest
     assert progress[3].startswith("compiled step (window 128, 4 slots) in ") and \
-        progress[3].endswith("[4/9]"), launched.lines
-    assert sorted(x.split(" in ")[0] for x in progress[4:]) == [
+        progress[3].endswith("[4/15]"), launched.lines
+    assert sorted(x.split(" in ")[0] for x in progress[4:]) == sorted([
         "compiled insert (bucket 64, window 128)", "compiled resize (window 128 to 64)",
         "compiled resize (window 64 to 128)", "compiled step (window 128, 1 slot)",
-        "compiled step (window 64, 4 slots)"]
+        "compiled step (window 64, 4 slots)"] + [  # and the prefix cache's, last
+        f"compiled extend (bucket {b}, window {w})" for b in (1, 4) for w in (128, 64)] + [
+        "compiled move (window 128)", "compiled move (window 64)"])
+    assert progress[-1].startswith("compiled extend")
     h = httpx.get(url + "/health", timeout=5).json()
-    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 9
+    assert h["status"] == "ok" and h["compiled"] == h["programs"] == 15
 
 
 @pytest.mark.slow
