@@ -250,8 +250,10 @@ def start_after_prefix(params: Params, cfg: ModelConfig, cache: KVCache, tokens:
                        draft_capacity: int | None = None) -> DecodeState:
     """`start` for prompts whose first `cache.lengths[b]` tokens are in the cache already (a
     cached prefix): tokens [B, Q] are the rest of each prompt (right-padded; the cache must
-    hold lengths + Q slots), lengths [B] the whole prompts' lengths. A drafter that reads
-    every prompt token (`aux_layers`) cannot start here: it never saw the prefix."""
+    hold lengths + Q slots), lengths [B] the whole prompts' lengths. The drafter begins
+    from the tokens fed here (`begin` sees them as a prompt of that many tokens: a drafter
+    that reads only the last hidden state starts as after the whole prompt); one that reads
+    every prompt token (`aux_layers`) cannot start here, as it never saw the prefix."""
     if drafter is not None and drafter.aux_layers:
         raise ValueError(f"a {drafter.kind} drafter reads every prompt token's hidden state, "
                          f"so it cannot start after a cached prefix")

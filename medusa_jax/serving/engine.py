@@ -132,10 +132,12 @@ def put_cache_row(c: KVCache, one: KVCache, row: jax.Array) -> KVCache:
 def move(state: DecodeState, src: jax.Array, dst: jax.Array) -> DecodeState:
     """Copy slot `src`'s cache row over slot `dst`'s (int32 scalars; the state donated):
     a finished request's cache kept as a prefix while its slot takes a new request. Its
-    length goes along: a free slot's steps still write at its length, past what it holds."""
+    length goes along (a free slot's steps still write at its length, past what it holds),
+    and `dst` is marked done (it may have held a cancelled request, still running)."""
     c = state.cache
     c = put_cache_row(c, cache_row(c, src), dst)
-    return state.replace(cache=c.replace(lengths=c.lengths.at[dst].set(c.lengths[src])))
+    return state.replace(cache=c.replace(lengths=c.lengths.at[dst].set(c.lengths[src])),
+                         done=state.done.at[dst].set(True))
 
 
 def take_row(pre: DecodeState, row: jax.Array, axis: int) -> DecodeState:
@@ -279,6 +281,18 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
 
 
 # ----------------------------------------------------------------------------- host side
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common beginning of a and b (list slices compare at C
+    speed: a bisection over them, not a Python loop over tokens)."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid)
+    return lo
 
 
 class QueueFull(Exception):
@@ -925,12 +939,16 @@ class Engine:
             return np.array([[seed >> 32, seed & 0xFFFFFFFF]], np.uint32)
         return np.asarray(jax.random.key_data(jax.random.key(seed)))[None]
 
-    def _free(self, i: int, keep: bool = True):
+    def _free(self, i: int, keep: bool = True, window: int | None = None):
         """Free slot i. keep: its cache goes on serving as a cached prefix (a request that
         finished: the device row is done). A cancelled request's row may still run on the
-        device, so nothing of it is kept."""
+        device, so nothing of it is kept. A done row is still stepped: it writes at its
+        length, or at the last `fed` slots of the cache where that is past the end, so only
+        what lies before those is kept (`window`: the cache's length in the call the request
+        ended in, if narrower than now)."""
         req = self._slots[i].req
-        self._kept[i] = self._slot_tokens(req) if keep and req is not None else []
+        held = min(window or self._width, self._width) - self.fed
+        self._kept[i] = self._slot_tokens(req)[:held] if keep and req is not None else []
         self._kept_at[i] = next(self._ticks)
         self._slots[i] = _Slot()
 
@@ -967,12 +985,8 @@ class Engine:
             return None
         n, best, src = len(req.prompt), 0, -1
         for i, s in enumerate(self._slots):
-            held = self._slot_tokens(s.req) if s.req is not None else self._kept[i]
-            same = 0
-            for a, b in zip(held, req.prompt):
-                if a != b:
-                    break
-                same += 1
+            same = common_prefix(self._slot_tokens(s.req) if s.req is not None
+                                 else self._kept[i], req.prompt)
             if same > best:
                 best, src = same, i
         start = min(best, n - 1)  # the last prompt token is fed: its logits choose the root
@@ -1001,13 +1015,13 @@ class Engine:
         # free and this request goes on from all it holds (a repeated prompt, a next turn),
         # else to a spare slot now
         stash = slot
-        follows = start >= min(n, len(self._kept[src])) - 1
+        continues = start >= min(n, len(self._kept[src])) - 1  # from all the source holds
         if src == slot:
-            if follows:
+            if continues:
                 self._kept[slot] = []
             else:  # a copy first: the rest of what it holds is of use to others
                 self._keep_elsewhere(slot, set())
-        elif (self._kept[slot] and self._slots[src].req is None and follows
+        elif (self._kept[slot] and self._slots[src].req is None and continues
               and self._usable("move", self._width)):
             stash, self._kept[src] = src, self._kept[slot]
             self._kept_at[src] = self._kept_at[slot]
@@ -1150,13 +1164,14 @@ class Engine:
         """Resize the slots' cache to `window` slots, a window at a time."""
         while self._width != window:
             i = self.windows.index(self._width)
-            nxt = self.windows[i + 1 if window > self._width else i - 1]
+            shrink = window < self._width
+            nxt = self.windows[i - 1 if shrink else i + 1]
             self._state = self._program("resize", (self._width, nxt))(self._state)
             self._width = nxt
             self.metrics.resizes += 1
-            # a narrower cache keeps less; and a free slot's steps write at its length, or
-            # at the last `fed` slots where that is past the end
-            self._kept = [kept[:nxt - self.fed] for kept in self._kept]
+            if shrink:  # a narrower cache keeps less; and a free slot's steps write at its
+                # length, or at the last `fed` slots where that is past the end
+                self._kept = [kept[:nxt - self.fed] for kept in self._kept]
 
     def _ending(self) -> bool:
         """Whether every live slot will most likely have ended within the calls already
@@ -1197,7 +1212,7 @@ class Engine:
         order), for as many steps as its longest-live slot took (`out_steps` [S]; a call
         stops once all its slots have finished); a call queued behind a prefill is not
         timed."""
-        kind, rows, steps, dispatched, behind_prefill = call
+        kind, rows, steps, dispatched, behind_prefill = call[:5]
         began, self._last_done = max(dispatched, self._last_done), done
         if behind_prefill:
             return
@@ -1227,7 +1242,7 @@ class Engine:
             skip = min(slot.skip, n)
             slot.skip -= skip
             if n > skip and self._deliver(req, [int(t) for t in tokens[i, skip:n]]):
-                self._free(i)
+                self._free(i, window=call[5])
 
     def _loop(self):
         pending = None
@@ -1271,7 +1286,8 @@ class Engine:
                     self.metrics.calls_by_slots[size[1]] += 1
                     self.metrics.calls_by_steps[steps] += 1
                     self.metrics.plain_calls += kind == "plain"
-                    nxt = (out, owners, (kind, size[1], steps, dispatched, bool(admitted)))
+                    nxt = (out, owners, (kind, size[1], steps, dispatched, bool(admitted),
+                                         size[0]))
                 self._first_tokens(admitted)  # while the step runs
                 if pending is not None:
                     self._process(*pending)

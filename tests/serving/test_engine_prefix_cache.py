@@ -9,7 +9,7 @@ import pytest
 
 from medusa_jax.api import Medusa, default_eagle_heads_dir
 from medusa_jax.runtime import assets
-from medusa_jax.serving.engine import Engine, Request
+from medusa_jax.serving.engine import Engine, Request, common_prefix
 
 # prompts of 15-30 tokens take the 64-token bucket; after a cached prefix the rest takes 1,
 # 4 or 16 (the 96-token bucket holds a prompt longer than the narrow window)
@@ -137,6 +137,14 @@ def test_a_narrower_cache_keeps_only_what_it_holds(engine, model, prompts):
     follow = p + long[:50]  # its slot held all of these tokens before the cut
     req, out = run(engine, follow, 20)
     assert req.cached == 64 - engine.fed and out == offline(model, follow, 20)
+
+
+@pytest.mark.parametrize("a, b, n", [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3),
+                                     ([1, 2], [1, 2, 3], 2), ([7], [1], 0),
+                                     ([1, 2, 3, 4, 5], [1, 2, 9, 4, 5], 2),
+                                     (list(range(100)), list(range(99)) + [0], 99)])
+def test_common_prefix_is_the_longest_shared_beginning(a, b, n):
+    assert common_prefix(a, b) == common_prefix(b, a) == n
 
 
 def test_an_eagle3_engine_keeps_no_prefix_cache():
