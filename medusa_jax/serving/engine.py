@@ -116,8 +116,8 @@ def cache_row(c: KVCache, row: jax.Array) -> KVCache:
 
 
 def put_cache_row(c: KVCache, one: KVCache, row: jax.Array) -> KVCache:
-    """`c` with row `row` (int32 scalar) replaced by the one-row cache `one`'s keys/values
-    (its length is left as it was)."""
+    """`c` with row `row` (int32 scalar) overwritten by the one-row cache `one`'s
+    keys/values, over its first `one.capacity` slots (its length is left as it was)."""
     if isinstance(c.k, tuple):  # per layer [B*KVH, C, D]
         at = (row * one.k[0].shape[0], jnp.int32(0), jnp.int32(0))
         k = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.k, one.k))
@@ -155,17 +155,8 @@ def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array
     drafter carry's batch axis. A first token that ends the request leaves the slot idle
     (the host hands it out)."""
     pre = take_row(pre, row, axis)
-    c, pc = state.cache, pre.cache
-    if isinstance(c.k, tuple):  # per layer [S*KVH, C, D]; row b's heads at b*KVH ..
-        kvh = pc.k[0].shape[0]
-        at = (slot * kvh, jnp.int32(0), jnp.int32(0))
-        k = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.k, pc.k))
-        v = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(c.v, pc.v))
-    else:  # [L, S, KVH, C, D]
-        z = jnp.int32(0)
-        k = jax.lax.dynamic_update_slice(c.k, pc.k, (z, slot, z, z, z))
-        v = jax.lax.dynamic_update_slice(c.v, pc.v, (z, slot, z, z, z))
-    cache = c.replace(k=k, v=v, lengths=c.lengths.at[slot].set(pc.lengths[0]))
+    cache = put_cache_row(state.cache, pre.cache, slot)  # its first P slots: a prefill's
+    cache = cache.replace(lengths=cache.lengths.at[slot].set(pre.cache.lengths[0]))
     set_row = lambda a, b: a.at[slot].set(b[0])  # noqa: E731
     draft = None if state.draft is None else jax.tree.map(
         lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b.astype(a.dtype), slot, axis),
@@ -571,6 +562,12 @@ class Engine:
                     top_p=full(top_p, np.float32), epsilon=full(d.epsilon, np.float32),
                     delta=full(d.delta, np.float32), max_tokens=full(max_tokens, np.int32),
                     stop=stop_arr, modes=self.modes)
+
+    def _request_rows(self, req: "Request") -> Rows:
+        """A request's row: its sampling, token limit and stop tokens (EOS included)."""
+        stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
+        return self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
+                          req.top_p, req.max_tokens, stop)
 
     # --- compile: each program once, when it is first needed or ahead of time
 
@@ -1007,9 +1004,7 @@ class Engine:
         n = len(req.prompt)
         tokens = np.zeros((1, bucket), np.int32)
         tokens[0, :n - start] = req.prompt[start:]
-        stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
-        rows = self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
-                          req.top_p, req.max_tokens, stop)
+        rows = self._request_rows(req)
         self._resize(window)
         # where the slot's cached tokens go: into the source once it is read, if that is
         # free and this request goes on from all it holds (a repeated prompt, a next turn),
@@ -1091,9 +1086,7 @@ class Engine:
             rows = []
             for j, req in enumerate(batch):
                 tokens[j, :lengths[j]] = req.prompt
-                stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
-                rows.append(self._rows(req.temperature if req.temperature > 0 else 0.0,
-                                       req.top_k, req.top_p, req.max_tokens, stop))
+                rows.append(self._request_rows(req))
             keys = np.concatenate([self._key_data(r.seed) for r in batch])
             pre = self._program("prefill", (bucket, n))(self.model.params, self._heads_d,
                                                         tokens, lengths, keys,
