@@ -1,14 +1,19 @@
-"""CPU kernels for decoding: few-row matrix products through XLA's FFI.
+"""CPU kernels for decoding through XLA's FFI: few-row matrix products and few-query
+attention.
 
 A decoding step multiplies a few rows (1 token, or a Medusa tree's 5 to 65) by every weight
 of the model, so it is bound by reading the weights. XLA:CPU runs such products as library
 calls far from that bound; `fewrow_matmul.cc` reads each weight once for all rows, on the
-threads of XLA's own pool.
+threads of XLA's own pool. Its attention kernel (`attention`) computes a few query rows
+over a per-layer KV cache, each row alone, skipping the slots its mask hides, so a token's
+attention is the same bits in a 1-token and in a tree's verification pass; backbones whose
+heads are a multiple of 16 wide attend with it (`attention_wants`).
 
 How it is switched on: a weight wrapped in `KernelWeight` is multiplied by the kernel
-(`matmul`); a plain array by XLA. `use_cpu_kernels(params)` wraps a backbone in the decoding
-layout when the kernels are available (CPU backend, library built: `build`), and the
-heads follow the backbone inside the decoders (`wrap_heads`). Being part of the
+(`matmul`); a plain array by XLA. `use_cpu_kernels(params, head_dim=...)` wraps a backbone
+in the decoding layout, and marks it to attend with the kernel, when the kernels are
+available (CPU backend, library built: `build`), and the heads follow the backbone inside
+the decoders (`wrap_heads`). Being part of the
 parameters' pytree structure, the choice is part of every jitted function's cache key:
 the same process can time both (`unwrap`).
 

@@ -1,4 +1,5 @@
-"""The few-row product kernel on the JAX side: `KernelWeight`, `matmul`, wrapping a backbone.
+"""The CPU kernels on the JAX side: `KernelWeight` and `matmul` (few-row products),
+`attention` (few-query attention over a per-layer cache), wrapping a backbone.
 
 See the package docstring (`medusa_jax.kernels`)."""
 
@@ -16,6 +17,7 @@ from medusa_jax.kernels import build
 from medusa_jax.kernels.flags import ENV, off_by_env  # noqa: F401 (re-exported)
 
 TARGET = "medusa_fewrow_matmul"
+ATTENTION_TARGET = "medusa_fewquery_attention"
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16)
 
 _state: dict = {}  # "ready": bool once decided, "why": the reason when not
@@ -44,8 +46,9 @@ def _prepare() -> tuple[bool, str]:
     if lib is None:
         return False, ""
     try:
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, TARGET)),
-                                    platform="cpu")
+        for target in (TARGET, ATTENTION_TARGET):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)),
+                                        platform="cpu")
     except Exception as e:  # noqa: BLE001 - any failure means: XLA's products
         return False, f"registering with XLA failed ({e})"
     return True, ""
@@ -115,12 +118,31 @@ class KernelWeight:
         return KernelWeight(self.w[index], self.n, self.transposed)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+    """The mark, under `ATTENTION_KEY` in a backbone's parameters, that its decoding
+    passes attend with the CPU kernel (`attention`). It holds no arrays: the pytree keeps
+    it as static data, so it is part of every jitted function's cache key, as wrapped
+    weights are."""
+
+
+tree_util.register_static(AttentionKernel)
+ATTENTION_KEY = "cpu_attention"
+
+
+def attends_with_kernel(params) -> bool:
+    """Whether `params` carry the mark of the attention kernel."""
+    return isinstance(params, dict) and isinstance(params.get(ATTENTION_KEY), AttentionKernel)
+
+
 def describe(params) -> str:
-    """Which products decoding `params` runs: the CPU kernel's (for how many matrices) or
-    XLA's."""
+    """Which kernels decoding `params` runs: the CPU kernel's products (for how many
+    matrices) and attention, or XLA's."""
     leaves = jax.tree.leaves(params, is_leaf=is_kernel_weight)
     wrapped = sum(is_kernel_weight(x) for x in leaves)
-    return f"CPU kernel ({wrapped} matrices)" if wrapped else "XLA's products"
+    parts = ([f"products of {wrapped} matrices"] if wrapped else []) + (
+        ["attention"] if attends_with_kernel(params) else [])
+    return f"CPU kernel ({', '.join(parts)})" if parts else "XLA's products"
 
 
 def is_kernel_weight(x) -> bool:
@@ -128,12 +150,17 @@ def is_kernel_weight(x) -> bool:
 
 
 def active(params) -> bool:
-    """Whether `params` carries kernel weights (the decoders' static choice)."""
-    return any(is_kernel_weight(x) for x in jax.tree.leaves(params, is_leaf=is_kernel_weight))
+    """Whether `params` carries kernel weights or the attention kernel's mark (the
+    decoders' static choice)."""
+    return attends_with_kernel(params) or any(
+        is_kernel_weight(x) for x in jax.tree.leaves(params, is_leaf=is_kernel_weight))
 
 
 def unwrap(params):
-    """The same parameters with every `KernelWeight` replaced by its array (XLA's products)."""
+    """The same parameters with every `KernelWeight` replaced by its array and the
+    attention kernel's mark dropped (XLA throughout)."""
+    if attends_with_kernel(params):
+        params = {k: v for k, v in params.items() if k != ATTENTION_KEY}
     return jax.tree.map(lambda x: x.array() if is_kernel_weight(x) else x, params,
                         is_leaf=is_kernel_weight)
 
@@ -153,11 +180,13 @@ def wants(w) -> bool:
 BACKBONE_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down", "wq", "wk", "wv", "w_gate", "w_up")
 
 
-def use_cpu_kernels(params, enabled: bool | None = None):
+def use_cpu_kernels(params, enabled: bool | None = None, head_dim: int | None = None):
     """Wrap a backbone's decoding-layout products (and an untied lm_head) of at least
-    `MIN_BYTES` in `KernelWeight` when the kernels are available and every weight is on
-    the CPU; otherwise (or with `enabled=False`) return the parameters unchanged, unwrapped.
-    A backbone without any weight that large keeps XLA's products throughout. Parameters
+    `MIN_BYTES` in `KernelWeight`, and mark it to attend with the kernel (`ATTENTION_KEY`)
+    when its heads are `head_dim` wide and `attention_wants` that, when the kernels are
+    available and every weight is on the CPU; otherwise (or with `enabled=False`) return
+    the parameters unchanged, unwrapped. A backbone without any weight that large keeps
+    XLA's products and attention throughout. Parameters
     already wrapped are returned as they are (`Medusa` lays out what `load_pretrained`
     already did: unpacking and packing again would hold a second copy of every weight)."""
     if enabled is not False and active(params) and available():
@@ -179,7 +208,11 @@ def use_cpu_kernels(params, enabled: bool | None = None):
     out = dict(params, layers=tuple(wrap_layer(layer) for layer in params["layers"]))
     if "lm_head" in out and wants(out["lm_head"]):
         out["lm_head"] = KernelWeight.pack(out["lm_head"])
-    return out if active(out) else params
+    if not active(out):
+        return params
+    if head_dim is not None and attention_wants(head_dim):
+        out[ATTENTION_KEY] = AttentionKernel()
+    return out
 
 
 HEADS_WEIGHTS = ("w", "proj", "in_w", "res_w")  # Medusa's blocks and projection, Hydra's too
@@ -247,3 +280,41 @@ def matmul(x: jax.Array, w) -> jax.Array:
     g = w.shape[0]
     y = _product(x.reshape(g, -1, k), w)
     return y.reshape(g, *x.shape[1:-1], w.n)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_wants(head_dim: int) -> bool:
+    """Whether the attention kernel pays at this head size: it reads a key 16 floats at a
+    time; smaller heads (the embedded model's 8) are faster with XLA's loops."""
+    return head_dim % 16 == 0
+
+
+def _xla_attention(q, k, v, mask):
+    """q [H, R, D] (scaled), k, v [H, W, D], mask [B, T, W] -> [H, R, D] float32, by XLA:
+    row r of KV head h is token r % T of batch row h // (H / B)."""
+    b, t, w = mask.shape
+    h, r, d = q.shape
+    s = jnp.einsum("hrd,hwd->hrw", q, k, preferred_element_type=jnp.float32)
+    s = s.reshape(b, h // b, r // t, t, w)
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(s, axis=-1).reshape(h, r, w)
+    return jnp.einsum("hrw,hwd->hrd", probs, v.astype(jnp.float32))
+
+
+def _ffi_attention(q, k, v, mask):
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(q, k, v, mask)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Attention of a few query rows over a per-layer cache, by the CPU kernel (XLA's on
+    other platforms, or for anything but float32). q [H, R, D], already scaled, H = B * KVH
+    (each batch row's KV heads), R = G * T (the query heads sharing a KV head times the T
+    new tokens; row r is token r % T); k, v [H, W, D]; mask [B, T, W] bool. Returns
+    [H, R, D] float32; a row the mask hides everything from gets zeros."""
+    if not (q.dtype == k.dtype == v.dtype == jnp.float32) or not available():
+        return _xla_attention(q, k, v, mask)
+    return jax.lax.platform_dependent(q, k, v, mask.astype(bool), cpu=_ffi_attention,
+                                      default=_xla_attention)

@@ -348,6 +348,227 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return ffi::Error::Success();
 }
 
+
+// ------------------------------------------------------------------ few-query attention
+//
+//   out[h, r] = softmax over the slots j that mask[b, t, j] allows of (q[h, r] . k[h, j])
+//               applied to v[h, j]
+//
+// q [H, R, D] float32, already scaled (H = B * KVH: each batch row's KV heads; a KV
+// head's R = G * T query rows are the G query heads sharing it times the T new tokens, row
+// r being token r % T), k, v [H, W, D] float32 (the first W slots of a per-layer cache,
+// the new tokens' keys/values written already), mask [B, T, W] bool, out [H, R, D].
+//
+// XLA:CPU runs a product of a few query rows by the cache as a library call far slower
+// than its emitted one-row loop; here each row reads its KV head's keys and values once,
+// skips the slots its mask hides, and is computed alone, in an order that depends on
+// neither R nor W: a token's attention in a 5-token verification pass equals its
+// attention in a 1-token decoding pass bit for bit.
+
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+inline vf bits_select(vi keep, vf a, vf b) {  // keep ? a : b, lane by lane
+  return (vf)(((vi)a & keep) | ((vi)b & ~keep));
+}
+
+// exp(x) for x <= 0 (scores minus their maximum), 0 below -87: Cephes' expf polynomial
+// after the reduction x = n ln 2 + r.
+inline vf exp_nonpositive(vf x) {
+  const vf lo = splat(-87.0f);
+  const vi live = x >= lo;
+  x = bits_select(live, x, lo);
+  const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * splat(1.44269504088896341f) + magic) - magic;
+  const vf r = (x - n * splat(0.693359375f)) - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  const vf y = p * (r * r) + r + splat(1.0f);
+  const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  return bits_select(live, y * (vf)e, vf{});
+}
+
+inline float tree_sum(vf v) {  // pairwise, in a fixed order
+  float a[VW];
+  std::memcpy(a, &v, sizeof v);
+  for (int h = VW / 2; h >= 1; h /= 2)
+    for (int i = 0; i < h; ++i) a[i] += a[i + h];
+  return a[0];
+}
+
+inline float hsum(vf v) {  // a fixed order
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  return tree_sum(v);
+#endif
+}
+
+// One query row: s (W rounded up to VW floats of scratch) holds its scores, then weights.
+// V > 0: D = V * VW, q held in registers; V = 0: any D, one by one.
+template <int V>
+void attend_row(const float* q, const float* k, const float* v, const bool* mask,
+                float* out, float* s, int64_t W, int64_t D) {
+  const int64_t Wp = (W + VW - 1) / VW * VW;
+  if constexpr (V > 0) {
+    vf qv[V];
+    for (int c = 0; c < V; ++c) qv[c] = load(q + c * VW);
+    for (int64_t j = 0; j < W; ++j) {
+      if (!mask[j]) {
+        s[j] = -INFINITY;
+        continue;
+      }
+      const float* kj = k + j * D;
+      vf acc = qv[0] * load(kj);
+      for (int c = 1; c < V; ++c) acc += qv[c] * load(kj + c * VW);
+      s[j] = hsum(acc);
+    }
+  } else {
+    for (int64_t j = 0; j < W; ++j) {
+      float d_sum = 0.0f;
+      for (int64_t d = 0; d < D; ++d) d_sum = std::fma(q[d], k[j * D + d], d_sum);
+      s[j] = mask[j] ? d_sum : -INFINITY;
+    }
+  }
+  for (int64_t j = W; j < Wp; ++j) s[j] = -INFINITY;
+  vf tops = splat(-INFINITY);
+  for (int64_t j = 0; j < Wp; j += VW) {
+    const vf x = load(s + j);
+    tops = bits_select(x > tops, x, tops);
+  }
+  float top = -INFINITY;
+  for (int i = 0; i < VW; ++i) top = std::max(top, tops[i]);
+  if (top == -INFINITY) {  // nothing to attend (never in decoding): zeros, not NaN
+    std::fill(out, out + D, 0.0f);
+    return;
+  }
+  vf sums = vf{};
+  const vf shift = splat(top);
+  for (int64_t j = 0; j < Wp; j += VW) {
+    const vf w = exp_nonpositive(load(s + j) - shift);
+    store(s + j, w);
+    sums += w;
+  }
+  const float inv = 1.0f / tree_sum(sums);
+  if constexpr (V > 0) {
+    vf even[V], odd[V];  // two chains per vector, over the slots of even and odd index
+    for (int c = 0; c < V; ++c) even[c] = odd[c] = vf{};
+    for (int64_t j = 0; j < Wp; j += 2) {  // s[W ..] are 0
+      if (s[j] != 0.0f) {
+        const vf w = splat(s[j]);
+        for (int c = 0; c < V; ++c) even[c] += w * load(v + j * D + c * VW);
+      }
+      if (s[j + 1] != 0.0f) {
+        const vf w = splat(s[j + 1]);
+        for (int c = 0; c < V; ++c) odd[c] += w * load(v + (j + 1) * D + c * VW);
+      }
+    }
+    for (int c = 0; c < V; ++c) store(out + c * VW, (even[c] + odd[c]) * splat(inv));
+  } else {
+    std::fill(out, out + D, 0.0f);
+    for (int64_t j = 0; j < W; ++j) {
+      if (s[j] == 0.0f) continue;
+      for (int64_t d = 0; d < D; ++d) out[d] = std::fma(s[j], v[j * D + d], out[d]);
+    }
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  }
+}
+
+void attend(const float* q, const float* k, const float* v, const bool* mask, float* out,
+            float* s, int64_t W, int64_t D) {
+  switch (D % VW == 0 ? D / VW : 0) {
+    case 1: return attend_row<1>(q, k, v, mask, out, s, W, D);
+    case 2: return attend_row<2>(q, k, v, mask, out, s, W, D);
+    case 4: return attend_row<4>(q, k, v, mask, out, s, W, D);
+    case 8: return attend_row<8>(q, k, v, mask, out, s, W, D);
+    default: return attend_row<0>(q, k, v, mask, out, s, W, D);
+  }
+}
+
+// Attention below this many multiply-adds per call runs on the calling thread alone.
+constexpr int64_t kParallelMacs = 1 << 18;
+
+struct Attention {
+  const float *q, *k, *v;
+  const bool* mask;
+  float* out;
+  int64_t H, R, W, D, T, KVH;
+  int64_t rows_per_unit;
+
+  int64_t units() const { return (H * R + rows_per_unit - 1) / rows_per_unit; }
+
+  void run_unit(int64_t u) const {
+    thread_local std::unique_ptr<float[]> scratch;
+    thread_local int64_t capacity = 0;
+    const int64_t Wp = (W + VW - 1) / VW * VW;
+    if (capacity < Wp) {
+      scratch.reset(new float[Wp]);
+      capacity = Wp;
+    }
+    const int64_t end = std::min(H * R, (u + 1) * rows_per_unit);
+    for (int64_t i = u * rows_per_unit; i < end; ++i) {
+      const int64_t h = i / R, r = i % R, b = h / KVH, t = r % T;
+      attend(q + i * D, k + h * W * D, v + h * W * D, mask + (b * T + t) * W,
+                 out + i * D, scratch.get(), W, D);
+    }
+  }
+};
+
+struct AttentionJob {
+  Attention a;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> finished{0};
+
+  void work() {
+    const int64_t n = a.units();
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      a.run_unit(u);
+      finished.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::AnyBuffer mask,
+                             ffi::Result<ffi::AnyBuffer> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || md.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "medusa_fewquery_attention: q [H, R, D], k and v [H, W, D], mask [B, T, W]");
+  if (q.element_type() != ffi::F32 || k.element_type() != ffi::F32 ||
+      v.element_type() != ffi::F32 || out->element_type() != ffi::F32 ||
+      mask.element_type() != ffi::PRED)
+    return ffi::Error::InvalidArgument(
+        "medusa_fewquery_attention: q, k, v and out must be float32, mask bool");
+  const int64_t H = qd[0], R = qd[1], D = qd[2], W = kd[1], B = md[0], T = md[1];
+  if (kd[0] != H || kd[2] != D || vd[0] != H || vd[1] != W || vd[2] != D || md[2] != W ||
+      B == 0 || T == 0 || H % B != 0 || R % T != 0)
+    return ffi::Error::InvalidArgument("medusa_fewquery_attention: shapes do not match");
+  if (H * R * D == 0) return ffi::Error::Success();
+  auto job = std::make_shared<AttentionJob>();
+  job->a = Attention{static_cast<const float*>(q.untyped_data()),
+                     static_cast<const float*>(k.untyped_data()),
+                     static_cast<const float*>(v.untyped_data()),
+                     static_cast<const bool*>(mask.untyped_data()),
+                     static_cast<float*>(out->untyped_data()), H, R, W, D, T, H / B, H * R};
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (threads > 1 && H * R * W * D >= kParallelMacs)
+    job->a.rows_per_unit = std::max<int64_t>(1, H * R / (4 * threads));
+  const int64_t units = job->a.units();
+  const int64_t helpers = std::min(threads, units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  while (job->finished.load(std::memory_order_acquire) < units) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_fewrow_matmul, FewRowMatmul,
@@ -357,6 +578,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_fewrow_matmul, FewRowMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transposed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_fewquery_attention, FewQueryAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
 
 // A check of every code path against a double-precision product, with no XLA involved:
 // run in a child process right after a build, so a build that computes wrong results, or
@@ -412,6 +642,44 @@ extern "C" int medusa_fewrow_selftest() {
             if (!(std::fabs(y[m * N + n] - ref) <= 1e-5 * mag + 1e-30)) return 3;
           }
       }
+  }
+  // attention: every path (D a multiple of the vector or not, masks with holes, a row with
+  // nothing to attend, one or several units) against double precision
+  const int64_t cases[][5] = {{1, 1, 1, 1, 8}, {2, 3, 37, 3, 8}, {4, 10, 64, 5, 64},
+                              {6, 4, 200, 2, 32}, {2, 1, 19, 1, 16}, {3, 2, 5, 2, 7}};
+  for (const auto& c : cases) {
+    const int64_t B = c[0] == 4 ? 2 : 1, H = c[0], R = c[1], W = c[2], T = c[3], D = c[4];
+    std::unique_ptr<float[]> q(new float[H * R * D]), k(new float[H * W * D]),
+        v(new float[H * W * D]), o(new float[H * R * D]);
+    std::unique_ptr<bool[]> m(new bool[B * T * W]);
+    for (int64_t i = 0; i < H * R * D; ++i) q[i] = 3.0f * rnd();
+    for (int64_t i = 0; i < H * W * D; ++i) k[i] = rnd(), v[i] = rnd();
+    for (int64_t i = 0; i < B * T * W; ++i) m[i] = rnd() > -0.4f;
+    if (W > 1) std::fill(m.get(), m.get() + W, false);  // row (0, 0) attends nothing
+    for (int64_t units : {int64_t(1), H * R}) {
+      Attention a{q.get(), k.get(), v.get(), m.get(), o.get(), H, R, W, D, T, H / B,
+                  (H * R + units - 1) / units};
+      for (int64_t u = 0; u < a.units(); ++u) a.run_unit(u);
+      for (int64_t i = 0; i < H * R; ++i) {
+        const int64_t h = i / R, t = (i % R) % T, b = h / (H / B);
+        const bool* mr = m.get() + (b * T + t) * W;
+        std::unique_ptr<double[]> sc(new double[W]);
+        double top = -1e300, sum = 0.0;
+        for (int64_t j = 0; j < W; ++j) {
+          sc[j] = 0.0;
+          for (int64_t d = 0; d < D; ++d) sc[j] += double(q[i * D + d]) * k[(h * W + j) * D + d];
+          if (mr[j]) top = std::max(top, sc[j]);
+        }
+        for (int64_t j = 0; j < W; ++j) sum += mr[j] ? std::exp(sc[j] - top) : 0.0;
+        for (int64_t d = 0; d < D; ++d) {
+          double ref = 0.0;
+          for (int64_t j = 0; j < W; ++j)
+            if (mr[j]) ref += std::exp(sc[j] - top) / sum * v[(h * W + j) * D + d];
+          if (sum == 0.0) ref = 0.0;
+          if (!(std::fabs(o[i * D + d] - ref) <= 1e-5)) return 4;
+        }
+      }
+    }
   }
   return 0;
 }

@@ -218,14 +218,24 @@ def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     return x.astype(as_dtype(cfg.compute_dtype))
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Half-split (Hugging Face layout) rotary embedding. x: [B, T, N, D], positions: [B, T]."""
+def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions [B, T] -> (cos, sin) [B, T, 1, D/2] float32: the rotation `rotate` applies."""
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Half-split (Hugging Face layout) rotary embedding of x [B, T, N, D] by a
+    `rope_table`."""
+    cos, sin = rope
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Half-split (Hugging Face layout) rotary embedding. x: [B, T, N, D], positions: [B, T]."""
+    return rotate(x, rope_table(positions, inv_freq))
 
 
 # Batch rows written one in-place update each (up to this many; see `_write_rows`).
@@ -283,15 +293,20 @@ def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
-def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask):
+def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask, kernel: bool = False):
     """Attention over a per-layer cache that already holds the new tokens.
 
     q [B, T, NH, D]; k_cache, v_cache [B*KVH, W, D]; mask [B, T, W]. Returns [B, T, NH*D].
     The cache's own [B*KVH, W, D] shape is the products' batch layout, so XLA reads the
-    buffer as it is (a reshape would make it fuse the cache update into each reader)."""
+    buffer as it is (a reshape would make it fuse the cache update into each reader).
+    `kernel`: the CPU kernel's attention (`kernels.attention`; no softcap)."""
     b, t, _, d = q.shape
     kvh, g = cfg.num_kv_heads, cfg.q_per_kv
     q = q.reshape(b, t, kvh, g, d).transpose(0, 2, 3, 1, 4).reshape(b * kvh, g * t, d)
+    if kernel and cfg.attn_softcap is None and kernels.attention_wants(d):
+        out = kernels.attention(_scale_q(cfg, q), k_cache, v_cache, mask)
+        return (out.astype(q.dtype).reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4)
+                .reshape(b, t, cfg.num_heads * d))
     s = jnp.einsum("kqd,ksd->kqs", _scale_q(cfg, q), k_cache,
                    preferred_element_type=jnp.float32)
     s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
@@ -301,9 +316,9 @@ def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask):
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
-def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
-    """The attention block's input half. x [B, T, H] -> (q [B, T, NH, D] after rope, k, v
-    [B, KVH, T, D] in `kv_dtype`, k after rope)."""
+def _qkv(cfg: ModelConfig, x, layer, rope, kv_dtype):
+    """The attention block's input half. x [B, T, H], rope a `rope_table` -> (q
+    [B, T, NH, D] after rope, k, v [B, KVH, T, D] in `kv_dtype`, k after rope)."""
     b, t, _ = x.shape
     dt = x.dtype
     h = _norm(cfg, x, layer["attn_norm"])
@@ -327,8 +342,8 @@ def _qkv(cfg: ModelConfig, x, layer, positions, inv_freq, kv_dtype):
     if cfg.qk_norm:
         q = _norm(cfg, q, layer["q_norm"])
         k = _norm(cfg, k, layer["k_norm"])
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq).transpose(0, 2, 1, 3).astype(kv_dtype)
+    q = rotate(q, rope)
+    k = rotate(k, rope).transpose(0, 2, 1, 3).astype(kv_dtype)
     v = v.transpose(0, 2, 1, 3).astype(kv_dtype)
     return q, k, v
 
@@ -357,14 +372,13 @@ def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
     return x + m
 
 
-def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, positions, prefix_mask, new_mask,
-           inv_freq):
+def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_mask):
     """One decoder layer over a cache it only reads. x [B, T, H]; k_cache, v_cache
     [B, KVH, S, D] or None (empty). Returns (x, this layer's new keys and values
     [B, KVH, T, D])."""
     dt = x.dtype
     kv_dtype = dt if k_cache is None else k_cache.dtype
-    q, k, v = _qkv(cfg, x, layer, positions, inv_freq, kv_dtype)
+    q, k, v = _qkv(cfg, x, layer, rope, kv_dtype)
     if k_cache is not None:
         k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
     attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
@@ -418,6 +432,10 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
         masks = {None: mask}
     freqs = {w: inv_freq if w is None else rope_frequencies(cfg, local=True)
              for w in set(kinds)}
+    # every layer rotates by the same table: the barrier keeps XLA from fusing (and so
+    # recomputing) its sines and cosines into each layer's q and k, element by element
+    ropes = {w: jax.lax.optimization_barrier(rope_table(positions, f)) for w, f in freqs.items()}
+    use_kernel = kernels.attends_with_kernel(params)
     ks, vs, new_k, new_v = [], [], [], []
     captured = {}  # layer -> its input [B, T, H]
     for i, layer in enumerate(params["layers"]):
@@ -425,7 +443,7 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
             captured[i] = x
         dt = x.dtype
         kc, vc = cache.k[i], cache.v[i]
-        q, k, v = _qkv(cfg, x, layer, positions, freqs[kinds[i]], kc.dtype)
+        q, k, v = _qkv(cfg, x, layer, ropes[kinds[i]], kc.dtype)
         kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
         ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
         if empty_cache:  # prefill: the new tokens attend each other only
@@ -433,7 +451,8 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
                               masks[kinds[i]])
         else:
             kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
-            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]])
+            attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]],
+                                   kernel=use_kernel)
         x = _residual_and_mlp(cfg, x, attn, layer)
     aux = _concat_aux(captured, aux_layers) if aux_layers else None
     return (x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs)),
@@ -552,7 +571,7 @@ def forward_uncommitted(
     def one_layer(x, layer, kc, vc, pm, nm, inv_freq):
         if kc is not None and window < kc.shape[2]:
             kc, vc = kc[:, :, :window], vc[:, :, :window]
-        x, k, v = _layer(cfg, x, layer, kc, vc, positions, pm, nm, inv_freq)
+        x, k, v = _layer(cfg, x, layer, kc, vc, rope_table(positions, inv_freq), pm, nm)
         return x, (k, v)
 
     if remat:
@@ -733,7 +752,8 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
     MEDUSA_JAX_CPU_KERNELS=0 keep XLA's products)."""
     layers = params["layers"]
     if is_decoding_layout(params) or any(k in FUSED for k in layers):
-        return kernels.use_cpu_kernels(params, cpu_kernels)  # already in the decoding layout
+        # already in the decoding layout
+        return kernels.use_cpu_kernels(params, cpu_kernels, cfg.head_dim)
     layers = dict(layers)
     per_layer = [{} for _ in range(cfg.num_layers)]
     for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
@@ -742,7 +762,8 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
             per_layer[i][key] = stacked[i]
         del stacked
     return kernels.use_cpu_kernels(
-        dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels)
+        dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels,
+        cfg.head_dim)
 
 
 def standard_layout(cfg: ModelConfig, params: Params) -> Params:

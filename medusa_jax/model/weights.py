@@ -303,7 +303,7 @@ def load_pretrained(
             jax.tree.map(to_device, fuse_layer({key: read(*names[i]) for key, names in
                                                 layer_names.items()}, np.concatenate))
             for i in range(cfg.num_layers))
-        params = kernels.use_cpu_kernels(params)
+        params = kernels.use_cpu_kernels(params, head_dim=cfg.head_dim)
     else:
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}

@@ -1,6 +1,6 @@
-"""The CPU few-row product kernel (`medusa_jax.kernels`): exact products, rows independent of
-how many share a product, gradients, the decoders with it on, and every way its build can
-fail falling back to XLA with a one-line notice."""
+"""The CPU kernels (`medusa_jax.kernels`): exact few-row products and few-query attention,
+rows independent of how many share a call, gradients, the decoders with them on, and every
+way their build can fail falling back to XLA with a one-line notice."""
 
 import os
 import subprocess
@@ -158,6 +158,122 @@ def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too):
     for a, b in zip(fast, plain):
         assert a.token_ids == b.token_ids
     assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def _attention_case(rng, b, kvh, g, t, w, d, holes=True):
+    """Random q [B*KVH, G*T, D] (scaled), k, v [B*KVH, W, D] and a mask [B, T, W] that
+    hides some slots (holes) and, in row 0, every slot past its token's own."""
+    h, r = b * kvh, g * t
+    q = rng.standard_normal((h, r, d)).astype(np.float32)
+    k = rng.standard_normal((h, w, d)).astype(np.float32)
+    v = rng.standard_normal((h, w, d)).astype(np.float32)
+    mask = rng.random((b, t, w)) > (0.3 if holes else -1.0)
+    mask[:, :, 0] = True  # every row attends at least one slot
+    mask[0] &= np.arange(w)[None, :] <= np.arange(w - t, w)[:, None]  # causal-like in row 0
+    return q, k, v, mask
+
+
+def _attention_reference(q, k, v, mask):  # float64, row r of KV head h is token r % T
+    b, t, w = mask.shape
+    h, r, d = q.shape
+    s = np.einsum("hrd,hwd->hrw", q.astype(np.float64), k.astype(np.float64))
+    m = mask[np.arange(h)[:, None] // (h // b), np.arange(r)[None, :] % t]  # [H, R, W]
+    s = np.where(m, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("hrw,hwd->hrd", p / p.sum(-1, keepdims=True), v.astype(np.float64))
+
+
+@pytest.mark.parametrize("b, kvh, g, t, w, d", [
+    (1, 12, 1, 1, 150, 64), (1, 12, 1, 5, 150, 64), (1, 4, 2, 9, 37, 16),
+    (2, 3, 2, 17, 64, 32), (3, 2, 4, 65, 200, 16), (1, 2, 1, 3, 19, 7), (2, 1, 3, 2, 5, 8)])
+def test_attention_equals_xla_to_float32_rounding(b, kvh, g, t, w, d):
+    """Heads of 16 and 64 (the paths the kernel unrolls), odd sizes (its scalar path),
+    1 to 65 query tokens, several batch rows, masks with holes: within float32 rounding of
+    the exact attention, as XLA's own is."""
+    rng = np.random.default_rng(b * 1000 + t * 10 + d)
+    q, k, v, mask = _attention_case(rng, b, kvh, g, t, w, d)
+    out = np.asarray(jax.jit(kernels.attention)(q, k, v, mask))
+    xla = np.asarray(jax.jit(fewrow._xla_attention)(q, k, v, mask))
+    ref = _attention_reference(q, k, v, mask)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(out, xla, atol=4e-5, rtol=0)
+
+
+def test_attention_of_a_row_does_not_depend_on_the_other_rows():
+    """Bit for bit: token j's attention in a pass over T tokens is its attention in a pass
+    over token j alone (with the same mask row), as in a 1-token decoding step."""
+    rng = np.random.default_rng(7)
+    b, kvh, g, t, w, d = 1, 4, 2, 5, 150, 64
+    q, k, v, mask = _attention_case(rng, b, kvh, g, t, w, d)
+    full = np.asarray(jax.jit(kernels.attention)(q, k, v, mask)).reshape(b * kvh, g, t, d)
+    q4 = q.reshape(b * kvh, g, t, d)
+    for j in range(t):
+        one = np.asarray(jax.jit(kernels.attention)(
+            np.ascontiguousarray(q4[:, :, j]), k, v, mask[:, j:j + 1]))
+        np.testing.assert_array_equal(one, full[:, :, j])
+
+
+def test_attention_lowers_to_xla_on_other_platforms():
+    q = jnp.ones((4, 10, 16), jnp.float32)
+    kv = jnp.ones((4, 40, 16), jnp.float32)
+    mask = jnp.ones((1, 5, 40), bool)
+    fn = jax.jit(kernels.attention).trace(q, kv, kv, mask)
+    assert kernels.ATTENTION_TARGET in fn.lower(lowering_platforms=("cpu",)).as_text()
+    gpu = fn.lower(lowering_platforms=("cuda",)).as_text()
+    assert kernels.ATTENTION_TARGET not in gpu and "dot_general" in gpu
+
+
+def test_attention_is_marked_for_wide_heads_of_wrapped_backbones(stories, small_weights_too):
+    """The embedded model's heads are 8 wide: its products may be wrapped, but it attends
+    with XLA; a backbone with 16-wide heads attends with the kernel, and unwrapping drops
+    the mark."""
+    from medusa_jax.model.backbone import decoding_layout, init_params
+    from medusa_jax.model.config import ModelConfig
+
+    cfg, params, _ = stories
+    assert not kernels.attends_with_kernel(decoding_layout(cfg, params))
+    wide = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                       num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                       max_position_embeddings=64)
+    fast = decoding_layout(wide, init_params(wide, jax.random.key(0)))
+    assert kernels.attends_with_kernel(fast) and "attention" in kernels.describe(fast)
+    assert not kernels.attends_with_kernel(kernels.unwrap(fast))
+
+
+@pytest.mark.slow
+def test_greedy_medusa_equals_plain_with_the_attention_kernel(stories, medusa_default,
+                                                              small_weights_too):
+    """The embedded model and its heads enlarged to 16-wide heads (the same function): with
+    every product and the attention on the kernels, greedy Medusa and plain decoding give
+    the embedded model's own tokens."""
+    from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+    from medusa_jax.model.backbone import decoding_layout
+    from medusa_jax.tools import enlarge
+
+    cfg, params, _ = stories
+    shape = dict(hidden_size=96, intermediate_size=256, num_layers=5, num_heads=12,
+                 num_kv_heads=6, head_dim=16)
+    big_cfg, big = enlarge.enlarge_backbone(cfg, jax.tree.map(np.asarray, params), shape)
+    big_heads = jax.tree.map(jnp.asarray, enlarge.enlarge_heads(
+        jax.tree.map(np.asarray, medusa_default.heads), cfg, big_cfg))
+    fast = decoding_layout(big_cfg, jax.tree.map(jnp.asarray, big))
+    assert kernels.attends_with_kernel(fast) and kernels.active(fast)
+    tree = medusa_default.tree("stories260K_cpu")
+    prompts = [medusa_default.encode(p) for p in ("Once upon a time", "The little dog")]
+    tokens, lengths = pad_prompts(prompts)
+    key = jax.random.key(0)
+    want = np.asarray(generate(medusa_default.params, cfg, tokens, lengths, key,
+                               max_new_tokens=40).tokens)
+    plain = generate(fast, big_cfg, tokens, lengths, key, max_new_tokens=40)
+    spec = medusa_generate(fast, big_heads, big_cfg, tokens, lengths, key, tree=tree,
+                           max_new_tokens=40)
+    np.testing.assert_array_equal(np.asarray(plain.tokens), want)
+    np.testing.assert_array_equal(np.asarray(spec.tokens), want)
+    assert int(spec.steps.sum()) < int(spec.num_new.sum())  # the heads do draft
 
 
 # ----------------------------------------------------------------------------- fallbacks
