@@ -39,7 +39,7 @@ class HydraDrafter(FromLastHidden):
         return cls()
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
-        return kernels.wrap_heads(heads) if cpu_kernels else heads
+        return hydra.split_per_head(kernels.wrap_heads(heads) if cpu_kernels else heads)
 
     def start(self, params, heads, hidden, lengths):
         return hidden[None]  # [1, B, H]

@@ -86,7 +86,21 @@ def init_hydra(cfg: ModelConfig, backbone: Params, num_heads: int = 4,
 
 def config_of(heads: Params) -> tuple[int, int]:
     """(num_heads, num_layers) read off the parameters (the input block counts as one)."""
-    return int(heads["in_w"].shape[0]), int(heads["w"].shape[1]) + 1
+    return int(np.shape(heads["in_b"])[0]), int(np.shape(heads["b"])[1]) + 1
+
+
+def split_per_head(heads: Params) -> Params:
+    """Heads for decoding, with each head's weights cut out once: in_w and res_w as tuples
+    over heads of [i+2, H, H], w as tuples over heads of tuples over blocks, proj as a
+    tuple over heads (arrays or the CPU kernel's `KernelWeight`s). Inside a decoding loop
+    a head's slice of a stacked weight would be copied out at every step."""
+    k, layers = config_of(heads)
+    out = dict(heads)
+    for name in ("in_w", "res_w"):
+        out[name] = tuple(heads[name][i, :i + 2] for i in range(k))
+    out["w"] = tuple(tuple(heads["w"][i, j] for j in range(layers - 1)) for i in range(k))
+    out["proj"] = tuple(heads["proj"][i] for i in range(k))
+    return out
 
 
 def slot_mask(num_heads: int) -> np.ndarray:
@@ -126,8 +140,9 @@ def _blocks(heads: Params, i: int, x: jax.Array) -> jax.Array:
     """Head i after its input block: the L-1 residual blocks and the projection.
     x [..., H] -> logits [..., V] float32."""
     dt = x.dtype
-    for j in range(heads["w"].shape[1]):  # tiny and static: unrolled
-        x = x + jax.nn.silu(kernels.matmul(x, heads["w"][i, j]) + heads["b"][i, j].astype(dt))
+    for j in range(heads["b"].shape[1]):  # tiny and static: unrolled
+        # heads["w"][i][j]: a stacked weight, or `split_per_head`'s tuples
+        x = x + jax.nn.silu(kernels.matmul(x, heads["w"][i][j]) + heads["b"][i, j].astype(dt))
     proj = heads["proj"][i]
     if kernels.is_kernel_weight(proj):
         logits = kernels.matmul(x, proj)
@@ -142,8 +157,10 @@ def apply_head(heads: Params, i: int, inputs: jax.Array) -> jax.Array:
     logits [..., V] float32."""
     dt = inputs.dtype
     n = i + 2
-    w_in = heads["in_w"][i, :n].astype(dt)  # [n, H, H]
-    r_in = heads["res_w"][i, :n].astype(dt)
+    def part(w):  # [n, H, H]: of a stacked weight, or cut already (`split_per_head`)
+        return (w[i] if isinstance(w, tuple) else w[i, :n]).astype(dt)
+
+    w_in, r_in = part(heads["in_w"]), part(heads["res_w"])
     if kernels.is_kernel_weight(w_in):  # one batched kernel call per block, then the sum
         parts = jnp.moveaxis(inputs, -2, 0)  # [n, ..., H]
         y = kernels.matmul(parts, w_in).sum(0) + heads["in_b"][i].astype(dt)

@@ -52,7 +52,12 @@ class MedusaDrafter(FromLastHidden):
         if self.head_fn is not standard_heads:
             return heads
         heads = jax.tree.map(lambda x: x[:tree.depth], heads)
-        return kernels.wrap_heads(heads) if cpu_kernels else heads
+        if cpu_kernels:
+            heads = kernels.wrap_heads(heads)
+        # one buffer per block, cut here once: a block's slice of the stacked [K, L, ...]
+        # weight is strided, and a loop would copy it out at every step
+        heads["w"] = tuple(heads["w"][:, layer] for layer in range(heads["w"].shape[1]))
+        return heads
 
     def start(self, params, heads, hidden, lengths):
         return self.head_fn(heads, hidden, lengths)  # [K, B, V]

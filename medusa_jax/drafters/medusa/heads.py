@@ -97,10 +97,12 @@ def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
     """The heads' residual blocks: hidden [..., H] -> [K, ..., H], what each head projects
     (`apply_heads`; the training loss over vocabulary chunks projects it itself)."""
     dt = hidden.dtype
-    k = heads["w"].shape[0]
+    k, num_layers = heads["b"].shape[:2]
     x = jnp.broadcast_to(hidden, (k, *hidden.shape))
-    for layer in range(heads["w"].shape[1]):  # L is tiny and static: unrolled on purpose
-        w = heads["w"][:, layer].astype(dt)
+    for layer in range(num_layers):  # L is tiny and static: unrolled on purpose
+        # prepared for the CPU kernel, `w` is a tuple of the blocks' [K, H, H] weights
+        w = heads["w"][layer] if isinstance(heads["w"], tuple) else heads["w"][:, layer]
+        w = w.astype(dt)
         b = heads["b"][:, layer].astype(dt)
         y = (kernels.matmul(x, w) if kernels.is_kernel_weight(w)
              else jnp.einsum("k...h,khg->k...g", x, w))
@@ -115,7 +117,7 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
         raise ValueError(f"apply_heads computes Medusa heads (tensors w, b, proj); these are "
                          f"{drafter.kind_of(heads)} heads (tensors {', '.join(sorted(heads))})")
     dt = hidden.dtype
-    k = heads["w"].shape[0]
+    k = heads["b"].shape[0]
     x = head_states(heads, hidden)
     proj = heads["proj"].astype(dt)
     if kernels.is_kernel_weight(proj):  # a [1, H, V] projection is shared by every head
