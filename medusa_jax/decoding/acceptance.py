@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.decoding.sampling import MODES, Rows, Sampling, log_probs  # noqa: F401
+from medusa_jax.decoding.sampling import MODES, Rows, Sampling, argmax, log_probs  # noqa: F401
 from medusa_jax.decoding.tree import Tree
 
 
@@ -29,7 +29,7 @@ def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
     logits [..., V]."""
     if s.mode != "greedy":
         return jax.random.categorical(key, log_probs(logits, s)).astype(jnp.int32)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
 
 
 def _path_tokens(tree: Tree, tokens):
@@ -57,7 +57,7 @@ def greedy(logits, tokens, tree: Tree, valid=None, slot=None):
     """The longest path whose every token equals the model's argmax at its parent."""
     # the argmax of the verified rows only, then spread to the nodes: a dynamic tree verifies
     # a few of its pool's nodes, and gathering [B, T, V] logits for all of them costs more
-    pred = node_rows(jnp.argmax(logits, axis=-1).astype(jnp.int32), slot)  # [B, T]
+    pred = node_rows(argmax(logits), slot)  # [B, T]
     path_tok, paths = _path_tokens(tree, tokens)
     parent_pred = pred[:, paths[:, :-1]]  # [B, P, D]
     match = (path_tok[:, :, 1:] == parent_pred) & _path_valid(tree, valid)
@@ -96,7 +96,7 @@ def typical(logits, tokens, tree: Tree, s: Sampling | Rows, valid=None):
     best = jnp.argmax(score, axis=-1)
     acc_len = jnp.take_along_axis(acc, best[:, None], axis=1)[:, 0]
     last = jnp.take_along_axis(paths[best], acc_len[:, None], axis=1)[:, 0]
-    pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    pred = argmax(logits)
     next_root = jnp.take_along_axis(pred, last[:, None], axis=1)[:, 0]
     return best, acc_len, next_root
 

@@ -2,9 +2,9 @@
 Hydra heads), the offline driver of the shared step (`decoding.step`).
 
 Each is ONE jitted function: prefill, then a `lax.while_loop` of steps that runs until every
-row is done. Nothing goes back to the host per token. Shapes are static: prompts are
-right-padded to a power-of-two bucket, so a new prompt length only recompiles when it
-crosses a bucket. The static `Sampling` becomes every row's `sampling.Rows`; the program
+row is done (on the CPU compiled with `runtime.xla_options`' schedule). Nothing goes back to
+the host per token. Shapes are static: prompts are right-padded to a power-of-two bucket, so
+a new prompt length only recompiles when it crosses a bucket. The static `Sampling` becomes every row's `sampling.Rows`; the program
 holds only its rule.
 
 Attention reads every cache slot its mask covers, so both loops run in a few phases
@@ -41,6 +41,7 @@ from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct  # flax.struct without importing Flax
+from medusa_jax.runtime.xla_options import decoder_jit
 
 MIN_BUCKET = 16
 
@@ -179,8 +180,7 @@ def plain_init(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax
                       plain_capacity(p, max_new_tokens))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling", "max_new_tokens", "eos",
-                                             "max_cache_phases"))
+@decoder_jit(static_argnames=("cfg", "sampling", "max_new_tokens", "eos", "max_cache_phases"))
 def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
              key: jax.Array, *, sampling: Sampling = Sampling(), max_new_tokens: int = 128,
              eos: tuple[int, ...] = (), max_cache_phases: int = MAX_CACHE_PHASES) -> Output:
@@ -223,9 +223,8 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
     return state, heads
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos", "head_fn",
-                                    "max_cache_phases"))
+@decoder_jit(static_argnames=("cfg", "tree", "sampling", "max_new_tokens", "eos", "head_fn",
+                              "max_cache_phases"))
 def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
                     lengths: jax.Array, key: jax.Array, *, tree: Tree,
                     sampling: Sampling = Sampling(), max_new_tokens: int = 128,

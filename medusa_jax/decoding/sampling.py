@@ -26,6 +26,17 @@ PLAIN_DRAWS = ("typical", "rejection")
 ROOT_DRAWS = ("rejection",)  # typical acceptance keeps the first token greedy (the paper)
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """Index of the largest entry along the last axis, int32: the first of equal ones, as
+    `jnp.argmax` (a row holding NaN aside). Two plain reductions, the maximum and then the
+    least index holding it: XLA:CPU runs `jnp.argmax`'s index-carrying reduction as a
+    scalar loop, several times slower over a vocabulary, and a Medusa step takes several
+    (the heads' top-k, acceptance, the next root)."""
+    n = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n - 1), axis=-1)
+
+
 def check(mode: str = "greedy", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           epsilon: float = 0.09, delta: float = 0.3) -> None:
     """Raise a one-line ValueError naming the first field out of range."""
@@ -168,7 +179,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, rows: Rows,
     """Each row's next token: logits [B, V] -> [B] int32, drawn from its distribution where
     it follows a mode in `draw`, else its argmax. Rows of mixed modes draw only when some
     live row (live [B], default all) needs it (a `cond`: greedy batches skip the filters)."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     if not rows.draws(draw):
         return greedy
 

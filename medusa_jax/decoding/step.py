@@ -28,6 +28,7 @@ from medusa_jax.decoding.sampling import (
     PLAIN_DRAWS,
     ROOT_DRAWS,
     Rows,
+    argmax,
     next_keys,
     sample_rows,
     split_rows,
@@ -62,10 +63,10 @@ def small_top_k(x: jax.Array, k: int) -> jax.Array:
     """
     picks = []
     for _ in range(k):
-        idx = jnp.argmax(x, axis=-1)
+        idx = argmax(x)
         picks.append(idx)
         x = jnp.where(jnp.arange(x.shape[-1]) == idx[..., None], -jnp.inf, x)
-    return jnp.stack(picks, axis=-1).astype(jnp.int32)
+    return jnp.stack(picks, axis=-1)
 
 
 @struct.dataclass

@@ -55,6 +55,7 @@ from medusa_jax.decoding.step import DecodeState, batch_axis, static_tree
 from medusa_jax.model.backbone import KVCache, is_decoding_layout
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
+from medusa_jax.runtime import xla_options
 
 MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
 ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
@@ -652,7 +653,8 @@ class Engine:
             move=jax.jit(move, donate_argnums=(0,)),
             step=jax.jit(engine_step, donate_argnums=(2,),
                          static_argnames=("cfg", "drafter", "tree", "k", "window", "rows",
-                                          "plain")))
+                                          "plain"),
+                         compiler_options=xla_options.for_backend()))
         self.compile_seconds += time.perf_counter() - t0
 
     def _program(self, kind: str, size: int, background: bool = False):
