@@ -290,22 +290,40 @@ Product plan(const float* x, const void* w, float* y, int64_t G, int64_t M, int6
   return p;
 }
 
-// Units are claimed from a shared counter by the caller and by the pool's threads; the
-// caller waits only for units already claimed, so a pool thread that starts late (or never)
-// cannot stall it, and one that starts after the product is done finds nothing to do.
+// A call's work (a `Product` or an `Attention`: `units()` and `run_unit(u)`) on the
+// calling thread and the pool's. Units are claimed from a shared counter; the caller waits
+// only for units already claimed, so a pool thread that starts late (or never) cannot
+// stall it, and one that starts after the work is done finds nothing to do.
+template <typename Work>
 struct Job {
-  Product p;
+  Work work;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> finished{0};
 
-  void work() {
-    const int64_t n = p.units();
+  void run() {
+    const int64_t n = work.units();
     for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      p.run_unit(u);
+      work.run_unit(u);
       finished.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+template <typename Work>
+void run_shared(ffi::ThreadPool& pool, const Work& work) {
+  auto job = std::make_shared<Job<Work>>();
+  job->work = work;
+  const int64_t units = work.units();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t helpers = std::min(threads, units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->run(); });
+  job->run();
+  while (job->finished.load(std::memory_order_acquire) < units) {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
 
 ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                         ffi::Result<ffi::AnyBuffer> y, bool transposed) {
@@ -333,18 +351,8 @@ ffi::Error FewRowMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
     return ffi::Error::Success();
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  auto job = std::make_shared<Job>();
-  job->p = plan(static_cast<const float*>(x.untyped_data()), w.untyped_data(), out, G, M,
-                K, N, transposed, bf16, threads);
-  const int64_t units = job->p.units();
-  const int64_t helpers = std::min(threads, units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->finished.load(std::memory_order_acquire) < units) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+  run_shared(pool, plan(static_cast<const float*>(x.untyped_data()), w.untyped_data(), out,
+                        G, M, K, N, transposed, bf16, threads));
   return ffi::Error::Success();
 }
 
@@ -517,20 +525,6 @@ struct Attention {
   }
 };
 
-struct AttentionJob {
-  Attention a;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> finished{0};
-
-  void work() {
-    const int64_t n = a.units();
-    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      a.run_unit(u);
-      finished.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k,
                              ffi::AnyBuffer v, ffi::AnyBuffer mask,
                              ffi::Result<ffi::AnyBuffer> out) {
@@ -548,24 +542,15 @@ ffi::Error FewQueryAttention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuf
       B == 0 || T == 0 || H % B != 0 || R % T != 0)
     return ffi::Error::InvalidArgument("medusa_fewquery_attention: shapes do not match");
   if (H * R * D == 0) return ffi::Error::Success();
-  auto job = std::make_shared<AttentionJob>();
-  job->a = Attention{static_cast<const float*>(q.untyped_data()),
-                     static_cast<const float*>(k.untyped_data()),
-                     static_cast<const float*>(v.untyped_data()),
-                     static_cast<const bool*>(mask.untyped_data()),
-                     static_cast<float*>(out->untyped_data()), H, R, W, D, T, H / B, H * R};
+  Attention a{static_cast<const float*>(q.untyped_data()),
+              static_cast<const float*>(k.untyped_data()),
+              static_cast<const float*>(v.untyped_data()),
+              static_cast<const bool*>(mask.untyped_data()),
+              static_cast<float*>(out->untyped_data()), H, R, W, D, T, H / B, H * R};
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   if (threads > 1 && H * R * W * D >= kParallelMacs)
-    job->a.rows_per_unit = std::max<int64_t>(1, H * R / (4 * threads));
-  const int64_t units = job->a.units();
-  const int64_t helpers = std::min(threads, units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  while (job->finished.load(std::memory_order_acquire) < units) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
-  }
+    a.rows_per_unit = std::max<int64_t>(1, H * R / (4 * threads));
+  run_shared(pool, a);
   return ffi::Error::Success();
 }
 
