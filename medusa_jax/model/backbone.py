@@ -466,6 +466,31 @@ def output_projection(cfg: ModelConfig, params: Params) -> jax.Array:
     return kernels.unwrap(params["lm_head"])
 
 
+# The decoding layout on the CPU keeps a small tied embedding's output layer under this key
+# as well: a contiguous [H, V] copy (`with_cpu_output`). XLA:CPU multiplies a tree pass's few
+# rows by the transposed embedding in a library call that costs several times a product with
+# a contiguous matrix (one row is as fast either way). Larger embeddings are left alone: the
+# CPU kernel reads them in place (`kernels.output_weight`), and a copy would double them.
+CPU_OUTPUT = "cpu_output"
+
+
+def with_cpu_output(params: Params) -> Params:
+    """`params` (the decoding layout, on the CPU) with `CPU_OUTPUT`: a contiguous copy of a
+    tied embedding of at most `kernels.MIN_BYTES` as the output layer [H, V]. Unchanged
+    for an untied lm_head, a larger embedding, or weights on another platform."""
+    embed = params.get("embed")
+    if ("lm_head" in params or not isinstance(embed, jax.Array)
+            or embed.size * embed.dtype.itemsize > kernels.MIN_BYTES
+            or any(d.platform != "cpu" for d in embed.devices())):
+        return params
+    return dict(params, **{CPU_OUTPUT: jnp.transpose(embed)})
+
+
+def without_cpu_output(params: Params) -> Params:
+    """Undo `with_cpu_output`."""
+    return {k: v for k, v in params.items() if k != CPU_OUTPUT}
+
+
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
     """Final-norm hidden states [..., H] -> float32 logits [..., V]."""
     if kernels.active(params) and hidden.dtype == jnp.float32:  # the CPU kernel's product
@@ -474,7 +499,7 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> j
             w = kernels.output_weight(w)
         if kernels.is_kernel_weight(w):
             return _softcap(kernels.matmul(hidden, w), cfg.final_softcap)
-    w = output_projection(cfg, params)
+    w = params[CPU_OUTPUT] if CPU_OUTPUT in params else output_projection(cfg, params)
     logits = jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype),
                         preferred_element_type=jnp.float32)
     return _softcap(logits, cfg.final_softcap)
@@ -740,7 +765,8 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
       each layer's weights are read in place. In a `lax.scan` over stacked weights, slicing
       layer i out of a stacked array inside the decoding `while_loop` copies every weight of
       every layer at every step (docs/benchmarks/2026-12-01-decoding-layout.md);
-    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer.
+    - q/k/v and gate/up projections fused (`FUSED`): 3 fewer matrix products per layer;
+    - on the CPU, a small tied embedding also as a contiguous output layer (`CPU_OUTPUT`).
 
     Converting stacked arrays holds a second copy of each stacked weight while its layers
     are sliced out; `weights.load_pretrained(..., decoding_layout=True)` builds this layout
@@ -753,7 +779,7 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
     layers = params["layers"]
     if is_decoding_layout(params) or any(k in FUSED for k in layers):
         # already in the decoding layout
-        return kernels.use_cpu_kernels(params, cpu_kernels, cfg.head_dim)
+        return with_cpu_output(kernels.use_cpu_kernels(params, cpu_kernels, cfg.head_dim))
     layers = dict(layers)
     per_layer = [{} for _ in range(cfg.num_layers)]
     for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
@@ -761,14 +787,14 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
         for i in range(cfg.num_layers):
             per_layer[i][key] = stacked[i]
         del stacked
-    return kernels.use_cpu_kernels(
+    return with_cpu_output(kernels.use_cpu_kernels(
         dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels,
-        cfg.head_dim)
+        cfg.head_dim))
 
 
 def standard_layout(cfg: ModelConfig, params: Params) -> Params:
     """Undo `decoding_layout`: layers stacked, every projection on its own (`param_specs`)."""
-    params = kernels.unwrap(params)
+    params = without_cpu_output(kernels.unwrap(params))
     layers = params["layers"]
     if isinstance(layers, (tuple, list)):
         layers = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)

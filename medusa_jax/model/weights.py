@@ -247,7 +247,7 @@ def load_pretrained(
     import jax
     import jax.numpy as jnp
 
-    from medusa_jax.model.backbone import fuse_layer, param_shapes
+    from medusa_jax.model.backbone import fuse_layer, param_shapes, with_cpu_output
 
     path = Path(hub.local(path)) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
@@ -303,7 +303,7 @@ def load_pretrained(
             jax.tree.map(to_device, fuse_layer({key: read(*names[i]) for key, names in
                                                 layer_names.items()}, np.concatenate))
             for i in range(cfg.num_layers))
-        params = kernels.use_cpu_kernels(params, head_dim=cfg.head_dim)
+        params = with_cpu_output(kernels.use_cpu_kernels(params, head_dim=cfg.head_dim))
     else:
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}

@@ -183,6 +183,41 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), back, params)))
 
 
+@pytest.mark.parametrize("tied, big", [(True, False), (True, True), (False, False)],
+                         ids=["small-tied", "large-tied", "untied"])
+def test_a_small_tied_embedding_gets_a_contiguous_output_layer_on_the_cpu(
+        tied, big, monkeypatch):
+    """The decoding layout on the CPU keeps a small tied embedding's output layer also as a
+    contiguous [H, V] copy, which a tree pass's logits read; the logits are those of the
+    embedding itself, `standard_layout` drops the copy, and a large or untied output layer
+    gets none."""
+    from medusa_jax.kernels import fewrow
+    from medusa_jax.model.backbone import (CPU_OUTPUT, decoding_layout, standard_layout,
+                                           without_cpu_output)
+
+    if big:  # as if the embedding were larger than the kernel's threshold
+        monkeypatch.setattr(fewrow, "MIN_BYTES", 64)
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, tie_word_embeddings=tied)
+    params = init_params(cfg, jax.random.key(0), std=0.2)
+    fast = decoding_layout(cfg, params, cpu_kernels=False)
+    assert (CPU_OUTPUT in fast) == (tied and not big)
+    assert CPU_OUTPUT not in standard_layout(cfg, fast)
+    if CPU_OUTPUT not in fast:
+        return
+    np.testing.assert_array_equal(fast[CPU_OUTPUT], params["embed"].T)
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 61, (2, 5)))
+    pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
+
+    def logits(p):
+        cache = KVCache.init(cfg, 2, 16, per_layer=True)
+        return forward(p, cfg, ids, pos, causal_mask(cache.lengths, 5, 16), cache)[0]
+
+    np.testing.assert_allclose(logits(fast), logits(without_cpu_output(fast)),
+                               atol=1e-5, rtol=0)
+
+
 @pytest.mark.slow
 def test_per_layer_cache_gives_the_same_logits_and_entries():
     """The decoding layout's per-layer cache (written before it is read) against the stacked
