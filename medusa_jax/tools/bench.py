@@ -25,7 +25,7 @@ from medusa_jax.drafters.medusa.drafter import standard_heads
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
 from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.model.shapes import SHAPES  # noqa: E402 - the named shapes (no JAX there)
-from medusa_jax.runtime import timing
+from medusa_jax.runtime import timing, xla_options
 
 
 def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
@@ -267,7 +267,8 @@ def verification_pass(cfg: ModelConfig, params, num_tokens: int, *, prefix: int,
 
         return jax.lax.fori_loop(0, iters, body, (c, jnp.ones((batch, t), jnp.int32)))[1]
 
-    return jax.jit(run), cache
+    # compiled as the decoders are (their CPU schedule), so a pass costs what it does there
+    return jax.jit(run, compiler_options=xla_options.for_backend()), cache
 
 
 def step_time_curve(cfg: ModelConfig, params, tree_sizes: list[int], *, prefix: int = 256,
@@ -655,7 +656,8 @@ def count_kernels(hlo_text: str) -> int:
 
 def _time_loop(step, state, iters: int, reps: int) -> tuple[float, int]:
     """(median seconds per call of `step` inside a jitted fori_loop, kernels per call)."""
-    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda i, s: step(s), s))
+    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda i, s: step(s), s),
+                   compiler_options=xla_options.for_backend())
     seconds = _median_time(lambda: loop(state), reps)[0] / iters
     kernels = count_kernels(jax.jit(step).lower(state).compile().as_text())
     return seconds, kernels
