@@ -224,6 +224,18 @@ def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, ja
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 
+def rope_rows(positions: jax.Array, inv_freq: jax.Array, size: int
+              ) -> tuple[jax.Array, jax.Array]:
+    """`rope_table(positions, inv_freq)` for positions [B, T] in [0, size), read from the
+    table of positions 0 .. size-1. Sines and cosines computed from the positions would be
+    fused by XLA into each layer's rotation and computed again for every element it
+    rotates; the table depends on no input, so it is computed once, outside a decoding loop
+    (or folded at compile time), and a pass only reads its T rows."""
+    cos, sin = rope_table(jnp.arange(size, dtype=jnp.int32)[None], inv_freq)  # [1, S, 1, D/2]
+    at = jnp.clip(positions, 0, size - 1)
+    return cos[0][at], sin[0][at]
+
+
 def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Half-split (Hugging Face layout) rotary embedding of x [B, T, N, D] by a
     `rope_table`."""
@@ -432,9 +444,7 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
         masks = {None: mask}
     freqs = {w: inv_freq if w is None else rope_frequencies(cfg, local=True)
              for w in set(kinds)}
-    # every layer rotates by the same table: the barrier keeps XLA from fusing (and so
-    # recomputing) its sines and cosines into each layer's q and k, element by element
-    ropes = {w: jax.lax.optimization_barrier(rope_table(positions, f)) for w, f in freqs.items()}
+    ropes = {w: rope_rows(positions, f, cache.capacity) for w, f in freqs.items()}
     use_kernel = kernels.attends_with_kernel(params)
     ks, vs, new_k, new_v = [], [], [], []
     captured = {}  # layer -> its input [B, T, H]
