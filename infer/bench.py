@@ -331,7 +331,7 @@ def breakdown(args) -> int:
     from medusa_jax.tools.bench import step_breakdown
 
     prompts = cli.read_prompts(args.prompts, 1)
-    model = cli.load_with_heads(args.model, args.heads)
+    model = cli.load_with_heads(args.model, args.heads, heads_dtype=args.heads_dtype)
     with options.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
     print("timing each stage of a decoding step ...", file=sys.stderr)
@@ -406,10 +406,11 @@ def main(argv=None) -> int:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked: check_args
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
-    model = cli.load_with_heads(args.model, args.heads, args.mesh)
+    model = cli.load_with_heads(args.model, args.heads, args.mesh, args.heads_dtype)
     from medusa_jax import kernels
 
-    print(f"matrix products: {kernels.describe(model.params)}", file=sys.stderr)
+    print(f"matrix products: {kernels.describe(model.params)}; heads' weights in "
+          f"{args.heads_dtype}", file=sys.stderr)
     ids = [model.encode(p) for p, _ in prompts]
     with options.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
@@ -430,7 +431,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax.decoding.drafter import kind_of
+    from medusa_jax.decoding.drafter import kind_of, with_weight_dtype
     from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.drafters.medusa import heads as heads_lib
 
@@ -438,6 +439,8 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
     for name in args.also_heads.split(","):
         path = assets.shipped_heads_dir(name) if name in assets.SHIPPED_HEADS else name
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
+        if args.heads_dtype != "float32":
+            heads = with_weight_dtype(heads, args.heads_dtype)
         kind = kind_of(heads)
         k = heads_lib.heads_config_of(heads).num_heads
         for t in trees:

@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
-                            compute_dtype=args.dtype, mesh=args.mesh)
+                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype,
+                            mesh=args.mesh)
         kwargs = dict(max_new_tokens=args.max_new_tokens, mode=args.mode, tree=args.tree,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, batch_size=args.batch_size)

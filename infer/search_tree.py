@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     from medusa_jax.tools.tree_search import expected_tokens_per_step, grow_tree, head_rank_accuracy
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]
-    model = cli.load_with_heads(args.model, args.heads)
+    model = cli.load_with_heads(args.model, args.heads, heads_dtype=args.heads_dtype)
     if model.drafter_kind == "hydra":  # the search models independent heads' accuracies
         raise SystemExit("error: --heads holds Hydra heads; the tree search models Medusa "
                          "heads (independent per depth), not Hydra's path-conditional ones")

@@ -236,7 +236,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
-                            compute_dtype=args.dtype)
+                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype)
         engine = Engine(model, slots=args.slots, tree=args.tree,
                         steps_per_call=args.steps_per_call, max_context=args.max_context,
                         window_block=args.window_block, max_queue=args.max_queue,

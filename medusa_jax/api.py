@@ -190,13 +190,16 @@ class Medusa:
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
              param_dtype: str = "float32", compute_dtype: str = "float32",
-             mesh=None) -> "Medusa":
+             heads_dtype: str = "float32", mesh=None) -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
         `heads`: a heads artifact (directory or .safetensors) from `train.medusa1` or
         `train.hydra` (the kind is read from it), heads in another layout (`heads_formats`:
         the reference's, vLLM's, a Medusa-2 model folder, whose backbone is then the default
         `model`, a published EAGLE-3 drafter), or "default" / "hydra" / "eagle" for the
         embedded model's Medusa heads / Hydra heads / EAGLE-3 drafter.
+        `heads_dtype`: "bfloat16" stores the heads' weight matrices in bfloat16 (half what a
+        step reads of them; they still compute in `compute_dtype`, and only what they
+        propose can change, not what is emitted).
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
         tensors are read into host memory and each device receives only its shards.
         Turns on the persistent compilation cache (`compile_cache`) unless it is off."""
@@ -205,10 +208,14 @@ class Medusa:
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise TypeError(f"{name} must be a path (str or Path) or None, got "
                                 f"{type(value).__name__} {_clip(value)}")
-        for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype)):
+        for name, value in (("param_dtype", param_dtype), ("compute_dtype", compute_dtype),
+                            ("heads_dtype", heads_dtype)):
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
                                 f"{type(value).__name__} {_clip(value)}")
+        if heads_dtype not in drafter.HEADS_DTYPES:
+            raise ValueError(f"heads_dtype must be one of {', '.join(drafter.HEADS_DTYPES)}, "
+                             f"got {heads_dtype!r}")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
         model = hub.local(model, "model")
@@ -240,6 +247,8 @@ class Medusa:
                                           decoding_layout=mesh is None)
             head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
                 if heads is not None else None
+            if head_params is not None and heads_dtype != "float32":
+                head_params = drafter.with_weight_dtype(head_params, heads_dtype)
         tokenizer = text_tokenizer.load_tokenizer(model_dir)
         return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
                    mesh=mesh)

@@ -14,7 +14,8 @@ DECODE_MODES = ("greedy", "typical", "rejection")
 
 def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                     mesh: bool = False):
-    """--model and --heads as every decoding command takes them (and --mesh)."""
+    """--model, --heads and --heads-dtype as every decoding command takes them (and
+    --mesh)."""
     ap.add_argument("--model", help="Hugging Face model directory or hub id such as "
                     "HuggingFaceTB/SmolLM2-135M (downloaded into huggingface_hub's cache, or "
                     "found there with HF_HUB_OFFLINE=1; default: embedded stories260K)")
@@ -22,20 +23,26 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                     "EAGLE-3 drafter (any layout load_heads reads), or 'default' / 'hydra' / "
                     "'eagle' for the embedded model's shipped ones (default: the shipped "
                     "Medusa heads for the embedded model)") + "; a hub id works here too")
+    ap.add_argument("--heads-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the heads' weight matrices in bfloat16 halve what a step reads of "
+                         "them; they change only the drafts, not what is emitted (default "
+                         "float32)")
     if mesh:
         ap.add_argument("--mesh", type=mesh_spec, default=None,
                         help="tensor-parallel decoding on a device mesh, e.g. 'model=8' or "
                              "'data=2,model=4' (default: one device)")
 
 
-def load_with_heads(model: str | None, heads: str | None, mesh: str | None = None):
+def load_with_heads(model: str | None, heads: str | None, mesh: str | None = None,
+                    heads_dtype: str = "float32"):
     """`Medusa.load` for the benchmarking commands: heads are required, and default to the
     shipped ones for the embedded model. Errors exit with one line."""
     from medusa_jax.api import Medusa
     from medusa_jax.runtime import assets
 
     with errors_to_exit():
-        m = Medusa.load(model, heads or assets.default_heads(model), mesh=mesh)
+        m = Medusa.load(model, heads or assets.default_heads(model), mesh=mesh,
+                        heads_dtype=heads_dtype)
     if m.heads is None:
         sys.exit("error: no heads: pass --heads (train some with python -m train.medusa1)")
     return m

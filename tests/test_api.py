@@ -137,6 +137,27 @@ def test_load_rejects(kwargs, message):
     assert one_line(e) == message
 
 
+def test_load_rejects_an_unknown_heads_dtype():
+    with pytest.raises(ValueError) as e:
+        Medusa.load(heads="default", heads_dtype="float16")
+    assert one_line(e) == "heads_dtype must be one of float32, bfloat16, got 'float16'"
+
+
+def test_heads_in_bfloat16_draft_and_emit_what_plain_decoding_does():
+    """heads_dtype="bfloat16": the heads' matrices in bfloat16, their biases as they were;
+    greedy decoding still emits plain decoding's tokens, and the heads still draft."""
+    import jax.numpy as jnp
+
+    m = Medusa.load(heads="hydra", heads_dtype="bfloat16")
+    assert m.heads["in_w"].dtype == m.heads["proj"].dtype == jnp.bfloat16
+    assert m.heads["in_b"].dtype == m.heads["proj_b"].dtype == jnp.float32
+    prompts = ["Once upon a time", "The little dog"]
+    fast = m.generate(prompts, max_new_tokens=32)
+    plain = m.generate(prompts, max_new_tokens=32, medusa=False)
+    assert [g.token_ids for g in fast] == [g.token_ids for g in plain]
+    assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
+
+
 def test_load_names_an_invalid_model_config_not_the_tokenizer(tmp_path):
     d = tmp_path / "model"
     shutil.copytree(default_model_dir(), d)

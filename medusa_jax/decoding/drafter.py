@@ -154,6 +154,31 @@ def shape_of(heads: Params) -> tuple[int, int]:
     return drafter_class(kind_of(heads)).shape_of(heads)
 
 
+HEADS_DTYPES = ("float32", "bfloat16")
+
+
+# Logical axes that stack copies of a tensor (one per head, one per block) rather than
+# being one of its matrix dimensions.
+_STACKING_AXES = ("medusa_heads", "medusa_layers")
+
+
+def with_weight_dtype(heads: Params, dtype: str) -> Params:
+    """Heads of any kind with their weight matrices (floating tensors with two logical axes
+    or more besides the per-head and per-block stacking, `axes_of`) in `dtype`, one of
+    `HEADS_DTYPES`; biases and norms keep theirs. The heads compute in the backbone's dtype
+    whatever their weights are stored in: bfloat16 weights halve what a step reads of them,
+    and change only what they propose (verification decides what is emitted)."""
+    if dtype not in HEADS_DTYPES:
+        raise ValueError(f"heads dtype must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
+    axes = axes_of(heads)
+    out = dict(heads)
+    for name, x in heads.items():
+        matrix = len([a for a in axes.get(name, ()) if a not in _STACKING_AXES]) >= 2
+        if matrix and jnp.issubdtype(x.dtype, jnp.floating):
+            out[name] = x.astype(getattr(jnp, dtype))
+    return BoundParams(out, heads.drafter) if isinstance(heads, BoundParams) else out
+
+
 def axes_of(heads: Params) -> dict:
     """{name: logical axes} of heads of any kind (`BoundParams` like `heads`, to map with it)."""
     axes = drafter_class(kind_of(heads)).axes(heads)

@@ -165,15 +165,17 @@ def unwrap(params):
                         is_leaf=is_kernel_weight)
 
 
-# Weights below this many bytes per matrix stay with XLA: its emitted loops beat a library
-# call there, and a step over such a model is bound by per-kernel overhead, not bandwidth.
+# Matrices smaller than this many bytes as float32 stay with XLA: its emitted loops beat a
+# library call there, and a step over such a model is bound by per-kernel overhead, not
+# bandwidth. Counted as float32 for bfloat16 weights too: XLA converts those to float32 at
+# every step before its product, which the kernel does not.
 MIN_BYTES = 1 << 20
 
 
 def wants(w) -> bool:
     """Whether the kernel should multiply by this [..., K, N] weight."""
     return (w.dtype in _KERNEL_DTYPES and w.ndim >= 2
-            and w.shape[-1] * w.shape[-2] * w.dtype.itemsize >= MIN_BYTES)
+            and w.shape[-1] * w.shape[-2] * 4 >= MIN_BYTES)
 
 
 # The decoding layout's products, by parameter name (see `backbone.decoding_layout`).

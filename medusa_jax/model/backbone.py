@@ -486,11 +486,11 @@ CPU_OUTPUT = "cpu_output"
 
 def with_cpu_output(params: Params) -> Params:
     """`params` (the decoding layout, on the CPU) with `CPU_OUTPUT`: a contiguous copy of a
-    tied embedding of at most `kernels.MIN_BYTES` as the output layer [H, V]. Unchanged
-    for an untied lm_head, a larger embedding, or weights on another platform."""
+    tied embedding too small for the CPU kernel (`kernels.wants`) as the output layer
+    [H, V]. Unchanged for an untied lm_head, a larger embedding, or weights on another
+    platform."""
     embed = params.get("embed")
-    if ("lm_head" in params or not isinstance(embed, jax.Array)
-            or embed.size * embed.dtype.itemsize > kernels.MIN_BYTES
+    if ("lm_head" in params or not isinstance(embed, jax.Array) or kernels.wants(embed)
             or any(d.platform != "cpu" for d in embed.devices())):
         return params
     return dict(params, **{CPU_OUTPUT: jnp.transpose(embed)})

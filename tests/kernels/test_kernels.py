@@ -147,10 +147,12 @@ def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
 
 
 @pytest.mark.slow
-def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too):
+@pytest.mark.parametrize("heads_dtype", ["float32", "bfloat16"])
+def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too, heads_dtype):
+    """bfloat16 heads: the kernel reads their matrices as they are (float32 sums)."""
     from medusa_jax.api import Medusa
 
-    m = Medusa.load(heads="hydra")
+    m = Medusa.load(heads="hydra", heads_dtype=heads_dtype)
     prompts = ["Once upon a time", "The little dog"]
     fast = m.generate(prompts, max_new_tokens=48)
     m.params = kernels.unwrap(m.params)
