@@ -654,15 +654,6 @@ def count_kernels(hlo_text: str) -> int:
     return count(entry) if entry else 0
 
 
-def _time_loop(step, state, iters: int, reps: int) -> tuple[float, int]:
-    """(median seconds per call of `step` inside a jitted fori_loop, kernels per call)."""
-    loop = jax.jit(lambda s: jax.lax.fori_loop(0, iters, lambda i, s: step(s), s),
-                   compiler_options=xla_options.for_backend())
-    seconds = _median_time(lambda: loop(state), reps)[0] / iters
-    kernels = count_kernels(jax.jit(step).lower(state).compile().as_text())
-    return seconds, kernels
-
-
 MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
 
 
@@ -731,16 +722,17 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
                    max_new_tokens: int = 128, eos: tuple[int, ...] = (), iters: int = 200,
                    reps: int = 5) -> list[dict]:
     """Where a decoding step's time goes, greedy, batch 1, after `prompt`: for the plain step
-    and each tree, the kernels of the compiled step and the time of each stage, measured by
-    adding the stages one at a time to the backbone pass (each row: the time with the stages
-    so far, and what its stage added). All configurations are timed in this process."""
+    and each tree, the kernels of the compiled step and the cost of each stage, measured by
+    leaving it out of the whole step (each stage's row: the step without it, and what the
+    whole step costs more). Adding stages one at a time instead would charge a stage for
+    the rescheduling XLA does of the stages before it. All configurations are timed in this
+    process, alternating rep by rep."""
     from medusa_jax.decoding import decode
 
     tokens, lengths = pad_prompts([prompt])
     key = jax.random.key(0)
     plain_state = decode.plain_init(params, cfg, tokens, lengths, key, Sampling(),
                                     max_new_tokens, eos)
-    rows = []
 
     def forward_only(s):
         logits, _, cache = forward(params, cfg, s.root[:, None], s.cache.lengths[:, None],
@@ -749,27 +741,42 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
 
     def full_plain(s):
         return decode.step.plain_step(params, cfg, s)[0]
-    plain_parts = [("backbone pass", forward_only), ("+ sampling, bookkeeping", full_plain)]
-    for label, fn in plain_parts:
-        sec, k = _time_loop(fn, plain_state, iters, reps)
-        rows.append({"config": "plain", "stage": label, "ms": 1e3 * sec, "kernels": k})
-    plain_ms = rows[-1]["ms"]
+
+    # (config, stage, step function, its state); "whole step" first in each config
+    runs = [("plain", "whole step", full_plain, plain_state),
+            ("plain", "- sampling, bookkeeping", forward_only, plain_state)]
     for tree in trees:
         state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
                                          Sampling(), max_new_tokens, eos=eos)
-        for i in range(len(MEDUSA_STAGES) + 1):
-            stages = frozenset(MEDUSA_STAGES[:i])
-            label = "backbone pass" if i == 0 else f"+ {MEDUSA_STAGES[i - 1]}"
+        config = f"medusa {tree.name} ({tree.num_nodes} tokens)"
+        every = frozenset(MEDUSA_STAGES)
+        variants = [("whole step", every)] + [(f"- {stage}", every - {stage})
+                                              for stage in MEDUSA_STAGES]
+        variants.append(("backbone pass alone", frozenset()))
+        for label, stages in variants:
             fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages)
-            sec, k = _time_loop(fn, state, iters, reps)
-            rows.append({"config": f"medusa {tree.name} ({tree.num_nodes} tokens)",
-                         "stage": label, "ms": 1e3 * sec, "kernels": k})
+            runs.append((config, label, fn, state))
+    loops = [jax.jit(lambda st, fn=fn: jax.lax.fori_loop(0, iters, lambda i, s: fn(s), st),
+                     compiler_options=xla_options.for_backend()) for _, _, fn, _ in runs]
+    for loop, run in zip(loops, runs):
+        jax.block_until_ready(loop(run[3]))  # compiled before any clock starts
+    times = [[] for _ in runs]
+    for _ in range(reps):
+        for i, (loop, run) in enumerate(zip(loops, runs)):
+            t0 = time.perf_counter()
+            jax.block_until_ready(loop(run[3]))
+            times[i].append((time.perf_counter() - t0) / iters)
+    rows = []
+    for (config, label, fn, state), ts in zip(runs, times):
+        kernels = count_kernels(jax.jit(fn).lower(state).compile().as_text())
+        rows.append({"config": config, "stage": label, "ms": 1e3 * statistics.median(ts),
+                     "kernels": kernels})
+    whole = {r["config"]: r["ms"] for r in rows if r["stage"] == "whole step"}
     for r in rows:
-        r["vs_plain_step"] = r["ms"] / plain_ms
-    prev = {}
-    for r in rows:
-        r["added_ms"] = r["ms"] - prev.get(r["config"], 0.0)
-        prev[r["config"]] = r["ms"]
+        r["vs_plain_step"] = r["ms"] / whole["plain"]
+        # a left-out stage costs what the whole step costs more; a whole pass costs itself
+        r["stage_ms"] = (whole[r["config"]] - r["ms"] if r["stage"].startswith("- ")
+                         else r["ms"])
     return rows
 
 

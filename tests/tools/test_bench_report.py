@@ -81,3 +81,25 @@ def test_compare_layouts_gives_identical_tokens(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["identical"] and r["layers"] == 5 and r["new_tokens"] > 0
     assert set(r["rows"]) == {"stacked scan", "decoding layout"}
+
+
+@pytest.mark.slow
+def test_breakdown_leaves_each_stage_out_of_the_whole_step(capsys):
+    """--breakdown: each stage's row is the step without it, its cost what the whole step
+    costs more; every stage left out compiles to fewer kernels than the whole step."""
+    from infer.bench import main
+    from medusa_jax.tools.bench import MEDUSA_STAGES
+
+    assert main(["--breakdown", "--max-new-tokens", "16", "--reps", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    medusa = [r for r in rows if r["config"].startswith("medusa")]
+    assert [r["stage"] for r in medusa] == (["whole step"] + [f"- {s}" for s in MEDUSA_STAGES]
+                                            + ["backbone pass alone"])
+    whole = medusa[0]
+    for r in medusa[1:-1]:
+        assert r["stage_ms"] == pytest.approx(whole["ms"] - r["ms"])
+        assert r["kernels"] < whole["kernels"]
+    assert medusa[-1]["kernels"] < min(r["kernels"] for r in medusa[:-1])
+    plain = {r["stage"]: r for r in rows if r["config"] == "plain"}
+    assert plain["whole step"]["vs_plain_step"] == 1.0
+    assert plain["- sampling, bookkeeping"]["kernels"] < plain["whole step"]["kernels"]
