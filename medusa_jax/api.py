@@ -213,9 +213,7 @@ class Medusa:
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
                                 f"{type(value).__name__} {_clip(value)}")
-        if heads_dtype not in drafter.HEADS_DTYPES:
-            raise ValueError(f"heads_dtype must be one of {', '.join(drafter.HEADS_DTYPES)}, "
-                             f"got {heads_dtype!r}")
+        drafter.check_heads_dtype(heads_dtype, "heads_dtype")
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
         model = hub.local(model, "model")

@@ -157,6 +157,12 @@ def shape_of(heads: Params) -> tuple[int, int]:
 HEADS_DTYPES = ("float32", "bfloat16")
 
 
+def check_heads_dtype(dtype, name: str = "heads dtype") -> None:
+    """A one-line ValueError naming `name` unless `dtype` is one of `HEADS_DTYPES`."""
+    if dtype not in HEADS_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
+
+
 # Logical axes that stack copies of a tensor (one per head, one per block) rather than
 # being one of its matrix dimensions.
 _STACKING_AXES = ("medusa_heads", "medusa_layers")
@@ -168,8 +174,7 @@ def with_weight_dtype(heads: Params, dtype: str) -> Params:
     `HEADS_DTYPES`; biases and norms keep theirs. The heads compute in the backbone's dtype
     whatever their weights are stored in: bfloat16 weights halve what a step reads of them,
     and change only what they propose (verification decides what is emitted)."""
-    if dtype not in HEADS_DTYPES:
-        raise ValueError(f"heads dtype must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
+    check_heads_dtype(dtype)
     axes = axes_of(heads)
     out = dict(heads)
     for name, x in heads.items():

@@ -229,8 +229,8 @@ def rope_rows(positions: jax.Array, inv_freq: jax.Array, size: int
     """`rope_table(positions, inv_freq)` for positions [B, T] in [0, size), read from the
     table of positions 0 .. size-1. Sines and cosines computed from the positions would be
     fused by XLA into each layer's rotation and computed again for every element it
-    rotates; the table depends on no input, so it is computed once, outside a decoding loop
-    (or folded at compile time), and a pass only reads its T rows."""
+    rotates; the table depends on no input, so it is computed once, outside a decoding
+    loop, and a pass only reads its T rows."""
     cos, sin = rope_table(jnp.arange(size, dtype=jnp.int32)[None], inv_freq)  # [1, S, 1, D/2]
     at = jnp.clip(positions, 0, size - 1)
     return cos[0][at], sin[0][at]
@@ -499,6 +499,13 @@ def with_cpu_output(params: Params) -> Params:
 def without_cpu_output(params: Params) -> Params:
     """Undo `with_cpu_output`."""
     return {k: v for k, v in params.items() if k != CPU_OUTPUT}
+
+
+def on_cpu(cfg: ModelConfig, params: Params, cpu_kernels: bool | None = None) -> Params:
+    """The decoding layout's CPU part, once its layers are laid out: the kernel's weights
+    (`kernels.use_cpu_kernels`) and a small tied embedding's contiguous output layer
+    (`with_cpu_output`). Parameters on another platform come back as they are."""
+    return with_cpu_output(kernels.use_cpu_kernels(params, cpu_kernels, cfg.head_dim))
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> jax.Array:
@@ -789,7 +796,7 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
     layers = params["layers"]
     if is_decoding_layout(params) or any(k in FUSED for k in layers):
         # already in the decoding layout
-        return with_cpu_output(kernels.use_cpu_kernels(params, cpu_kernels, cfg.head_dim))
+        return on_cpu(cfg, params, cpu_kernels)
     layers = dict(layers)
     per_layer = [{} for _ in range(cfg.num_layers)]
     for key in list(layers):  # one stacked weight at a time: it is dropped once sliced
@@ -797,9 +804,8 @@ def decoding_layout(cfg: ModelConfig, params: Params, cpu_kernels: bool | None =
         for i in range(cfg.num_layers):
             per_layer[i][key] = stacked[i]
         del stacked
-    return with_cpu_output(kernels.use_cpu_kernels(
-        dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)), cpu_kernels,
-        cfg.head_dim))
+    return on_cpu(cfg, dict(params, layers=tuple(fuse_layer(layer) for layer in per_layer)),
+                  cpu_kernels)
 
 
 def standard_layout(cfg: ModelConfig, params: Params) -> Params:

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 from safetensors import SafetensorError
 
-from medusa_jax import kernels
 from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.runtime import assets, hub
 from medusa_jax.text import tokenizer as tokenizer_lib
@@ -247,7 +246,7 @@ def load_pretrained(
     import jax
     import jax.numpy as jnp
 
-    from medusa_jax.model.backbone import fuse_layer, param_shapes, with_cpu_output
+    from medusa_jax.model.backbone import fuse_layer, on_cpu, param_shapes
 
     path = Path(hub.local(path)) if path is not None else default_model_dir()
     cfg = ModelConfig.from_dir(path)
@@ -303,7 +302,7 @@ def load_pretrained(
             jax.tree.map(to_device, fuse_layer({key: read(*names[i]) for key, names in
                                                 layer_names.items()}, np.concatenate))
             for i in range(cfg.num_layers))
-        params = with_cpu_output(kernels.use_cpu_kernels(params, head_dim=cfg.head_dim))
+        params = on_cpu(cfg, params)
     else:
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}
