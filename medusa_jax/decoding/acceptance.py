@@ -77,10 +77,13 @@ def _per_row(x, ndim: int) -> jax.Array:
 def typical(logits, tokens, tree: Tree, s: Sampling | Rows, valid=None):
     """Accept a candidate while p(token) > min(epsilon, delta * exp(-H(p))) at its parent;
     the longest path wins, ties broken by its log-likelihood; the next root is greedy.
-    `s`: one Sampling, or `Rows` (each row its own temperature, epsilon and delta)."""
-    t = _per_row(s.temperature, 3)
-    t = jnp.where(t > 0, t, 1.0)  # rows that follow another rule (greedy: 0) stay finite
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32) / t, axis=-1)  # [B, T, V]
+    p is the distribution plain sampling draws from (temperature, then top-k, then top-p),
+    so a token those filters remove is never accepted.
+    `s`: one Sampling, or `Rows` (each row its own temperature, filters, epsilon and delta;
+    a row that follows another rule reads temperature 0 as 1 and stays finite)."""
+    logp = s.log_probs(logits) if isinstance(s, Rows) else log_probs(logits, s)  # [B, T, V]
+    # a filtered-out token's log-prob is float32's lowest finite value, so its term is 0 * x
+    # (not 0 * -inf) and the entropy stays finite
     entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)  # [B, T]
     threshold = jnp.minimum(_per_row(s.epsilon, 2), _per_row(s.delta, 2) * jnp.exp(-entropy))
     path_tok, paths = _path_tokens(tree, tokens)

@@ -77,3 +77,52 @@ def test_typical_thresholds_and_tie_break(toy_lm):
     assert int(acc[0]) == 1 and tree.paths[int(best[0])][1] == 2  # both accepted: likelier wins
     best, acc, _ = typical(logits, jnp.array([[0, 0, 1]]), tree, s)
     assert int(acc[0]) == 0  # 0.2/6 = 0.033 is below the threshold
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=0.01), dict(top_k=2, top_p=0.5)],
+                         ids=["top_k=1", "top_p=0.01", "top_k=2-top_p=0.5"])
+def test_typical_never_accepts_a_token_top_k_or_top_p_removes(toy_lm, filters):
+    """At the root, token 3 has p=0.5 and token 4 p=0.3: both pass the typical threshold,
+    but top-k 1 or top-p 0.01 (or 0.5) keep token 3 alone, so token 4 must be refused, in a
+    static Sampling and in per-row `Rows` (the serving engine's)."""
+    from medusa_jax.decoding.acceptance import Rows, typical
+
+    V = toy_lm.V
+    tree = Tree.from_paths([[0]])
+    probs = np.full(V, 0.2 / (V - 2))
+    probs[3], probs[4] = 0.5, 0.3
+    logits = jnp.log(jnp.asarray(np.tile(probs, (1, 2, 1)), jnp.float32))
+    unfiltered = Sampling(mode="typical", temperature=1.0)
+    _, acc, _ = typical(logits, jnp.array([[0, 4]]), tree, unfiltered)
+    assert int(acc[0]) == 1  # the test can fail: without filters token 4 is accepted
+    s = Sampling(mode="typical", temperature=1.0, **filters)
+    mixed = Rows.of(s, 1, 8)
+    mixed = mixed.replace(same=None, modes=("greedy", "typical"), mode=jnp.ones(1, jnp.int32))
+    for rule in (s, Rows.of(s, 1, 8), mixed):
+        _, acc, _ = typical(logits, jnp.array([[0, 4]]), tree, rule)
+        assert int(acc[0]) == 0, rule
+        best, acc, root = typical(logits, jnp.array([[0, 3]]), tree, rule)
+        assert int(acc[0]) == 1 and int(root[0]) == int(jnp.argmax(logits[0, 1]))
+
+
+def test_typical_with_top_k_1_decodes_as_plain_greedy(toy_lm, toy_medusa):
+    """The issue's case end to end: typical acceptance at top-k 1 keeps only the argmax at
+    every node, so its output is plain greedy decoding's, token for token (and without the
+    filter the toy heads' guesses do change it: the comparison can fail)."""
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
+    params, heads = toy_medusa
+    prompts = [[1] + list(np.random.default_rng(i).integers(3, toy_lm.V, 4)) for i in range(16)]
+    tokens, lengths = pad_prompts(prompts)
+    key = jax.random.key(3)
+    plain = generate(params, CFG, tokens, lengths, key, sampling=Sampling(), max_new_tokens=12)
+    want = np.asarray(plain.tokens)
+
+    def typical_out(**filters):
+        s = Sampling(mode="typical", temperature=0.7, **filters)
+        out = medusa_generate(params, heads, CFG, tokens, lengths, key, tree=TREE, sampling=s,
+                              max_new_tokens=12)
+        return np.asarray(out.tokens)
+
+    assert not np.array_equal(typical_out(), want)
+    np.testing.assert_array_equal(typical_out(top_k=1), want)
+    np.testing.assert_array_equal(typical_out(top_p=0.01), want)
