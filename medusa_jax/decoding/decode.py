@@ -5,7 +5,9 @@ Each is ONE jitted function: prefill, then a `lax.while_loop` of steps that runs
 row is done (on the CPU compiled with `runtime.xla_options`' schedule). Nothing goes back to
 the host per token. Shapes are static: prompts are right-padded to a power-of-two bucket, so
 a new prompt length only recompiles when it crosses a bucket. The static `Sampling` becomes every row's `sampling.Rows`; the program
-holds only its rule.
+holds only its rule. Given `rows` instead (`Rows.values`: runtime arrays), one program serves
+every temperature, filter, seed and token limit up to `max_new_tokens`, which then only
+sizes the buffers (`length_bucket` rounds it so that nearby limits share a program).
 
 Attention reads every cache slot its mask covers, so both loops run in a few phases
 (`cache_phases`): each phase is its own `while_loop` whose steps attend over a static
@@ -64,6 +66,27 @@ def pad_prompts(prompts: list[list[int]],
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     return tokens, lengths
+
+
+def length_bucket(max_new_tokens: int, room: int | None = None) -> int:
+    """The buffers' size for a runtime token limit: the next power of two (at least 16), so
+    limits in the same bucket share a program; `room` (the context left after the prompt's
+    bucket and the tree) caps it, never below `max_new_tokens` itself."""
+    bucket = prompt_bucket(max_new_tokens)
+    if room is not None:
+        bucket = min(bucket, max(room, max_new_tokens))
+    return bucket
+
+
+def _rows(sampling: Sampling, rows: Rows | None, b: int, max_new_tokens: int,
+          eos: tuple[int, ...]) -> Rows:
+    """The rows' sampling and limits: `rows` as given (runtime values), or `sampling` for
+    every row with `eos` and `max_new_tokens` (static)."""
+    if rows is None:
+        return Rows.of(sampling, b, max_new_tokens, eos)
+    if rows.mode.shape != (b,):
+        raise ValueError(f"rows hold {rows.mode.shape[0]} rows for a batch of {b} prompts")
+    return rows
 
 
 def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_tokens: int = 1):
@@ -172,22 +195,25 @@ def plain_capacity(prompt_slots: int, max_new_tokens: int) -> int:
 
 def plain_init(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
                key: jax.Array, sampling: Sampling, max_new_tokens: int,
-               eos: tuple[int, ...] = ()) -> DecodeState:
+               eos: tuple[int, ...] = (), rows: Rows | None = None) -> DecodeState:
     """Prefill the prompts and choose each row's first token."""
     b, p = tokens.shape
     return step.start(params, cfg, tokens, lengths, _row_keys(key, b),
-                      Rows.of(sampling, b, max_new_tokens, eos),
+                      _rows(sampling, rows, b, max_new_tokens, eos),
                       plain_capacity(p, max_new_tokens))
 
 
 @decoder_jit(static_argnames=("cfg", "sampling", "max_new_tokens", "eos", "max_cache_phases"))
 def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Array,
              key: jax.Array, *, sampling: Sampling = Sampling(), max_new_tokens: int = 128,
-             eos: tuple[int, ...] = (), max_cache_phases: int = MAX_CACHE_PHASES) -> Output:
+             eos: tuple[int, ...] = (), max_cache_phases: int = MAX_CACHE_PHASES,
+             rows: Rows | None = None) -> Output:
     """Plain autoregressive decoding. tokens [B, P] right-padded, lengths [B].
-    `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`)."""
+    `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`).
+    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit (at most
+    `max_new_tokens`) as runtime values, in place of `sampling` and `eos`."""
     b, p = tokens.shape
-    state = plain_init(params, cfg, tokens, lengths, key, sampling, max_new_tokens, eos)
+    state = plain_init(params, cfg, tokens, lengths, key, sampling, max_new_tokens, eos, rows)
     run = Run(state=state, out=jnp.zeros((b, max_new_tokens + 1), jnp.int32))
     one = functools.partial(step.plain_step, params, cfg)
     run = run_phases(functools.partial(drive, one), run,
@@ -205,15 +231,15 @@ def medusa_capacity(prompt_slots: int, max_new_tokens: int, tree: Tree | Dynamic
 
 def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Array,
                 lengths: jax.Array, key: jax.Array, tree: Tree, sampling: Sampling,
-                max_new_tokens: int, head_fn=None,
-                eos: tuple[int, ...] = ()) -> tuple[DecodeState, Params]:
+                max_new_tokens: int, head_fn=None, eos: tuple[int, ...] = (),
+                rows: Rows | None = None) -> tuple[DecodeState, Params]:
     """Prefill, choose each row's root and start the drafter. Returns (state, the heads the
     tree uses: those deeper than the tree never propose a candidate and are not run)."""
     drafter = drafter_for(heads, head_fn)
     b, p = tokens.shape
     heads = drafter.prepare(heads, tree, cpu_kernels=kernels.active(params))
     state = step.start(params, cfg, tokens, lengths, _row_keys(key, b),
-                       Rows.of(sampling, b, max_new_tokens, eos),
+                       _rows(sampling, rows, b, max_new_tokens, eos),
                        medusa_capacity(p, max_new_tokens, tree), drafter, heads,
                        width=tree.depth + 1)
     have = drafter.num_heads(heads, state.draft)
@@ -229,9 +255,12 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
                     lengths: jax.Array, key: jax.Array, *, tree: Tree,
                     sampling: Sampling = Sampling(), max_new_tokens: int = 128,
                     eos: tuple[int, ...] = (), head_fn=None,
-                    max_cache_phases: int = MAX_CACHE_PHASES) -> Output:
+                    max_cache_phases: int = MAX_CACHE_PHASES,
+                    rows: Rows | None = None) -> Output:
     """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B].
     `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`).
+    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit (at most
+    `max_new_tokens`) as runtime values, in place of `sampling` and `eos`.
 
     `heads`: Medusa heads or Hydra heads (`drafters/`); the drafter is chosen from
     them (`drafter_for`). `head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]` turns
@@ -241,7 +270,7 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     """
     b = tokens.shape[0]
     state, heads = medusa_init(params, heads, cfg, tokens, lengths, key, tree, sampling,
-                               max_new_tokens, head_fn, eos)
+                               max_new_tokens, head_fn, eos, rows)
     one = functools.partial(step.medusa_step, params, cfg, drafter_for(heads, head_fn), heads,
                             tree)
     run = Run(state=state, out=jnp.zeros((b, max_new_tokens + tree.depth + 1), jnp.int32))

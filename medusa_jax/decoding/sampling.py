@@ -141,6 +141,49 @@ class Rows:
                    max_tokens=full(max_tokens, jnp.int32), stop=stop_ids, modes=(s.mode,),
                    same=s)
 
+    @classmethod
+    def values(cls, b: int, max_tokens, stop: tuple[int, ...] = (), *, mode="greedy",
+               temperature=1.0, top_k=0, top_p=1.0, epsilon: float = 0.09,
+               delta: float = 0.3) -> "Rows":
+        """b rows whose sampling values and token limits are runtime arrays, so one compiled
+        program serves every temperature, filter, threshold and limit: the program depends
+        only on `modes`, which is ("greedy",) when every row is greedy (nothing but argmax
+        is compiled) and every mode otherwise (moving between typical and rejection
+        compiles nothing either). Each value is a scalar or a length-b sequence (per row),
+        checked as `check` checks one `Sampling`; a wrong length names the field."""
+        def per_row(name, x, dtype):
+            a = np.asarray(x)
+            if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != b):
+                raise ValueError(f"{name} has {a.shape[0] if a.ndim == 1 else a.shape} "
+                                 f"values for {b} rows: give one, or one per row")
+            return np.broadcast_to(a, (b,)).astype(dtype)
+
+        modes = per_row("mode", mode, object)
+        vals = dict(temperature=per_row("temperature", temperature, np.float32),
+                    top_k=per_row("top_k", top_k, np.int64),
+                    top_p=per_row("top_p", top_p, np.float32),
+                    epsilon=per_row("epsilon", epsilon, np.float32),
+                    delta=per_row("delta", delta, np.float32))
+        limit = per_row("max_tokens", max_tokens, np.int64)
+        for i in range(b):
+            try:
+                check(str(modes[i]), float(vals["temperature"][i]), int(vals["top_k"][i]),
+                      float(vals["top_p"][i]), float(vals["epsilon"][i]),
+                      float(vals["delta"][i]))
+            except ValueError as e:
+                raise ValueError(f"row {i}: {e}" if b > 1 else str(e)) from None
+            if limit[i] < 1:
+                raise ValueError(f"row {i}: max_tokens must be >= 1, got {int(limit[i])}")
+        all_modes = ("greedy",) if all(m == "greedy" for m in modes) else MODES
+        stop_ids = np.broadcast_to(np.asarray(stop or (-1,), np.int32), (b, max(1, len(stop))))
+        return cls(mode=jnp.asarray([all_modes.index(m) for m in modes], jnp.int32),
+                   temperature=jnp.asarray(vals["temperature"]),
+                   top_k=jnp.asarray(vals["top_k"], jnp.int32),
+                   top_p=jnp.asarray(vals["top_p"]), epsilon=jnp.asarray(vals["epsilon"]),
+                   delta=jnp.asarray(vals["delta"]),
+                   max_tokens=jnp.asarray(limit, jnp.int32), stop=jnp.asarray(stop_ids),
+                   modes=all_modes)
+
     def log_probs(self, logits: jax.Array) -> jax.Array:
         """Each row's plain-sampling distribution: logits [B, ..., V] -> log-probs."""
         if self.same is not None:

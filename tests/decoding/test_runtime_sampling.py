@@ -1,0 +1,100 @@
+"""Sampling and token limits as runtime values (`Rows.values`): one compiled decoder serves
+every temperature, filter, seed and limit, and its draws are still exactly plain sampling's."""
+
+import jax
+import numpy as np
+import pytest
+
+from medusa_jax.decoding.decode import generate, length_bucket, medusa_generate, pad_prompts
+from medusa_jax.decoding.sampling import Rows, Sampling
+
+
+def test_values_check_each_row_and_name_the_field():
+    with pytest.raises(ValueError, match=r"^row 1: temperature must be > 0"):
+        Rows.values(2, 8, mode="rejection", temperature=[0.7, 0.0])
+    with pytest.raises(ValueError, match=r"^top_p has 3 values for 2 rows"):
+        Rows.values(2, 8, mode="rejection", top_p=[0.5, 0.6, 0.7])
+    with pytest.raises(ValueError, match=r"^mode 'sample' is not one of"):
+        Rows.values(1, 8, mode="sample")
+    with pytest.raises(ValueError, match=r"^row 0: max_tokens must be >= 1"):
+        Rows.values(2, [0, 3])
+    assert Rows.values(3, 8).modes == ("greedy",)  # a greedy program compiles argmax only
+    mixed = Rows.values(2, 8, mode=["greedy", "typical"])
+    assert mixed.modes == ("greedy", "typical", "rejection")
+    assert np.asarray(mixed.mode).tolist() == [0, 1]
+
+
+def test_length_bucket():
+    assert [length_bucket(n) for n in (1, 16, 17, 64, 65)] == [16, 16, 32, 64, 128]
+    assert length_bucket(65, room=100) == 100  # never past the context
+    assert length_bucket(65, room=10) == 65  # nor below the limit itself
+
+
+def test_one_program_for_every_temperature_filter_seed_and_limit(toy_lm, toy_medusa):
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
+    params, heads = toy_medusa
+    tokens, lengths = pad_prompts([toy_lm.PROMPT] * 4)
+    settings = [dict(mode="rejection", temperature=0.7),
+                dict(mode="rejection", temperature=1.3, top_k=3, top_p=0.8),
+                dict(mode="typical", temperature=0.5, epsilon=0.2, delta=0.5),
+                dict(mode=["rejection", "typical", "greedy", "rejection"], temperature=0.9)]
+    outs = []
+    for i, kw in enumerate(settings):
+        limit = [5, 9, 16, 3][i]
+        rows = Rows.values(4, limit, **kw)
+        out = medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(i), tree=TREE,
+                              max_new_tokens=16, rows=rows)
+        if i == 0:
+            size = medusa_generate._cache_size()
+        assert medusa_generate._cache_size() == size, f"setting {i} compiled again"
+        assert np.all(np.asarray(out.num_new) == limit)  # no stop token in the toy's vocabulary
+        outs.append(np.asarray(out.tokens))
+    # it really samples: two seeds of the same setting give different outputs
+    rows = Rows.values(4, 16, mode="rejection", temperature=1.0)
+    a, b = (np.asarray(medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(s),
+                                       tree=TREE, max_new_tokens=16, rows=rows).tokens)
+            for s in (7, 8))
+    assert not np.array_equal(a, b)
+    assert medusa_generate._cache_size() == size
+
+
+def test_greedy_rows_decode_as_the_static_greedy_decoder(toy_lm, toy_medusa):
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
+    params, heads = toy_medusa
+    prompts = [[1] + list(np.random.default_rng(i).integers(3, toy_lm.V, 4)) for i in range(6)]
+    tokens, lengths = pad_prompts(prompts)
+    key = jax.random.key(0)
+    want = np.asarray(generate(params, CFG, tokens, lengths, key, max_new_tokens=12).tokens)
+    for limit in (12, 7):
+        rows = Rows.values(6, limit)
+        plain = generate(params, CFG, tokens, lengths, key, max_new_tokens=16, rows=rows)
+        spec = medusa_generate(params, heads, CFG, tokens, lengths, key, tree=TREE,
+                               max_new_tokens=16, rows=rows)
+        for out in (plain, spec):
+            np.testing.assert_array_equal(np.asarray(out.num_new), limit)
+            np.testing.assert_array_equal(np.asarray(out.tokens)[:, :limit], want[:, :limit])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", [0, 1], ids=["t1", "t0.7-topk-topp"])
+def test_runtime_rejection_sampling_matches_plain_sampling_distribution(
+        toy_lm, toy_medusa, chi_square_ok, which):
+    """The lossless-sampling check of test_acceptance, with the sampling values as runtime
+    arrays (every rule compiled in, the filters applied per row)."""
+    CFG, ROWS = toy_lm.CFG, toy_lm.ROWS
+    s = toy_lm.SAMPLINGS[which]
+    params, heads = toy_medusa
+    exact = toy_lm.exact_pair_distribution(params, s)
+    tokens, lengths = pad_prompts([toy_lm.PROMPT] * ROWS)
+    rows = Rows.values(ROWS, 3, mode="rejection", temperature=s.temperature, top_k=s.top_k,
+                       top_p=s.top_p)
+    key = jax.random.key(42)
+    plain = generate(params, CFG, tokens, lengths, key, max_new_tokens=3, rows=rows)
+    ok, ratio = chi_square_ok(toy_lm.pair_counts(plain).ravel(), exact.ravel())
+    assert ok, f"plain sampling with runtime values is off: chi2/critical = {ratio:.2f}"
+    out = medusa_generate(params, heads, CFG, tokens, lengths, key, tree=toy_lm.TREE,
+                          max_new_tokens=3, rows=rows)
+    ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
+    assert ok, f"rejection sampling with runtime values is not lossless: {ratio:.2f}"
+    hist = np.asarray(out.accept_hist).sum(0)
+    assert hist[2:].sum() > 0.2 * hist.sum()
