@@ -6,7 +6,10 @@
         print(g.text, g.tokens_per_step)
 
 Batches have a fixed size (the last one is padded) and prompts are bucketed, so repeated
-calls reuse the compiled decoder.
+calls reuse the compiled decoder. The sampling values, the seed and `max_new_tokens` are
+runtime values: a call compiles only for a new drafter, tree, batch size, prompt bucket,
+length bucket (`max_new_tokens` rounded up to a power of two) or the first sampled call
+after greedy ones (greedy has a program of its own, with nothing but argmax in it).
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import jax
 import numpy as np
 
 from medusa_jax.decoding import drafter
-from medusa_jax.decoding.decode import check_fits, generate, medusa_generate, pad_prompts
-from medusa_jax.decoding.sampling import MODES, Sampling
+from medusa_jax.decoding.decode import (
+    check_fits,
+    generate,
+    length_bucket,
+    medusa_generate,
+    pad_prompts,
+)
+from medusa_jax.decoding.sampling import MODES, Rows
 from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
 from medusa_jax.drafters.formats import is_medusa2_model, load_heads
@@ -335,7 +344,11 @@ class Medusa:
         plain decoding otherwise. Returns one `Generation` per prompt, in order.
 
         Every argument is checked before anything is compiled: a bad one raises one-line
-        TypeError / ValueError naming it (and the prompt's index)."""
+        TypeError / ValueError naming it (and the prompt's index). `mode` (greedy or not),
+        `tree`, the batch size (`min(batch_size, len(prompts))`), the longest prompt's
+        bucket and `max_new_tokens`' bucket (`length_bucket`) choose the compiled program;
+        temperature, top-k, top-p, epsilon, delta, the seed and `max_new_tokens` within its
+        bucket, and moving between "typical" and "rejection", compile nothing."""
         if isinstance(prompts, str):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, bytearray)):
@@ -373,12 +386,11 @@ class Medusa:
             raise ValueError("medusa=True needs heads: Medusa.load(..., heads=PATH)")
         if mode == "greedy":
             temperature = 1.0  # unused
-        sampling = Sampling(mode=mode, temperature=temperature, top_k=top_k, top_p=top_p,
-                            epsilon=epsilon, delta=delta)
         the_tree = self.tree(tree) if use_medusa else None
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
-        check_fits(self.cfg, longest, max_new_tokens, the_tree.num_nodes if the_tree else 0)
+        tree_tokens = the_tree.num_nodes if the_tree else 0
+        check_fits(self.cfg, longest, max_new_tokens, tree_tokens)
         batch_size = min(batch_size, len(encoded))
         key = jax.random.key(seed)
         results: list[Generation] = []
@@ -395,18 +407,28 @@ class Medusa:
             else:
                 fn, args, kw = generate, (self.params, self.cfg), {}
             args += (tokens, lengths, sub)
-            kw.update(sampling=sampling, max_new_tokens=max_new_tokens, eos=self.eos)
+            # sampling values and the token limit are runtime arrays: the program depends on
+            # the batch and prompt buckets, the tree, greedy or not, and the limit's bucket
+            rows = Rows.values(len(padded), max_new_tokens, self.eos, mode=mode,
+                               temperature=temperature, top_k=top_k, top_p=top_p,
+                               epsilon=epsilon, delta=delta)
+            room = self.cfg.max_position_embeddings - tokens.shape[1] - tree_tokens - 1
+            bucket = length_bucket(max_new_tokens, room)
+            kw.update(max_new_tokens=bucket, rows=rows)
             with self.under_mesh():
-                first = (fn.__name__, tokens.shape, the_tree, sampling, max_new_tokens)
-                if self.verbose and first not in self._compiled:
-                    print("compiling the decoder (first call) ...", end="", file=sys.stderr,
-                          flush=True)
-                compiled = timing.precompile(fn, *args, **kw)  # timed apart from decoding
-                if self.verbose and first not in self._compiled:
-                    cached = " (from the compilation cache)" if compiled.cached else ""
-                    print(f" {timing.fmt_seconds(compiled.seconds)}{cached}", file=sys.stderr,
-                          flush=True)
-                self._compiled.add(first)
+                program = (fn.__name__, tokens.shape, the_tree, rows.modes, bucket)
+                if program in self._compiled:
+                    compiled = timing.Compile()
+                else:
+                    if self.verbose:
+                        print("compiling the decoder (first call) ...", end="",
+                              file=sys.stderr, flush=True)
+                    compiled = timing.precompile(fn, *args, **kw)  # timed apart from decoding
+                    if self.verbose:
+                        cached = " (from the compilation cache)" if compiled.cached else ""
+                        print(f" {timing.fmt_seconds(compiled.seconds)}{cached}",
+                              file=sys.stderr, flush=True)
+                    self._compiled.add(program)
                 t0 = time.perf_counter()
                 out = fn(*args, **kw)
             out = sharding.to_host(out)
