@@ -9,8 +9,9 @@ Composite of three items:
     meta       JsonSave: {"step", "data_position", "config"}
 
 Orbax writes a step into `<step>.orbax-checkpoint-tmp-*` and renames it only once every item
-is on disk, so a run killed mid-save leaves a temp directory that `all_steps()` never lists;
-resuming always starts from the last complete step. `max_to_keep` prunes older steps.
+is on disk, so a run killed mid-save leaves a temp directory that `all_steps()` never lists
+(and that the next writing `Checkpointer` on the folder removes); resuming always starts from
+the last complete step. `max_to_keep` prunes older steps.
 
 A finalized step can still be unreadable (a truncated or deleted array file, a junk folder
 named like a step): `restore` then falls back to the newest step that restores, moves the
@@ -61,6 +62,10 @@ class _FoldOrbaxTracebacks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and record.exc_info[1] is not None and "orbax" in record.pathname:
             msg, exc = record.getMessage(), record.exc_info[1]
+            if isinstance(exc, KeyboardInterrupt):
+                # a second signal interrupted the wait for a save, not the save: the command
+                # reports the stop in its own line
+                return False
             record.msg = msg if str(exc) and str(exc) in msg else f"{msg} ({_one_line(exc)})"
             record.args, record.exc_info, record.exc_text = None, None, None
         return True
@@ -112,8 +117,10 @@ class Checkpointer:
         if self.directory.exists() and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory, cannot save checkpoints "
                                   f"there")
+        # a writing manager removes the temp folders of saves a killed run left unfinished
+        # (a reading one leaves the folder as it is)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=create,
+            max_to_keep=max_to_keep, create=create, cleanup_tmp_directories=create,
             enable_async_checkpointing=async_save)
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options,

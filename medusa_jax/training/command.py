@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 
@@ -61,6 +62,18 @@ def check_context(ap: argparse.ArgumentParser, seq_len: int, model_cfg: ModelCon
     if seq_len > limit:
         ap.error(f"--seq-len {seq_len} is longer than the context of {what} "
                  f"(max_position_embeddings {limit})")
+
+
+def exit_at_once(code: int):
+    """End the process now, without Python's shutdown. A second signal can land while an
+    Orbax save runs in its threads (or interrupt the main thread inside Orbax): a normal
+    exit then waits for, or races, that save at interpreter shutdown and can hang. The
+    abandoned save only ever leaves a `*.orbax-checkpoint-tmp` folder, which is never read
+    as a checkpoint; finished checkpoints are not touched."""
+    for f in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            f.flush()
+    os._exit(code)
 
 
 class Command:
@@ -176,7 +189,7 @@ class Command:
                   f"\nstopped at once (second {name}); continue with --resume {e.run_dir} "
                   f"(its last finished checkpoint, if any, is intact)", file=sys.stderr,
                   flush=True)
-            sys.exit(e.code)
+            exit_at_once(e.code)
         except KeyboardInterrupt:  # Ctrl-C outside the training run
             print("\nstopped (SIGINT)", file=sys.stderr, flush=True)
             sys.exit(128 + signal.SIGINT)

@@ -154,8 +154,19 @@ def test_two_signals_during_one_long_call_are_two(tmp_path):
     sender.wait()
 
 
+@pytest.fixture
+def exit_raises(monkeypatch):
+    """The command's immediate exit (os._exit) as SystemExit, so it can run in-process."""
+    from medusa_jax.training import command
+
+    def exit_at_once(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(command, "exit_at_once", exit_at_once)
+
+
 def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resume(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, monkeypatch, capsys, exit_raises):
     from medusa_jax.runtime.rundir import StopNow
     from medusa_jax.training import trainer
     from train import medusa1
@@ -173,7 +184,7 @@ def test_a_second_signal_before_anything_was_saved_exits_143_and_offers_no_resum
 
 
 def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, monkeypatch,
-                                                                    capsys):
+                                                                    capsys, exit_raises):
     from medusa_jax.runtime.rundir import StopNow
     from medusa_jax.training import trainer
     from train import medusa1
@@ -195,3 +206,103 @@ def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, mo
     assert capsys.readouterr().err.strip() == (f"stopped at once (second SIGINT); continue "
                                                f"with --resume {run} (its last finished "
                                                f"checkpoint, if any, is intact)")
+
+
+# ---- a second signal while an Orbax save is in flight ends the process at once (train.hydra)
+
+HYDRA = ["--batch-size", "4", "--seq-len", "64", "--num-heads", "2", "--log-every", "1",
+         "--eval-every", "100000", "--eval-prompts", "0", "--template", "plain",
+         "--heldout-fraction", "0"]
+# train.hydra with Orbax's finalizing of every step from 10 on held for 120 s: a second
+# signal then always lands while that save's threads are running
+SLOW_SAVES = """
+import asyncio, runpy, sys
+from orbax.checkpoint._src.path import atomicity
+finalize = atomicity.AtomicRenameTemporaryPath.finalize
+async def slow(self):
+    if self._final_path.name.isdigit() and int(self._final_path.name) >= 10:
+        await asyncio.sleep(120)
+    return await finalize(self)
+atomicity.AtomicRenameTemporaryPath.finalize = slow
+sys.argv[0] = "train.hydra"
+runpy.run_module("train.hydra", run_name="__main__")
+"""
+
+
+def _two_sigints(proc):
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.time()
+    try:
+        out, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"still running 30 s after the second SIGINT: {err[-2000:]}")
+    return out, err, time.time() - t0
+
+
+def _resume(run: Path, steps: int):
+    done = subprocess.run([sys.executable, "-m", "train.hydra", "--resume", str(run),
+                           "--steps", str(steps)], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads((run / "summary.json").read_text())["step"] == steps
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_a_second_sigint_during_a_save_exits_130_at_once_and_the_run_resumes(
+        tmp_path, data_file):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVES, "--data", str(data_file),
+                             "--output-dir", str(run), "--steps", "200", "--save-every", "5",
+                             *HYDRA], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics, t0 = run / "metrics.jsonl", time.time()
+    # step 15 logged: the loop now waits for step 10's save before it saves step 15
+    while not ((ckpts / "5").is_dir() and metrics.is_file()
+               and '"step": 15,' in metrics.read_text()):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - t0 < 120, "step 15 was never reached"
+        time.sleep(0.05)
+    time.sleep(0.2)
+    out, err, took = _two_sigints(proc)
+    assert proc.returncode == 130 and took < 10, (took, err[-2000:])
+    assert err.strip().splitlines()[-1] == (
+        f"stopped at once (second SIGINT); continue with --resume {run} (its last finished "
+        f"checkpoint, if any, is intact)")
+    assert "Traceback" not in err and "ERROR" not in err, err[-2000:]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["10.orbax-checkpoint-tmp", "5"]
+    done = _resume(run, 7)
+    assert "resumed at step 5 " in done.stdout
+    # the unfinished save was removed; the resumed run saved its own last step
+    assert sorted(p.name for p in ckpts.iterdir()) == ["5", "7"]
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+def test_two_sigints_50ms_apart_after_step_20_always_exit_130(tmp_path, data_file):
+    """The reported case, a few tries: the first SIGINT starts the checkpoint of the step,
+    the second lands in or around it."""
+    for attempt in range(3):
+        run = tmp_path / f"run{attempt}"
+        proc = subprocess.Popen([sys.executable, "-m", "train.hydra", "--data", str(data_file),
+                                 "--output-dir", str(run), "--steps", "200", "--save-every",
+                                 "50", *HYDRA], cwd=ROOT, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        metrics, t0 = run / "metrics.jsonl", time.time()
+        while not (metrics.is_file() and '"step": 20,' in metrics.read_text()):
+            assert proc.poll() is None, proc.communicate()
+            assert time.time() - t0 < 120, "step 20 was never logged"
+            time.sleep(0.02)
+        out, err, took = _two_sigints(proc)
+        assert proc.returncode == 130 and took < 10, (attempt, took, err[-2000:])
+        assert "stopped at once (second SIGINT)" in err.strip().splitlines()[-1]
+        assert "Traceback" not in err and "cannot schedule" not in err, err[-2000:]
+    # finished checkpoints (if the save of the step got done) or none: either resumes
+    _resume(run, 22)
+
