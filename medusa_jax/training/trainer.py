@@ -207,6 +207,11 @@ def train(cfg: TrainConfig, recipe: Recipe, resume: str | None = None,
                 remove_if_empty(run_dir)
             if isinstance(e, StopNow):  # what the message may offer to --resume
                 e.run_dir = run_dir if rundir.is_run_dir(run_dir) else None
+            removed = created and distributed.is_writer() and not run_dir.exists()
+            if isinstance(e, Interrupted) and removed:  # its message offered --resume
+                raise Interrupted(f"stopped by {signal.Signals(e.code - 128).name} before "
+                                  f"anything was saved; nothing to resume ({run_dir} was "
+                                  f"removed)", e.code - 128) from None
             raise
 
 
@@ -269,9 +274,10 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     if held_rows is not None:
         held_rows = ctx.held_rows = recipe.heldout_rows(ctx, held_rows)
     if stop.requested is not None:
+        cached = "self-distilled data cached" if not cfg.data else "nothing new saved"
         raise Interrupted(f"stopped by {signal.Signals(stop.requested).name} before training "
-                          f"started (data cached, nothing else to save); continue with "
-                          f"--resume {run_dir}", stop.requested)
+                          f"started ({cached}); continue with --resume {run_dir}",
+                          stop.requested)
     total = cfg.total_steps(len(train_rows))
 
     method = recipe.build(ctx, total)

@@ -306,3 +306,37 @@ def test_two_sigints_50ms_apart_after_step_20_always_exit_130(tmp_path, data_fil
     # finished checkpoints (if the save of the step got done) or none: either resumes
     _resume(run, 22)
 
+
+# ---- a signal during start-up offers --resume only when the run directory is kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_signal_during_start_up_offers_resume_only_when_the_run_is_kept(
+        tmp_path, data_file, monkeypatch, capsys, existing):
+    from medusa_jax.runtime import rundir
+    from medusa_jax.training import trainer
+    from train import hydra
+
+    prepare = trainer.prepare_data
+
+    def sigterm_first(ctx):  # as if SIGTERM came while the model loaded
+        os.kill(os.getpid(), signal.SIGTERM)
+        return prepare(ctx)
+
+    monkeypatch.setattr(trainer, "prepare_data", sigterm_first)
+    run = tmp_path / "run"
+    if existing:  # an empty folder given as --output-dir is not removed
+        run.mkdir()
+    with pytest.raises(SystemExit) as e:
+        hydra.command.main(["--data", str(data_file), "--output-dir", str(run), *HYDRA])
+    assert e.value.code == 143
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    if existing:
+        assert rundir.is_run_dir(run)
+        assert last == (f"stopped by SIGTERM before training started (nothing new saved); "
+                        f"continue with --resume {run}")
+    else:
+        assert not run.exists()
+        assert last == (f"stopped by SIGTERM before anything was saved; nothing to resume "
+                        f"({run} was removed)")
