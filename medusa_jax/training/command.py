@@ -134,6 +134,10 @@ class Command:
         except (ValueError, FileNotFoundError) as e:
             ap.error(str(e))
         check_context(ap, cfg.seq_len, shape_cfg, f"--shape {mem.shape}")
+        try:  # train.eagle's --aux-layers, --draft-vocab against the shape, not a depth
+            cfg.check_model(shape_cfg, f"--shape {mem.shape}")
+        except ValueError as e:
+            ap.error(str(e))
         import jax
 
         from medusa_jax.runtime import sharding
@@ -170,7 +174,7 @@ class Command:
         check_context(self.build_parser(), cfg.seq_len, model_cfg,
                       f"--model {cfg.model or assets.EMBEDDED_MODEL}")
         try:  # flags that depend on the model (train.eagle's --aux-layers, --draft-vocab)
-            cfg.check_model(model_cfg)
+            cfg.check_model(model_cfg, f"--model {cfg.model or assets.EMBEDDED_MODEL}")
         except ValueError as e:
             self.build_parser().error(str(e))
         quiet.imports()

@@ -175,9 +175,9 @@ class TrainConfig:
         """The head count --tree is checked against (None: not known before the run)."""
         return self.num_heads
 
-    def check_model(self, model_cfg) -> None:
+    def check_model(self, model_cfg, what: str = "this backbone") -> None:
         """Flags checked against the model's config.json before any work (one-line
-        ValueError); nothing to check by default."""
+        ValueError naming `what`, e.g. "--shape llama-2-7b"); nothing to check by default."""
 
     def total_steps(self, num_rows: int) -> int:
         if self.steps:
@@ -348,17 +348,19 @@ class EagleConfig(TrainConfig):
     def tree_heads(self) -> int | None:
         return None  # any depth: the drafter runs on its own outputs (as it decodes)
 
-    def check_model(self, model_cfg) -> None:
-        self.drafter_shape(model_cfg)
+    def check_model(self, model_cfg, what: str = "this backbone") -> None:
+        self.drafter_shape(model_cfg, what)
 
-    def drafter_shape(self, model_cfg) -> tuple[tuple[int, int, int], int]:
-        """(aux layers, draft vocabulary size) for the backbone `model_cfg`: the flags, or
-        their defaults; a one-line ValueError when they do not fit it."""
+    def drafter_shape(self, model_cfg, what: str = "this backbone"
+                      ) -> tuple[tuple[int, int, int], int]:
+        """(aux layers, draft vocabulary size) for the backbone `model_cfg` (`what`, as the
+        error names it): the flags, or their defaults; a one-line ValueError when they do
+        not fit it."""
         n, v = model_cfg.num_layers, model_cfg.vocab_size
         aux = default_aux_layers(n) if self.aux_layers is None else tuple(self.aux_layers)
         if aux[-1] >= n:
-            raise ValueError(f"--aux-layers {','.join(map(str, aux))}: this backbone has "
-                             f"{n} layers (0 .. {n - 1})")
+            raise ValueError(f"--aux-layers {','.join(map(str, aux))}: layer {aux[-1]} is "
+                             f"past the {n} layers of {what} (0 .. {n - 1})")
         vd = min(v, EAGLE_DRAFT_VOCAB) if self.draft_vocab is None else self.draft_vocab
         if vd > v:
             raise ValueError(f"--draft-vocab {vd} is larger than the model's vocabulary of "

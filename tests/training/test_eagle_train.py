@@ -204,7 +204,8 @@ def test_default_aux_layers():
     (["--aux-layers", "1,2"], "--aux-layers 1,2: give three layers A,B,C"),
     (["--aux-layers", "2,1,4"], "--aux-layers 2,1,4: give three layers A,B,C"),
     (["--aux-layers", "1,-2,4"], "every value must be >= 0"),
-    (["--aux-layers", "1,2,5"], "--aux-layers 1,2,5: this backbone has 5 layers (0 .. 4)"),
+    (["--aux-layers", "1,2,5"], "--aux-layers 1,2,5: layer 5 is past the 5 layers of --model "
+                                  "stories260K (0 .. 4)"),
     (["--draft-vocab", "0"], "--draft-vocab must be >= 1"),
     (["--draft-vocab", "513"], "--draft-vocab 513 is larger than the model's vocabulary of "
                                "512 tokens"),

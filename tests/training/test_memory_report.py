@@ -93,6 +93,23 @@ def test_bad_scale_flags_exit_2_with_one_line(argv, message, capsys):
     assert message in err[-1] and not any("Traceback" in ln for ln in err), err
 
 
+@pytest.mark.parametrize("aux, message", [
+    ("1,2,40", "--aux-layers 1,2,40: layer 40 is past the 6 layers of --shape llama-15m "
+               "(0 .. 5)"),
+    ("1,2,6", "--aux-layers 1,2,6: layer 6 is past the 6 layers of --shape llama-15m "
+              "(0 .. 5)"),
+])
+def test_eagle_report_names_an_aux_layer_past_the_shape(aux, message, capsys):
+    """The shape's depth is what the layer is past, not --memory-layers' depths."""
+    from train.eagle import command
+
+    with pytest.raises(SystemExit) as e:
+        command.main(["--memory-report", "--shape", SHAPE, "--aux-layers", aux])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"python -m train.eagle: error: {message}", err
+
+
 def test_micro_batch_not_divisible_by_the_mesh_fails_before_any_work(tmp_path, capsys):
     from train.medusa1 import command
 
