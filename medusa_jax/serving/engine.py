@@ -530,6 +530,7 @@ class Engine:
         self._ready = threading.Event()  # the first requests' programs are compiled
         self._all_compiled = threading.Event()
         self.compiling: tuple[str, int] | None = None  # the program being compiled now
+        self._program_list: list | None = None  # `programs()`, once planned
         self.log = log
 
     # --- limits and compile
@@ -575,7 +576,13 @@ class Engine:
     def programs(self) -> list[tuple[str, int]]:
         """Every program the engine can use, in the order a warm-up compiles them: what a
         first short request needs (`first_programs`), then what serves any request (the
-        longest bucket, the widest window), then the rest from small to large."""
+        longest bucket, the widest window), then the rest from small to large. Built once
+        (what it depends on is fixed at construction): /health counts it at every probe."""
+        if self._program_list is None:
+            self._program_list = self._plan()
+        return list(self._program_list)
+
+    def _plan(self) -> list[tuple[str, int]]:
         b, w, r, n = self.buckets, self.windows, self.slot_buckets, self.prefill_batches
         resizes = [("resize", p) for p in zip(w, w[1:])] + [("resize", p) for p in
                                                             zip(w[1:], w)]
@@ -590,6 +597,11 @@ class Engine:
             rest += [("move", x) for x in w]
             rest += [("extend", (q, x)) for x in w for q in self.extend_buckets if q < x]
         return list(dict.fromkeys(self.first_programs() + cover + rest))
+
+    def _program_count(self) -> int:
+        if self._program_list is None:
+            self._program_list = self._plan()
+        return len(self._program_list)
 
     def first_programs(self) -> list[tuple[str, int]]:
         """The programs a request with a short prompt needs: the smallest prefill bucket,
@@ -607,7 +619,7 @@ class Engine:
         programs (counts), compiling (the program being compiled, or None)."""
         now = self.compiling
         return {"ready": self._ready.is_set(), "compiled": len(self._programs),
-                "programs": len(self.programs()),
+                "programs": self._program_count(),
                 "compiling": None if now is None else f"{now[0]} {self._size_name(*now)}"}
 
     def _setup(self):
@@ -748,10 +760,10 @@ class Engine:
         self._programs[(kind, size)] = prog
         if self.log is not None:
             self.log(f"compiled {kind} ({self._size_name(kind, size)}) in {seconds:.1f} s "
-                     f"[{len(self._programs)}/{len(self.programs())}]")
+                     f"[{len(self._programs)}/{self._program_count()}]")
         if all(p in self._programs for p in self.first_programs()):
             self._ready.set()
-        if len(self._programs) == len(self.programs()):
+        if len(self._programs) == self._program_count():
             self._all_compiled.set()
         return prog
 
