@@ -19,7 +19,15 @@ for it. What trades start-up for coverage: fewer --prefill-buckets, --prefill-ba
 --slot-buckets and a larger --window-block mean fewer programs (more padding, wider
 attention per step, more idle rows per call); a smaller --max-context means fewer of both;
 --warmup all compiles everything before the port opens (no waiting later). The persistent
-compilation cache turns a later start's compiles into loads.
+compilation cache turns a later start's compiles into loads. A model that declares more
+than 4096 tokens of context is served 4096 unless --max-context says otherwise.
+
+Connections: a request's headers and body must arrive within --request-timeout (else 408),
+and past --max-connections a new connection closes the oldest one not running a request,
+so half-sent requests cannot use up the file descriptors. --api-key (or
+$MEDUSA_JAX_API_KEY) requires `Authorization: Bearer KEY` on /v1/; POST bodies must be
+application/json; bound to a loopback address, the server answers only to the Host names
+localhost, 127.0.0.1 and [::1] (a web page cannot reach it through DNS rebinding).
 """
 
 from __future__ import annotations
@@ -34,8 +42,13 @@ from pathlib import Path
 
 from medusa_jax import cli
 from medusa_jax.kernels import flags as kernel_flags
-from medusa_jax.runtime import assets, compile_cache, options
+from medusa_jax.model.paths import check_model_paths
+from medusa_jax.runtime import assets, compile_cache, hub, options
 
+DEFAULT_MAX_CONTEXT = 4096  # served when a model declares more (--max-context)
+API_KEY_ENV = "MEDUSA_JAX_API_KEY"
+MAX_CONNECTIONS = 1024
+DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answered 503
 WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
 ACCEPTANCE = ("rejection", "typical")  # as engine.ACCEPTANCE
 
@@ -63,6 +76,13 @@ def _plain_above(text: str) -> int | str | None:
 _port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
 
 
+def _seconds(text: str) -> float:
+    value = options.nonnegative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def _name(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("the served model name must not be empty")
@@ -87,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoding steps per engine call (tokens reach clients per call; a "
                         "larger value compiles a larger step program)")
     p.add_argument("--max-context", type=options.positive_int, default=None,
-                   help="KV cache length per slot, at most the model's context (default: "
-                        "the model's context; smaller: fewer programs to compile)")
+                   help=f"KV cache length per slot, at most the model's context (default: "
+                        f"the model's context up to {DEFAULT_MAX_CONTEXT} tokens; the "
+                        f"programs to compile grow with it)")
     p.add_argument("--prefill-buckets", type=_buckets, default=None,
                    help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
                         "of two from 16, and the context; fewer: a faster start, more "
@@ -134,6 +155,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="waiting requests past which new ones get 429")
     p.add_argument("--max-request-bytes", type=options.positive_int, default=1 << 20,
                    help="request bodies past this size get 413 (default: 1 MiB)")
+    p.add_argument("--request-timeout", type=_seconds, default=30.0, metavar="SECONDS",
+                   help="a request's headers and body must arrive within this many seconds "
+                        "of its connection opening (or of its previous answer on a kept-alive "
+                        "connection); else 408 and the connection closes (default 30)")
+    p.add_argument("--max-connections", type=options.positive_int, default=None,
+                   metavar="N",
+                   help="open connections at most: past it a new connection closes the "
+                        "oldest one not running a request (idle, or still sending), or gets "
+                        "503 when all run one (default: 1024, or half the descriptor limit "
+                        "(ulimit -n) when that is less)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/ (401 otherwise; /health "
+                        f"and /metrics stay open); default: ${API_KEY_ENV} if set, else none")
     p.add_argument("--served-model-name", type=_name,
                    help="the model id clients send (default: the model folder's name)")
     p.add_argument("--host", default="127.0.0.1")
@@ -145,9 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model_context(model: str | None) -> int | None:
-    """max_position_embeddings from the model folder's config.json (stdlib only), or None
-    when it cannot be read here (the loader then names the problem)."""
-    folder = assets.model_dir() if model is None else Path(model)
+    """max_position_embeddings from the model folder's config.json (stdlib only; a hub id
+    is its cached snapshot, resolved by `check_args` already), or None when it cannot be
+    read here (the loader then names the problem)."""
+    folder = assets.model_dir() if model is None else Path(hub.local(model, "--model"))
     try:
         cfg = json.loads((folder / "config.json").read_text())
         value = cfg.get("max_position_embeddings", cfg.get("text_config", {}).get(
@@ -157,6 +192,16 @@ def _model_context(model: str | None) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _descriptor_limit() -> int | None:
+    """The process's soft limit on open file descriptors, or None where there is none."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     """Everything that can be checked before JAX is imported; returns the bound socket
     (so a taken port or a foreign address fails now, not after the model is loaded)."""
@@ -164,22 +209,17 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     if args.max_queue < 0:
         ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.model is not None:
-        folder = Path(args.model)
-        if not folder.is_dir():
-            ap.error(f"--model {args.model}: no such directory")
-        if not (folder / "config.json").is_file():
-            ap.error(f"--model {args.model}: not a model folder (no config.json)")
-    if args.heads is not None and args.heads not in assets.SHIPPED_HEADS \
-            and not Path(args.heads).exists():
-        ap.error(f"--heads {args.heads}: no such file or directory")
+    try:  # folders or hub ids (found in huggingface_hub's cache), as every command takes them
+        check_model_paths(args.model, args.heads, tokenizer=False)
+    except (ValueError, OSError) as e:
+        ap.error(str(e))
     if args.heads in assets.SHIPPED_HEADS and args.model is not None:
         ap.error(f"--heads {args.heads} is only defined for the embedded model (no --model)")
     context = _model_context(args.model)
     if context is not None and args.max_context is not None and args.max_context > context:
         ap.error(f"--max-context {args.max_context} is longer than the model's context "
                  f"({context} tokens, max_position_embeddings in its config.json)")
-    limit = args.max_context or context
+    limit = args.max_context or (min(context, DEFAULT_MAX_CONTEXT) if context else None)
     if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
         ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
                  f"({limit} tokens)")
@@ -191,6 +231,18 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if args.slot_buckets and max(args.slot_buckets) > args.slots:
         ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots "
                  f"({args.slots})")
+    soft = _descriptor_limit()
+    if args.max_connections is None:
+        args.max_connections = min(MAX_CONNECTIONS, max(1, soft // 2)) if soft else \
+            MAX_CONNECTIONS
+    elif soft and args.max_connections > soft - 64:
+        ap.error(f"--max-connections {args.max_connections} leaves too few of the process's "
+                 f"{soft} file descriptors (ulimit -n) for the model and the server: at most "
+                 f"{max(1, soft - 64)}")
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    elif not args.api_key.strip():
+        ap.error("--api-key must not be empty")
     try:
         infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
@@ -232,13 +284,18 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
     from medusa_jax.api import Medusa
     from medusa_jax.serving.engine import Engine
-    from medusa_jax.serving.server import create_app
+    from medusa_jax.serving.server import create_app, guarded_protocol, loopback_hosts
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
                             compute_dtype=args.dtype, heads_dtype=args.heads_dtype)
+        own = model.cfg.max_position_embeddings
+        max_context = args.max_context or min(own, DEFAULT_MAX_CONTEXT)
+        if max_context < own:
+            log(f"serving a context of {max_context} tokens of the model's {own} "
+                f"(--max-context; each longer window adds programs to compile)")
         engine = Engine(model, slots=args.slots, tree=args.tree,
-                        steps_per_call=args.steps_per_call, max_context=args.max_context,
+                        steps_per_call=args.steps_per_call, max_context=max_context,
                         window_block=args.window_block, max_queue=args.max_queue,
                         buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
                         plain_above=args.plain_above_slots, prefill_batch=args.prefill_batch,
@@ -286,14 +343,34 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                 log(f"serving {name} on http://{args.host}:{port} (/health says 'starting' "
                     f"until the first programs are compiled)")
 
-        def handle_exit(self, sig, frame):  # running requests hear first, then uvicorn stops
-            engine.stop(f"the server is shutting down (signal {sig})", timeout=0.5)
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # a clean shutdown exits 0, not by the signal
+        drain_until = None
 
-    config = uvicorn.Config(create_app(engine, name, args.max_request_bytes),
-                            host=args.host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=1)
+        def handle_exit(self, sig, frame):
+            """Running requests hear first (an error chunk, a 503); the server goes on
+            reading for DRAIN_S so that requests already sent get that 503 too, not a reset
+            of a connection closed unread. A second signal stops it at once."""
+            if self.drain_until is None:
+                engine.stop(f"the server is shutting down (signal {sig})", timeout=0.5)
+                self.drain_until = time.monotonic() + DRAIN_S
+            else:
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()  # a clean shutdown exits 0, not by the signal
+
+        async def on_tick(self, counter):
+            if self.drain_until is not None and time.monotonic() >= self.drain_until:
+                self.should_exit = True
+            return await super().on_tick(counter)
+
+    hosts = loopback_hosts(sock.getsockname()[0])
+    app = create_app(engine, name, args.max_request_bytes, api_key=args.api_key,
+                     allowed_hosts=hosts)
+    config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=1,
+                            http=guarded_protocol(args.request_timeout, args.max_connections))
+    log(f"connections: at most {args.max_connections} open, a request's headers and body "
+        f"within {args.request_timeout:g} s; "
+        + ("an API key required on /v1/" if args.api_key else "no API key (--api-key)")
+        + (f"; Host must be one of {', '.join(sorted(hosts))}" if hosts else ""))
     Server(config).run(sockets=[sock])
     engine.stop(timeout=1.0)
     return 0

@@ -321,7 +321,8 @@ def test_openai_client_sees_the_errors(client, server):
         client.completions.create(model="nope", prompt="Hi")
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(model=MODEL, messages=SYSTEM, n=2)
-    r = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30)
+    r = httpx.post(server[1] + "/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
