@@ -365,7 +365,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     app = create_app(engine, name, args.max_request_bytes, api_key=args.api_key,
                      allowed_hosts=hosts)
     config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
-                            timeout_graceful_shutdown=1,
+                            timeout_graceful_shutdown=1, ws="none",  # no WebSocket routes
                             http=guarded_protocol(args.request_timeout, args.max_connections))
     log(f"connections: at most {args.max_connections} open, a request's headers and body "
         f"within {args.request_timeout:g} s; "
