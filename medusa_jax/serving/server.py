@@ -14,7 +14,11 @@ before any check (no 413 before the read) and answer errors in its own 422 forma
 
 One request cannot stall the others: the body is read up to a limit (413 past it), a prompt
 longer than the longest prefill is refused by its length in characters or ids before any
-tokenizing, and tokenizing runs off the event loop. User text is tokenized as text: a
+tokenizing, and tokenizing runs off the event loop. One client cannot hold the connections:
+`guarded_protocol` (uvicorn's h11 protocol) gives each request's headers and body a deadline
+(408) and caps open connections, closing the oldest one not running a request to let a new
+one in. `AccessGuard` checks the API key on /v1/, the Host header on a loopback address
+(DNS rebinding) and that POST bodies are declared JSON (415). User text is tokenized as text: a
 "</s>" in a prompt or a message is those characters, not EOS; only a chat template's own
 text holds control tokens.
 
