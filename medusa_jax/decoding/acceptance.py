@@ -116,8 +116,12 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
     return rejection_logp(log_probs(logits, s), tokens, tree, keys, valid)
 
 
-def rejection_logp(logp, tokens, tree: Tree, keys, valid=None):
-    """`rejection` given each node's target distribution: logp [B, T, V] log-probs."""
+def rejection_logp(logp, tokens, tree: Tree, keys, valid=None, drafts=None):
+    """`rejection` given each node's target distribution: logp [B, T, V] log-probs.
+    `drafts`: (draws [B, T, k], draft log-probs [B, T, V]) when the drafts were sampled
+    (`step.DraftSampler`): then `rejection_drafted`'s rule."""
+    if drafts is not None:
+        return rejection_drafted(logp, tree, keys, valid, *drafts)
     children = jnp.asarray(tree.children)
     paths = jnp.asarray(tree.paths)
     if valid is None:
@@ -171,6 +175,84 @@ def rejection_logp(logp, tokens, tree: Tree, keys, valid=None):
     return jax.vmap(one_row)(logp, tokens, keys, valid)
 
 
+def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
+    """Lossless recursive rejection over drafts drawn without replacement from the
+    drafter's distribution q (SpecInfer's multi-draft rule, as SafeAILab/EAGLE and vLLM
+    verify sampled drafts, with q updated for drawing without replacement).
+
+    At the current node with target p, its drafts x_1, x_2, ... (draws [B, T, k], in draw
+    order; q_1 = q, q_{i+1} = q_i without x_i, renormalised) are offered in turn: x_i is
+    accepted with probability min(1, p(x_i) / q_i(x_i)); on rejection p <- max(p - q_i, 0),
+    renormalised. An accepted draft that is a child of the node (`Tree.rank_child`, and
+    verified: `valid`) is walked into; one that is not (a rank the tree skips, or a node a
+    dynamic tree left out) ends the path as the next root. A draft outside q's support
+    (drawn after it was exhausted) is offered as a deterministic draft (q_i = its one-hot).
+    When no draft is accepted the next root is drawn from what is left of p. The emitted
+    tokens are distributed exactly as plain sampling's, whatever q is.
+    logp [B, T, V] the target's log-probs per node; draft_logq [B, T, V] the log-probs the
+    node's drafts were drawn from."""
+    rank_child = jnp.asarray(tree.rank_child)  # [T, k]
+    offered = jnp.asarray(tree.rank_offered)  # [T, k]
+    paths = jnp.asarray(tree.paths)
+    k = rank_child.shape[1]
+    if valid is None:
+        valid = jnp.ones(logp.shape[:2], bool)
+
+    def one_row(logp_row, key, valid_row, draws_row, logq_row):
+        probs = jnp.exp(logp_row)  # [T, V]
+
+        def try_drafts(node, key):
+            def body(carry, r):
+                residual, q_left, chosen, ends, key = carry
+                key, sub = jax.random.split(key)
+                tok = draws_row[node, r]
+                child = rank_child[node, r]
+                is_child = (child >= 0) & valid_row[jnp.maximum(child, 0)]
+                live = offered[node, r] & (chosen < 0) & (ends < 0)
+                p = residual / jnp.maximum(jnp.sum(residual), 1e-30)
+                q_mass = jnp.sum(q_left)
+                q = jnp.where(q_mass > 0, q_left / jnp.maximum(q_mass, 1e-30),
+                              jax.nn.one_hot(tok, p.shape[-1], dtype=p.dtype))
+                accept = live & (jax.random.uniform(sub) * q[tok] < p[tok])
+                chosen = jnp.where(accept & is_child, child, chosen)
+                ends = jnp.where(accept & ~is_child, tok, ends)
+                rejected = live & ~accept
+                residual = jnp.where(rejected, jnp.maximum(p - q, 0.0), residual)
+                q_left = jnp.where(rejected, q_left.at[tok].set(0.0), q_left)
+                return (residual, q_left, chosen, ends, key), None
+
+            init = (probs[node], jnp.exp(logq_row[node]), jnp.int32(-1), jnp.int32(-1), key)
+            (residual, _, chosen, ends, key), _ = jax.lax.scan(body, init, jnp.arange(k))
+            return residual, chosen, ends, key
+
+        node = jnp.int32(0)
+        acc_len = jnp.int32(0)
+        active = jnp.bool_(True)
+        final = probs[0]
+        fixed = jnp.int32(-1)  # an accepted draft that ends the path: the next root
+        visited = [node]
+        for _ in range(tree.depth):
+            residual, chosen, ends, key = try_drafts(node, key)
+            stop_here = active & (chosen < 0)
+            final = jnp.where(stop_here, residual, final)
+            fixed = jnp.where(stop_here, ends, fixed)
+            go = active & (chosen >= 0)
+            node = jnp.where(go, chosen, node)
+            acc_len = acc_len + go
+            active = go
+            visited.append(node)
+        final = jnp.where(active, probs[node], final)
+        key, sub = jax.random.split(key)
+        drawn = jax.random.categorical(sub, jnp.log(jnp.maximum(final, 0.0)))
+        bonus = jnp.where(fixed >= 0, fixed, drawn)
+        visited = jnp.stack(visited)  # [D+1]
+        steps = jnp.arange(tree.depth + 1)
+        agrees = jnp.all((paths == visited[None]) | (steps[None] > acc_len), axis=-1)
+        return jnp.argmax(agrees), acc_len, bonus.astype(jnp.int32)
+
+    return jax.vmap(one_row)(logp, keys, valid, draws, draft_logq.astype(jnp.float32))
+
+
 # Every rule as (logits, tokens, tree, sampling, keys, valid, slot) -> (best path, accepted
 # length, next root), looked up by `Sampling.mode`.
 RULES = {
@@ -185,15 +267,16 @@ assert set(RULES) == set(MODES)
 
 
 def accept_rows(logits, tokens, tree: Tree, rows: Rows, keys, valid=None, slot=None,
-                live=None):
+                live=None, drafts=None):
     """`accept` with each row's own rule and parameters (`rows`): the first of `rows.modes`
     runs for every row; each other one only when some live row follows it (a `cond`), and
-    is then taken for its rows. live [B] bool (default all)."""
+    is then taken for its rows. live [B] bool (default all). `drafts`: the rejection rows'
+    sampled drafts (`rejection_logp`)."""
     rules = {
         "greedy": lambda: greedy(logits, tokens, tree, valid, slot),
         "typical": lambda: typical(node_rows(logits, slot), tokens, tree, rows, valid),
         "rejection": lambda: rejection_logp(rows.log_probs(node_rows(logits, slot)), tokens,
-                                            tree, keys, valid),
+                                            tree, keys, valid, drafts),
     }
     first, *others = rows.modes
     out = rules[first]()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from medusa_jax.decoding import acceptance
 from medusa_jax.decoding.sampling import (
@@ -81,43 +82,86 @@ class Proposal:
     tokens: jax.Array  # [B, N] int32: every node's token (N = tree or pool nodes)
     valid: jax.Array | None  # [B, N] bool: the nodes verified (None: all)
     slot: jax.Array | None  # [B, N] int32: each node's index in `fed` (None: the same)
+    # sampled drafts (a `DraftSampler` was given): each node's drafts in draw order, its
+    # children's tokens among them (`Tree.rank_child`), and the draft distribution they
+    # were drawn from, over the target vocabulary; None: each node's top-k, deterministic
+    draws: jax.Array | None = None  # [B, N, top_k] int32
+    draft_logq: jax.Array | None = None  # [B, N, V] float32 log-probabilities
 
     def fed_index(self, nodes: jax.Array) -> jax.Array:
         """Node indices [B, ...] -> their indices in `fed`."""
         return nodes if self.slot is None else jnp.take_along_axis(self.slot, nodes, axis=1)
 
 
+@struct.dataclass
+class DraftSampler:
+    """How a drafter picks a node's children for rows that accept by rejection sampling: k
+    draws without replacement from its own distribution at the row's temperature, top-k and
+    top-p (Gumbel-top-k: the perturbed top k are such draws, in draw order), which is what
+    lossless multi-draft acceptance needs them to be (`acceptance.rejection_logp`). Other
+    rows keep their k most likely tokens."""
+
+    rows: Rows
+    keys: jax.Array  # [B] PRNG keys for this step's drafts
+    sampled: jax.Array  # [B] bool: the rows whose drafts are drawn
+
+    def top_k(self, logits: jax.Array, k: int, axis: int, call: int = 0):
+        """logits [..., V] with the rows on `axis` -> (k drafts [..., k] in draw order, the
+        log-distribution they were drawn from [..., V], float32). `call` tells a drafter's
+        calls within one step apart (each draws afresh)."""
+        x = jnp.moveaxis(logits, axis, 0)  # [B, ..., V]
+        logq = self.rows.log_probs(x)
+        keys = jax.vmap(lambda key: jax.random.fold_in(key, call))(self.keys)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, x.shape[1:]))(keys)
+        drawn = self.sampled.reshape((-1,) + (1,) * (x.ndim - 1))
+        top = small_top_k(jnp.where(drawn, logq + gumbel, x.astype(jnp.float32)), k)
+        return jnp.moveaxis(top, 0, axis), jnp.moveaxis(logq, 0, axis)
+
+
 def propose_candidates(root: jax.Array, head_logits: jax.Array,
-                       tree: Tree | DynamicTree) -> Proposal:
+                       tree: Tree | DynamicTree, draw: DraftSampler | None = None) -> Proposal:
     """Stage 1 (Medusa heads). root [B], head_logits [K, B, V] -> the tokens to verify: node
     i of the tree takes entry `cand_index[i]` of [root, top-k of head 1, top-k of head 2,
     ...]. A dynamic tree keeps, per row, the `size` pool nodes whose paths are most probable
-    under the heads (the sum of each node's rank log-probability along its path)."""
+    under the heads (the sum of each node's rank log-probability along its path). `draw`:
+    each head's k drafts drawn (`DraftSampler`) instead of its top-k."""
     static = tree.pool if isinstance(tree, DynamicTree) else tree
     b, depth, k = root.shape[0], static.depth, static.top_k
-    top = small_top_k(head_logits[:depth], k)  # [D, B, k]
+    drafts = None
+    if draw is None:
+        top = small_top_k(head_logits[:depth], k)  # [D, B, k]
+    else:
+        top, logq = draw.top_k(head_logits[:depth], k, axis=1)  # [D, B, k], [D, B, V]
+        # a node's children are drafted by the head one deeper than the node (a leaf's
+        # entry is never offered)
+        below = jnp.asarray(np.minimum(static.node_depth, depth - 1))
+        drafts = (jnp.transpose(top[below], (1, 0, 2)).astype(jnp.int32),
+                  jnp.transpose(logq[below], (1, 0, 2)))
     flat = jnp.concatenate([root[:, None], jnp.transpose(top, (1, 0, 2)).reshape(b, -1)],
                            axis=1)
     cand_index = jnp.asarray(static.cand_index)
     tokens = flat[:, cand_index].astype(jnp.int32)  # [B, N]
     if not isinstance(tree, DynamicTree):
-        return tree_proposal(tokens, None, tree)
+        return tree_proposal(tokens, None, tree, drafts)
     logp = jax.nn.log_softmax(head_logits[:depth].astype(jnp.float32), axis=-1)
     top_logp = jnp.take_along_axis(logp, top, axis=-1)  # [D, B, k]
     flat_logp = jnp.concatenate([jnp.zeros((b, 1)), jnp.transpose(top_logp, (1, 0, 2))
                                  .reshape(b, -1)], axis=1)
-    return tree_proposal(tokens, flat_logp[:, cand_index], tree)
+    return tree_proposal(tokens, flat_logp[:, cand_index], tree, drafts)
 
 
 def tree_proposal(tokens: jax.Array, node_logp: jax.Array | None,
-                  tree: Tree | DynamicTree) -> Proposal:
+                  tree: Tree | DynamicTree, drafts: tuple | None = None) -> Proposal:
     """Stage 1's common end, for any drafter: every node's token [B, N] (and, for a dynamic
     tree, each node's own log-probability [B, N] at its depth) -> the Proposal. A static tree
     verifies every node; a dynamic one, per row, the `size` pool nodes of highest path
-    log-probability (a subtree: a child scores strictly below its parent)."""
+    log-probability (a subtree: a child scores strictly below its parent). `drafts`: sampled
+    drafts (each node's draws [B, N, k] and draft log-distribution [B, N, V]), or None."""
+    draws, draft_logq = drafts if drafts is not None else (None, None)
     if not isinstance(tree, DynamicTree):
         return Proposal(fed=tokens, fed_depth=jnp.asarray(tree.node_depth),
-                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None)
+                        fed_mask=jnp.asarray(tree.mask), tokens=tokens, valid=None, slot=None,
+                        draws=draws, draft_logq=draft_logq)
     static = tree.pool
     b = tokens.shape[0]
     ancestors = jnp.asarray(static.mask, jnp.float32)  # [N, N]: ancestors and itself
@@ -133,7 +177,8 @@ def tree_proposal(tokens: jax.Array, node_logp: jax.Array | None,
         jnp.arange(tree.num_nodes, dtype=jnp.int32)[None])
     mask = jnp.asarray(static.mask)[nodes[:, :, None], nodes[:, None, :]]  # [B, T, T]
     return Proposal(fed=jnp.take_along_axis(tokens, nodes, axis=1), fed_depth=depth_of[nodes],
-                    fed_mask=mask, tokens=tokens, valid=valid, slot=slot)
+                    fed_mask=mask, tokens=tokens, valid=valid, slot=slot, draws=draws,
+                    draft_logq=draft_logq)
 
 
 def verify(params: Params, cfg: ModelConfig, prop: Proposal, cache: KVCache,
@@ -308,12 +353,19 @@ def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
     static = static_tree(tree)
     rows = jnp.arange(s.root.shape[0])
     live = ~s.done
-    prop = drafter.propose(params, heads, s.draft, s.root, tree)  # 1
+    keys, sub = next_keys(s.keys, s.rows.draws(ROOT_DRAWS))
+    if s.rows.draws(ROOT_DRAWS):  # rejection rows draw their drafts (`DraftSampler`)
+        sub, drafting = split_rows(sub)
+        sampled = jnp.broadcast_to(s.rows.follows(ROOT_DRAWS), s.root.shape)
+        draw = DraftSampler(rows=s.rows, keys=drafting, sampled=sampled)
+        prop = drafter.propose(params, heads, s.draft, s.root, tree, draw)  # 1
+    else:
+        prop = drafter.propose(params, heads, s.draft, s.root, tree)  # 1
     logits, hidden, (k_new, v_new), cache, *aux = verify(
         params, cfg, prop, s.cache, window, tuple(drafter.aux_layers))  # 2
-    keys, sub = next_keys(s.keys, s.rows.draws(ROOT_DRAWS))
+    drafts = None if prop.draws is None else (prop.draws, prop.draft_logq)
     best, acc_len, next_root = acceptance.accept_rows(
-        logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live)  # 3
+        logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live, drafts)  # 3
     path = jnp.asarray(static.paths)[best]  # [B, D+1] node indices, root first
     chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
     n, count, done = emit(s, chunk, acc_len + 1)  # 4

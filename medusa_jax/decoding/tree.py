@@ -228,6 +228,23 @@ class Tree:
         lengths = np.array([len(k) for k in self._children_lists])
         return np.arange(width)[None, :] < lengths[:, None]
 
+    @functools.cached_property
+    def rank_child(self) -> np.ndarray:
+        """[N+1, top_k] int: the child of each node that takes its parent's r-th draft, or
+        -1 where the tree has no such child (sampled drafts: acceptance offers every draft up
+        to a node's last child in draw order, `rank_offered`)."""
+        out = np.full((self.num_nodes, self.top_k), -1, np.int32)
+        for p in self.paths_ranks:
+            out[self._index[p[:-1]], p[-1]] = self._index[p]
+        return out
+
+    @functools.cached_property
+    def rank_offered(self) -> np.ndarray:
+        """[N+1, top_k] bool: the drafts acceptance offers at each node, ranks 0 .. its last
+        child's (none at a leaf)."""
+        last = np.max(np.where(self.rank_child >= 0, np.arange(self.top_k)[None], -1), axis=1)
+        return np.arange(self.top_k)[None, :] <= last[:, None]
+
 
 def chain_tree(depth: int) -> Tree:
     """The top-1 chain of the given depth: the smallest useful tree."""

@@ -126,3 +126,50 @@ def test_typical_with_top_k_1_decodes_as_plain_greedy(toy_lm, toy_medusa):
     assert not np.array_equal(typical_out(), want)
     np.testing.assert_array_equal(typical_out(top_k=1), want)
     np.testing.assert_array_equal(typical_out(top_p=0.01), want)
+
+
+@pytest.mark.slow
+def test_sampled_drafts_stay_lossless_over_skipped_ranks_and_an_exhausted_support(
+        toy_lm, toy_medusa, chi_square_ok):
+    """Rejection rows draw their drafts from the heads (`step.DraftSampler`). The tree skips
+    ranks (the root's 2nd draft and node [2]'s first three are no child: accepting one ends
+    the path), and top-k 2 leaves each head 2 tokens to draw from, so the 3rd and 4th drafts
+    lie outside the draft distribution's support (offered as deterministic drafts)."""
+    CFG, PROMPT, ROWS = toy_lm.CFG, toy_lm.PROMPT, toy_lm.ROWS
+    params, heads = toy_medusa
+    tree = Tree.from_paths([[0], [2], [0, 1], [2, 3]])
+    for sampling in (Sampling(mode="rejection", temperature=0.7, top_k=2),
+                     Sampling(mode="rejection", temperature=1.0)):
+        exact = toy_lm.exact_pair_distribution(params, sampling)
+        tokens, lengths = pad_prompts([PROMPT] * ROWS)
+        out = medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(5),
+                              tree=tree, sampling=sampling, max_new_tokens=3)
+        ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
+        assert ok, f"{sampling}: sampled drafts are not lossless: chi2/critical = {ratio:.2f}"
+        hist = np.asarray(out.accept_hist).sum(0)
+        assert hist[2:].sum() > 0.1 * hist.sum()  # drafts were accepted
+
+
+def test_rejection_drafted_rule_on_a_hand_computable_node():
+    """One node, target p = (0.5, 0.3, 0.2), draft q = (0.2, 0.8, 0): x1 = token 1 is
+    accepted with min(1, 0.3 / 0.8) = 0.375; then p' = max(p - q, 0) = (0.3, 0, 0.2) / 0.5
+    and q' = q without token 1 = (1, 0, 0): x2 = token 0 is accepted with 0.6; else the
+    bonus is drawn from max(p' - q', 0) = token 2. So the next root is token 1 w.p. 0.375,
+    token 0 w.p. 0.625 * 0.6 = 0.375 and token 2 w.p. 0.25 (= p: lossless)."""
+    from medusa_jax.decoding.acceptance import rejection_drafted
+
+    tree = Tree.from_paths([[0], [1]])
+    n = 40000
+    logp = jnp.log(jnp.asarray([[0.5, 0.3, 0.2]] * 3, jnp.float32))[None].repeat(n, 0)
+    logq = jnp.log(jnp.asarray([[0.2, 0.8, 0.0]] * 3, jnp.float32))[None].repeat(n, 0)
+    draws = jnp.broadcast_to(jnp.asarray([[1, 0], [0, 0], [0, 0]], jnp.int32), (n, 3, 2))
+    keys = jax.random.split(jax.random.key(0), n)
+    best, acc, root = rejection_drafted(logp, tree, keys, None, draws, logq)
+    root, acc = np.asarray(root), np.asarray(acc)
+    # token 1 is node 1 (rank 0), token 0 node 2 (rank 1): an accepted one is walked into
+    first = np.where(acc == 1, np.asarray(draws[0, 0])[np.asarray(best)], root)
+    assert np.all(acc[first == 2] == 0)
+    np.testing.assert_allclose(np.bincount(first, minlength=3) / n, [0.375, 0.375, 0.25],
+                               atol=0.01)
+    # and each first token came the way the rule says: drafts 1 and 0 accepted, 2 drawn
+    assert np.all(acc[first != 2] == 1)

@@ -637,7 +637,7 @@ def drafted(drafter):
         return carry, draft_tree(heads, CFG, d.embed(params), carry, root, TREE.paths_ranks,
                                  TREE.num_nodes)
 
-    carry, (ours, logp) = run(params, heads)
+    carry, (ours, logp, _) = run(params, heads)
     return dict(heads=heads, aux=aux, tokens=tokens, root=root, lengths=lengths, table=table,
                 params=params, d=d, carry=carry, ours=np.asarray(ours), logp=np.asarray(logp))
 

@@ -185,8 +185,8 @@ def test_enlarged_hydra_heads_draft_and_decode_as_the_source(noisy_hydra):
     root = jnp.array([5, 17, 60])
     draft = jax.jit(lambda h, e, x: hydra.draft_tree(  # one compile per size, not per op
         h, e, x, root, tree.paths_ranks, tree.num_nodes, lambda lg, k: jax.lax.top_k(lg, k)[1]))
-    small_tok, small_lp = draft(heads, params["embed"], hidden)
-    big_tok, big_lp = draft(big_heads, big["embed"], jnp.pad(hidden, ((0, 0), (0, 16))))
+    small_tok, small_lp, _ = draft(heads, params["embed"], hidden)
+    big_tok, big_lp, _ = draft(big_heads, big["embed"], jnp.pad(hidden, ((0, 0), (0, 16))))
     np.testing.assert_array_equal(big_tok, small_tok)
     np.testing.assert_allclose(big_lp, small_lp, atol=1e-5, rtol=0)
 

@@ -63,6 +63,7 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
     hidden = eagle3.features(heads, aux.astype(carry.out.dtype))
     pos = carry.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
+    draws = logq = None
     mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, t, s)),
                             jnp.broadcast_to(eagle3.causal_mask(t), (b, t, t))], axis=-1)
     out, k_new, v_new = eagle3.layer(heads, c, embed(next_tokens), hidden, pos, carry.k,
@@ -117,12 +118,16 @@ def _plan(paths_ranks, num_nodes: int) -> tuple[_Depth, ...]:
 
 def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
                root: jax.Array, paths_ranks, num_nodes: int, top_k_fn=small_top_k,
-               want_logp: bool = True) -> tuple[jax.Array, jax.Array | None]:
+               want_logp: bool = True, draw=None, top_k: int = 0):
     """Fill a static tree (node i+1 = paths_ranks[i]) with EAGLE-3 drafts: the carry and
     root [B] -> (tokens [B, N] target ids, node log-probabilities [B, N] under the draft
     vocabulary: each node's own, under its parent's output; 0 at the root; None unless
-    `want_logp`). One layer call per depth below the root, over that depth's nodes with
-    children."""
+    `want_logp`; sampled drafts or None). One layer call per depth below the root, over
+    that depth's nodes with children. `draw` (`decoding.step.DraftSampler`): a node of rank
+    r takes its parent's r-th draw from the draft distribution instead of its r-th most
+    likely token, and the drafts come back as (each node's `top_k` draws [B, N, top_k]
+    and the distribution they were drawn from [B, N, V], both over the target
+    vocabulary)."""
     b = root.shape[0]
     s, h = carry.k.shape[1], carry.out.shape[-1]
     dt = carry.out.dtype
@@ -132,6 +137,7 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
     tree_v = jnp.zeros_like(tree_k)
     outs = jnp.zeros((b, num_nodes, h), dt).at[:, 0].set(carry.out)
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
+    draws = logq = None
     for d, step in enumerate(_plan(tuple(map(tuple, paths_ranks)), num_nodes)):
         e = step.parents.shape[0]
         if d > 0:  # the parents sit at depth d >= 1: run the layer on them first
@@ -147,14 +153,26 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
             tree_v = tree_v.at[:, step.parents].set(v_new.astype(tree_v.dtype))
             outs = outs.at[:, step.parents].set(out)
         logits = eagle3.draft_logits(heads, c, outs[:, step.parents])  # [B, E, Vd]
-        top = top_k_fn(logits, step.k)  # [B, E, k] draft ids
+        if draw is None:
+            top = top_k_fn(logits, step.k)  # [B, E, k] draft ids
+        else:
+            top, lq = draw.top_k(logits, step.k, axis=0, call=d)  # [B, E, k], [B, E, Vd]
+            if draws is None:
+                draws = jnp.zeros((b, num_nodes, top_k), jnp.int32)
+                logq = jnp.full((b, num_nodes, c.vocab_size), jnp.finfo(jnp.float32).min)
+            targets = eagle3.target_ids(heads)  # [Vd]
+            draws = draws.at[:, step.parents, :step.k].set(
+                eagle3.to_target(heads, top).astype(jnp.int32))
+            logq = logq.at[:, step.parents].set(
+                jnp.full(lq.shape[:-1] + (c.vocab_size,), jnp.finfo(jnp.float32).min)
+                .at[..., targets].set(lq))
         pick = top[:, step.parent_pos, step.rank]  # [B, M]
         tokens = tokens.at[:, step.nodes].set(eagle3.to_target(heads, pick).astype(jnp.int32))
         if want_logp:
             lp = jax.nn.log_softmax(logits, axis=-1)
             own = jnp.take_along_axis(lp, top, axis=-1)[:, step.parent_pos, step.rank]
             logp = logp.at[:, step.nodes].set(own)
-    return tokens, (logp if want_logp else None)
+    return tokens, (logp if want_logp else None), (None if draw is None else (draws, logq))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,12 +250,13 @@ class Eagle3Drafter:
     def num_heads(self, heads, carry) -> int:
         return 1 << 30  # any depth: the drafter runs on its own outputs
 
-    def propose(self, params, heads, carry, root, tree) -> Proposal:
+    def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
         static = tree.pool if isinstance(tree, DynamicTree) else tree
-        tokens, logp = draft_tree(heads, self.cfg(heads), self.embed(params), carry, root,
-                                  static.paths_ranks, static.num_nodes, small_top_k,
-                                  want_logp=isinstance(tree, DynamicTree))
-        return tree_proposal(tokens, logp, tree)
+        tokens, logp, drafts = draft_tree(heads, self.cfg(heads), self.embed(params), carry,
+                                          root, static.paths_ranks, static.num_nodes,
+                                          small_top_k, want_logp=isinstance(tree, DynamicTree),
+                                          draw=draw, top_k=static.top_k)
+        return tree_proposal(tokens, logp, tree, drafts)
 
 
 def bind(heads: Params, config: eagle3.Eagle3Config, model_cfg: ModelConfig | None = None

@@ -47,9 +47,11 @@ class HydraDrafter(FromLastHidden):
     def num_heads(self, heads, carry) -> int:
         return hydra.config_of(heads)[0]
 
-    def propose(self, params, heads, carry, root, tree) -> Proposal:
+    def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
         static = tree.pool if isinstance(tree, DynamicTree) else tree
-        tokens, logp = hydra.draft_tree(heads, params["embed"], carry[0], root,
-                                        static.paths_ranks, static.num_nodes, small_top_k,
-                                        want_logp=isinstance(tree, DynamicTree))
-        return tree_proposal(tokens, logp, tree)
+        tokens, logp, drafts = hydra.draft_tree(heads, params["embed"], carry[0], root,
+                                                static.paths_ranks, static.num_nodes,
+                                                small_top_k,
+                                                want_logp=isinstance(tree, DynamicTree),
+                                                draw=draw, top_k=static.top_k)
+        return tree_proposal(tokens, logp, tree, drafts)

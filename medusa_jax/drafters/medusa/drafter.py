@@ -65,5 +65,5 @@ class MedusaDrafter(FromLastHidden):
     def num_heads(self, heads, carry) -> int:
         return carry.shape[0]
 
-    def propose(self, params, heads, carry, root, tree) -> Proposal:
-        return propose_candidates(root, carry, tree)
+    def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
+        return propose_candidates(root, carry, tree, draw)
