@@ -69,8 +69,11 @@ class Drafter(Protocol):
     def num_heads(self, heads: Params, carry) -> int:
         """How deep a tree this drafter can fill."""
 
-    def propose(self, params: Params, heads: Params, carry, root, tree):
-        """Stage 1: the carry and the root [B] -> a `step.Proposal`."""
+    def propose(self, params: Params, heads: Params, carry, root, tree, draw=None):
+        """Stage 1: the carry and the root [B] -> a `step.Proposal`. `draw` (a
+        `step.DraftSampler`, given when some row accepts by rejection sampling): pick each
+        node's children with `draw.top_k` instead of the top-k, and return the drafts in the
+        Proposal (`draws`, `draft_logq`); the step calls `propose` without it otherwise."""
 
 
 class FromLastHidden:
