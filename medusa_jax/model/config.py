@@ -168,19 +168,21 @@ class ModelConfig:
             raise ValueError(f"{source}: mlp_bias=true is not supported")
 
         # transformers 5 writes `rope_parameters`; older files use rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
+        rope = rope_object(cfg, "rope_parameters", source)
+        scaling = rope_object(cfg, "rope_scaling", source)
+        global_theta = 10000.0 if cfg.get("rope_theta") is None else cfg["rope_theta"]
         local_theta, local_scaling = None, ("default",)
         if model_type == "gemma3_text":  # one rotary embedding per attention kind
             per_kind = "full_attention" in rope or "sliding_attention" in rope
-            glob = dict(rope.get("full_attention") or {}) if per_kind else rope
-            local = dict(rope.get("sliding_attention") or {}) if per_kind else {}
-            theta, rope_scaling = _rope(glob, cfg.get("rope_scaling") or {},
-                                        cfg.get("rope_theta", 10000.0), source)
+            glob = rope_object(rope, "full_attention", source, "rope_parameters.") \
+                if per_kind else rope
+            local = rope_object(rope, "sliding_attention", source, "rope_parameters.") \
+                if per_kind else {}
+            theta, rope_scaling = _rope(glob, scaling, global_theta, source)
             local_theta, local_scaling = _rope(local, {}, cfg.get("rope_local_base_freq"),
                                                source, "rope_local_base_freq")
         else:
-            theta, rope_scaling = _rope(rope, cfg.get("rope_scaling") or {},
-                                        cfg.get("rope_theta", 10000.0), source)
+            theta, rope_scaling = _rope(rope, scaling, global_theta, source)
 
         if model_type == "qwen2":
             bias = True
@@ -259,18 +261,72 @@ class ModelConfig:
             raise FileNotFoundError(f"model directory {path} does not exist")
         if not file.is_file():
             raise FileNotFoundError(f"{file}: config.json is missing")
+        cfg = read_json_object(file)
         try:
-            cfg = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: invalid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{file}: expected a JSON object, got {type(cfg).__name__}")
-        try:
-            return cls.from_hf_dict(cfg, source=str(file))
+            model_cfg = cls.from_hf_dict(cfg, source=str(file))
         except (TypeError, ValueError) as e:  # e.g. int("wide"): name the file
             if str(file) in str(e):
                 raise
             raise ValueError(f"{file}: invalid model config ({e})") from None
+        return with_generation_eos(model_cfg, path / GENERATION_CONFIG)
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_json_object(file: Path) -> dict:
+    """A JSON object from `file` (UTF-8), else one ValueError naming the file."""
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file}: not UTF-8 text (byte {e.start}: "
+                         f"{e.object[e.start:e.start + 1]!r})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def with_generation_eos(cfg: ModelConfig, file: Path) -> ModelConfig:
+    """`cfg` with the EOS ids of the model's generation_config.json added: many chat models
+    declare their end-of-turn tokens only there, and transformers stops at them. A corrupt
+    file is an error (naming it), not a silently different stop rule."""
+    if not file.is_file():
+        return cfg
+    eos = read_json_object(file).get("eos_token_id")
+    if eos is None:
+        return cfg
+    ids = eos if isinstance(eos, list) else [eos]
+    if not ids:
+        return cfg
+    for e in ids:
+        _check_int(e, "eos_token_id", str(file), minimum=0)
+        if e >= cfg.vocab_size:
+            raise ValueError(f"{file}: eos_token_id {e} is not a token id of this model "
+                             f"(vocab_size {cfg.vocab_size})")
+    merged = tuple(dict.fromkeys((*cfg.eos_token_id, *ids)))  # config.json's first, in order
+    return cfg.replace(eos_token_id=merged)
+
+
+def rope_object(cfg: dict, key: str, source: str, prefix: str = "") -> dict:
+    """The rotary-embedding object `cfg[key]` (absent or null: {}); anything but a JSON
+    object ("linear", ["linear", 2.0]) is refused naming the file and the field."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{source}: {prefix}{key} must be a JSON object (e.g. "
+                         f'{{"rope_type": "linear", "factor": 2.0}}) or null, got '
+                         f"{type(value).__name__} {_clip(value)}")
+    return dict(value)
+
+
+def _clip(value, n: int = 40) -> str:
+    r = repr(value)
+    return r if len(r) <= n else r[:n] + "..."
 
 
 def _is_number(value) -> bool:

@@ -92,10 +92,11 @@ def weight_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
-        files = sorted({path / f for f in weight_map.values()})
+            weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+            files = sorted({path / f for f in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not UTF-8 too
+            raise WeightsError(f"{index}: not a valid safetensors index "
+                               f"({type(e).__name__}: {e})") from None
         for f in files:
             if not f.is_file():
                 raise WeightsError(f"{index}: shard {f.name} is missing")

@@ -36,6 +36,17 @@ GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
                                           "'4096'"),
     (dict(model_type="mistral", sliding_window=-4), "sliding_window must be an integer >= 1, "
                                                     "got -4"),
+    (dict(rope_scaling="linear"), "rope_scaling must be a JSON object (e.g. {\"rope_type\": "
+                                  "\"linear\", \"factor\": 2.0}) or null, got str 'linear'"),
+    (dict(rope_scaling=["linear", 2.0]), "rope_scaling must be a JSON object (e.g. "
+                                         "{\"rope_type\": \"linear\", \"factor\": 2.0}) or "
+                                         "null, got list ['linear', 2.0]"),
+    (dict(rope_parameters="default"), "rope_parameters must be a JSON object (e.g. "
+                                      "{\"rope_type\": \"linear\", \"factor\": 2.0}) or "
+                                      "null, got str 'default'"),
+    (dict(GEMMA2, model_type="gemma3_text", rope_parameters={"full_attention": "default"}),
+     "rope_parameters.full_attention must be a JSON object (e.g. {\"rope_type\": \"linear\", "
+     "\"factor\": 2.0}) or null, got str 'default'"),
 ])
 def test_config_values_are_checked_and_named(changes, message, model_folder):
     d = model_folder(**changes)
@@ -47,3 +58,42 @@ def test_config_values_are_checked_and_named(changes, message, model_folder):
 def test_the_embedded_and_shipped_configs_still_pass():
     cfg = ModelConfig.from_dir(default_model_dir())
     assert (cfg.hidden_size, cfg.rms_norm_eps, cfg.rope_theta) == (64, 1e-5, 10000.0)
+
+
+def test_a_null_rope_theta_is_the_default(model_folder):
+    assert ModelConfig.from_dir(model_folder(rope_theta=None)).rope_theta == 10000.0
+
+
+def test_a_config_that_is_not_utf8_is_named(model_folder):
+    d = model_folder()
+    (d / "config.json").write_bytes(b'{"model_type": "llama\xff"}')
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_dir(d)
+    assert str(e.value) == f"{d / 'config.json'}: not UTF-8 text (byte 21: b'\\xff')"
+
+
+def test_generation_config_eos_ids_join_the_configs(model_folder):
+    d = model_folder()
+    (d / "generation_config.json").write_text('{"eos_token_id": [2, 13, 2]}')
+    assert ModelConfig.from_dir(d).eos_token_id == (2, 13)
+    (d / "generation_config.json").write_text('{"eos_token_id": 7, "bos_token_id": 1}')
+    assert ModelConfig.from_dir(d).eos_token_id == (2, 7)
+    (d / "generation_config.json").write_text('{"do_sample": true}')
+    assert ModelConfig.from_dir(d).eos_token_id == (2,)
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"eos_token_id": [2, 1', "invalid JSON (Expecting ',' delimiter: line 1 column 23 "
+                               "(char 22))"),
+    ("[2, 13]", "expected a JSON object, got list"),
+    ('{"eos_token_id": [2, "13"]}', "eos_token_id must be an integer >= 0, got str '13'"),
+    ('{"eos_token_id": -1}', "eos_token_id must be an integer >= 0, got -1"),
+    ('{"eos_token_id": 512}', "eos_token_id 512 is not a token id of this model "
+                              "(vocab_size 512)"),
+])
+def test_a_corrupt_generation_config_is_named(text, message, model_folder):
+    d = model_folder()
+    (d / "generation_config.json").write_text(text)
+    with pytest.raises(ValueError) as e:
+        ModelConfig.from_dir(d)
+    assert str(e.value) == f"{d / 'generation_config.json'}: {message}"

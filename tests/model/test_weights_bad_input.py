@@ -42,3 +42,20 @@ def test_a_nan_weight_is_refused_before_the_tokenizer_loads(monkeypatch, model_f
     monkeypatch.setattr(startup, "load_tokenizer", no_tokenizer)
     with pytest.raises(WeightsError, match="tensor model.norm.weight holds 1 non-finite"):
         Medusa.load(d)
+
+
+@pytest.mark.parametrize("index, says", [
+    (b'{"weight_map": {"a": "model\xff.safetensors"}}', "UnicodeDecodeError"),
+    (b'{"weight_map": ["model.safetensors"]}', "AttributeError"),
+    (b'{"weight_map": {"a": 5}}', "TypeError"),
+])
+def test_a_bad_index_is_named(model_folder, index, says):
+    from medusa_jax.model.weights import weight_files
+
+    d = model_folder()
+    (d / "model.safetensors.index.json").write_bytes(index)
+    with pytest.raises(WeightsError) as e:
+        weight_files(d)
+    msg = str(e.value)
+    assert msg.startswith(f"{d / 'model.safetensors.index.json'}: not a valid safetensors "
+                          f"index ({says}: ") and "\n" not in msg
