@@ -48,6 +48,7 @@ from medusa_jax.model.weights import (
 )
 from medusa_jax.runtime import assets, compile_cache, hub, sharding, timing
 from medusa_jax.text import tokenizer as text_tokenizer
+from medusa_jax.text.encoder import TextEncoder
 
 
 @dataclasses.dataclass
@@ -187,6 +188,7 @@ class Medusa:
         self.model_dir = model_dir
         self.default_tree = default_tree
         self.eos = stop_tokens(cfg, tokenizer)
+        self._text_encoder = None  # built on first use: copying a large tokenizer takes time
         self.last_timing = GenerateTiming()  # compile and decode time of the last `generate`
         self.verbose = True  # the "compiling the decoder (first call) ..." line on stderr
         self._compiled: set = set()  # the decoder calls compiled so far
@@ -274,12 +276,16 @@ class Medusa:
 
     def encode(self, prompt: str | list[int], where: str = "prompt") -> list[int]:
         """Text -> token ids; a list of token ids is checked against the vocabulary.
+        Text is text, as the server reads it (`text.encoder`): a "</s>" in it is those
+        characters, not EOS; give token ids to put a control token in a prompt.
         Raises TypeError / ValueError naming `where` (e.g. "prompts[2]")."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise TypeError(f"{where} is text but this model has no tokenizer; "
                                 f"give token ids (a list of ints)")
-            ids = self.tokenizer.encode(prompt)
+            if self._text_encoder is None:
+                self._text_encoder = TextEncoder(self.tokenizer)
+            ids = self._text_encoder.prompt(prompt)
             if not ids:
                 raise ValueError(f"{where} {_clip(prompt)} encodes to no tokens")
             return ids

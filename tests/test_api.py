@@ -202,3 +202,39 @@ def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys)
     plain = m.generate(["Lily"], max_new_tokens=8, medusa=False)[0]
     assert plain.accept_hist == [0, plain.steps, 0]
     assert m.last_timing.line().startswith("1 prompt, plain greedy: compiled in ")
+
+
+# ---- what ends a row, and what a prompt's text means
+
+
+def test_text_prompts_are_text_as_the_server_reads_them(model):
+    from medusa_jax.serving.server import TextEncoder as ServerEncoder
+
+    ids = model.encode("A</s>B")
+    assert ids == ServerEncoder(model.tokenizer).prompt("A</s>B")
+    eos = model.tokenizer.eos_token_id
+    assert eos not in ids and model.tokenizer.decode(ids, skip_special_tokens=True) == "A</s>B"
+    assert model.encode([1, eos, 5]) == [1, eos, 5]  # a control token: given as its id
+
+
+@pytest.mark.slow
+def test_infer_generate_reads_a_prompt_as_text(model, monkeypatch, capsys):
+    from infer import generate as cli
+
+    want, seen, encode = model.encode("A</s>B"), [], Medusa.encode
+    monkeypatch.setattr(Medusa, "encode",
+                        lambda self, p, where="prompt": seen.append(encode(self, p, where))
+                        or seen[-1])
+    assert cli.main(["--prompt", "A</s>B", "--max-new-tokens", "1", "--json"]) == 0
+    assert seen == [want]
+
+
+@pytest.mark.slow
+def test_eos_ids_of_generation_config_end_decoding(model_folder):
+    d = model_folder()
+    plain = Medusa.load(d).generate("Once upon a time", max_new_tokens=24)[0].token_ids
+    at = next(i for i, t in enumerate(plain) if i >= 3 and t not in plain[:i])
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, plain[at]]}))
+    m = Medusa.load(d)
+    assert plain[at] in m.eos  # the server's stop tokens are these too (`Engine.eos`)
+    assert m.generate("Once upon a time", max_new_tokens=24)[0].token_ids == plain[:at + 1]
