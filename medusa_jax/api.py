@@ -254,8 +254,8 @@ class Medusa:
             cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
                                           compute_dtype=compute_dtype,
                                           decoding_layout=mesh is None)
-            head_params = load_heads(heads, cfg, base_model=model_dir)[0] \
-                if heads is not None else None
+            head_params = load_heads(heads, cfg, base_model=model_dir,
+                                     embed=params["embed"])[0] if heads is not None else None
             if head_params is not None and heads_dtype != "float32":
                 head_params = drafter.with_weight_dtype(head_params, heads_dtype)
         tokenizer = text_tokenizer.load_tokenizer(model_dir)

@@ -244,11 +244,16 @@ def _eagle3_of(meta: dict, file: Path) -> "eagle3.Eagle3Config":
                              if isinstance(fields, dict) else "not a JSON object")
         fields["aux_layers"] = tuple(int(i) for i in fields.get("aux_layers", ()))
         fields["rope_scaling"] = tuple(fields.get("rope_scaling", ("default",)))
-        return eagle3.Eagle3Config(**fields)
+        c = eagle3.Eagle3Config(**fields)
     except (ValueError, TypeError) as e:
         raise HeadsFormatError(f"{file}: metadata eagle3_config="
                                f"{clip(meta.get('eagle3_config'))} is not an EAGLE-3 "
                                f"drafter's configuration ({e})") from None
+    try:
+        eagle3.check_config(c, str(file), "metadata eagle3_config.")
+    except ValueError as e:
+        raise HeadsFormatError(str(e)) from None
+    return c
 
 
 def _bind_eagle3(heads: dict, c, cfg: ModelConfig | None):
@@ -256,7 +261,7 @@ def _bind_eagle3(heads: dict, c, cfg: ModelConfig | None):
 
 
 def load_heads(path: str | Path, cfg: ModelConfig, *,
-               base_model: str | Path | None = None) -> tuple[Params, dict]:
+               base_model: str | Path | None = None, embed=None) -> tuple[Params, dict]:
     """Load Medusa heads strictly against the backbone config `cfg`.
 
     `path`: this package's artifact (file, directory or run directory), or any layout
@@ -265,10 +270,12 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     match the backbone (hidden size, vocab) or are incomplete raise ValueError.
     `base_model`: the backbone loaded (name or folder); a heads config naming another base
     model gives a warning with both names.
+    `embed`: the backbone's embedding [V, H]; an EAGLE-3 folder's copy of it
+    (`embed_tokens.weight`) must then be that table (the drafter embeds with the backbone's).
     """
     found = detect(Path(path))
     if found.layout == "eagle3":
-        heads, meta = read(found, cfg, base_model)
+        heads, meta = read(found, cfg, base_model, embed=embed)
         return jax.tree.map(jnp.asarray, heads), meta
     if found.layout != "medusa_jax":
         heads, meta = read(found, cfg, base_model)
@@ -316,16 +323,18 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     return heads, meta
 
 
-def read(found: Found, cfg: ModelConfig | None, base_model=None) -> tuple[Params, dict]:
+def read(found: Found, cfg: ModelConfig | None, base_model=None, embed=None
+         ) -> tuple[Params, dict]:
     """Heads (numpy: float32, token_index int32) and metadata from a detected layout, checked
-    against the backbone config `cfg` (None: sizes from the files themselves)."""
+    against the backbone config `cfg` (None: sizes from the files themselves) and, for an
+    EAGLE-3 folder, the backbone's embedding `embed` (None: not checked)."""
     if found.layout == "medusa_jax":
         if cfg is None:
             cfg = _native_cfg(found.files[0])
         heads, meta = load_heads(found.files[0], cfg, base_model=base_model)
         return jax.tree.map(np.asarray, heads), meta
     if found.layout == "eagle3":
-        heads, c, meta = read_eagle3(found.root, cfg)
+        heads, c, meta = read_eagle3(found.root, cfg, embed)
         warn_base_model(meta, base_model, found.root)
         return _bind_eagle3(heads, c, cfg), meta
     if found.layout == "hydra":

@@ -567,11 +567,31 @@ def test_bad_tensors(written, case, one_line_error):
     ("architectures", ["LlamaForCausalLM"], "names no EAGLE-3 drafter"),
     ("speculators_config", {}, "speculators config"),
     ("num_attention_heads", 0, "num_attention_heads=0 is not a positive integer"),
+    ("rope_scaling", "linear", "rope_scaling must be a JSON object"),
+    ("rope_scaling", ["linear", 2.0], "rope_scaling must be a JSON object"),
+    ("rope_parameters", "default", "rope_parameters must be a JSON object"),
+    ("rms_norm_eps", -1, "rms_norm_eps must be a finite number > 0, got -1"),
+    ("rope_theta", "big", "rope_theta must be a number > 0, got str 'big'"),
 ])
 def test_unsupported_configs(written, field, value, needle, one_line_error):
     p, _, conf = written
     rewrite(p, conf={**conf, field: value})
-    one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE), needle)
+    one_line_error(HeadsFormatError, lambda: formats.read_eagle3(p, BACKBONE),
+                   p / "config.json", needle)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    (dict(rms_norm_eps=-1.0), "rms_norm_eps=-1.0 is not a finite number > 0"),
+    (dict(rope_theta="big"), "rope_theta='big' is not a finite number > 0"),
+    (dict(rope_scaling=("linear",)), "rope_scaling=['linear'] is not"),
+    (dict(rope_scaling=("linear", float("nan"))), "rope_scaling=nan is not a finite number"),
+    (dict(head_dim=0), "head_dim=0 is not an integer >= 1"),
+])
+def test_config_values_are_checked_wherever_the_config_comes_from(drafter, changes, needle,
+                                                                   one_line_error):
+    heads, _ = drafter
+    one_line_error(ValueError, lambda: eagle3.check(heads, BACKBONE, CFG.replace(**changes),
+                                                    "here"), "here: ", needle)
 
 
 def test_writing_checks_first(tmp_path, drafter, one_line_error):

@@ -178,9 +178,11 @@ def read_config(cf: Path, model_cfg: ModelConfig | None) -> tuple[eagle3.Eagle3C
     nh = _count(conf, "num_attention_heads", cf)
     v = _count(conf, "vocab_size", cf)
     try:
-        theta, scaling = model_config._rope(conf.get("rope_parameters") or {},
-                                            conf.get("rope_scaling") or {},
-                                            conf.get("rope_theta", 10000.0), str(cf))
+        theta = conf.get("rope_theta")
+        theta, scaling = model_config._rope(
+            model_config.rope_object(conf, "rope_parameters", str(cf)),
+            model_config.rope_object(conf, "rope_scaling", str(cf)),
+            10000.0 if theta is None else theta, str(cf))
         eps = model_config._positive(conf.get("rms_norm_eps", 1e-6), "rms_norm_eps", str(cf))
     except ValueError as e:
         raise HeadsFormatError(str(e)) from None

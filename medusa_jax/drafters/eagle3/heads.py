@@ -213,11 +213,63 @@ def check_draft_ids(d2t, t2d, vocab_size: int, where="EAGLE-3 drafter") -> None:
                          f"{targets.size} draft ids)")
 
 
+_SIZES = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+          "draft_vocab_size", "vocab_size", "max_position_embeddings")
+
+
+def check_config(c: Eagle3Config, where="EAGLE-3 drafter", prefix: str = "") -> None:
+    """The configuration's own values, whatever wrote them (a config.json, our artifact's
+    metadata): sizes are integers >= 1, the norm eps and rope base finite numbers > 0 (a
+    negative eps never drafts a usable token; a string base fails only while decoding), the
+    rope scaling one of the forms `ModelConfig.rope_scaling` takes. One-line ValueError
+    naming `where` and the field (`prefix` + its name)."""
+    def bad(field, value, want):
+        raise ValueError(f"{where}: {prefix}{field}={value!r} is not {want}")
+
+    def positive(field, value):
+        if not _number(value) or not math.isfinite(value) or value <= 0:
+            bad(field, value, "a finite number > 0")
+
+    for field in _SIZES:
+        value = getattr(c, field)
+        if not _integer(value) or value < 1:
+            bad(field, value, "an integer >= 1")
+    if c.target_hidden_size is not None and (not _integer(c.target_hidden_size)
+                                             or c.target_hidden_size < 1):
+        bad("target_hidden_size", c.target_hidden_size, "an integer >= 1 or null")
+    positive("rms_norm_eps", c.rms_norm_eps)
+    positive("rope_theta", c.rope_theta)
+    if not all(_integer(i) for i in c.aux_layers):
+        bad("aux_layers", list(c.aux_layers), "a list of layer indices")
+    scaling = tuple(c.rope_scaling)
+    forms = {"default": 0, "linear": 1, "llama3": 4}
+    if not scaling or not isinstance(scaling[0], str) or scaling[0] not in forms \
+            or len(scaling) != 1 + forms[scaling[0]]:
+        bad("rope_scaling", list(scaling), '["default"], ["linear", factor] or ["llama3", '
+            'factor, low_freq_factor, high_freq_factor, original_max_position_embeddings]')
+    for value in scaling[1:4]:
+        positive("rope_scaling", value)
+    if scaling[0] == "llama3" and (not _integer(scaling[4]) or scaling[4] < 1):
+        bad("rope_scaling", list(scaling), "llama3 scaling with an integer "
+            "original_max_position_embeddings >= 1")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and \
+        not isinstance(value, (bool, np.bool_))
+
+
 def check(heads: Params, model_cfg: ModelConfig | None, c: Eagle3Config,
           where="EAGLE-3 drafter") -> None:
-    """Strict checks of a drafter against its config and the backbone: sizes (hidden,
-    vocabulary), aux layers within the backbone's depth, every tensor's name, shape and dtype,
-    finite weights, d2t/t2d one subset of the vocabulary. One-line ValueError naming `where`."""
+    """Strict checks of a drafter against its config and the backbone: the config's own
+    values (`check_config`), sizes (hidden, vocabulary), aux layers within the backbone's
+    depth, every tensor's name, shape and dtype, finite weights, d2t/t2d one subset of the
+    vocabulary. One-line ValueError naming `where`."""
+    check_config(c, where)
     if model_cfg is not None:
         for field, theirs in (("hidden_size", c.hidden_size),
                               ("target_hidden_size", c.feature_size)):
