@@ -306,6 +306,8 @@ class Request:
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()  # beyond the model's EOS
     cache_prompt: bool = True  # may start from a cached prefix (the engine's `prefix_cache`)
+    epsilon: float | None = None  # typical acceptance's thresholds (None: `Sampling`'s)
+    delta: float | None = None
     # filled in by the engine
     id: int = -1
     cancelled: bool = False
@@ -552,24 +554,27 @@ class Engine:
                              f"= {need} exceeds the context of {self.capacity} tokens; "
                              f"shorten the prompt or lower max_tokens")
 
-    def _rows(self, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=()) -> Rows:
+    def _rows(self, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=(),
+              epsilon=None, delta=None) -> Rows:
         """One row's sampling (host arrays): temperature 0 is greedy, else the engine's
-        acceptance mode."""
+        acceptance mode (typical's thresholds default to `Sampling`'s)."""
         stop_arr = np.full((1, MAX_STOP), -1, np.int32)
         stop_arr[0, :len(stop)] = stop
         d = Sampling()
+        epsilon = d.epsilon if epsilon is None else epsilon
+        delta = d.delta if delta is None else delta
         full = lambda x, dtype: np.full((1,), x, dtype)  # noqa: E731
         return Rows(mode=full(1 if temperature > 0 else 0, np.int32),
                     temperature=full(temperature, np.float32), top_k=full(top_k, np.int32),
-                    top_p=full(top_p, np.float32), epsilon=full(d.epsilon, np.float32),
-                    delta=full(d.delta, np.float32), max_tokens=full(max_tokens, np.int32),
+                    top_p=full(top_p, np.float32), epsilon=full(epsilon, np.float32),
+                    delta=full(delta, np.float32), max_tokens=full(max_tokens, np.int32),
                     stop=stop_arr, modes=self.modes)
 
     def _request_rows(self, req: "Request") -> Rows:
         """A request's row: its sampling, token limit and stop tokens (EOS included)."""
         stop = tuple(sorted(set(self.eos) | set(req.stop_ids)))
         return self._rows(req.temperature if req.temperature > 0 else 0.0, req.top_k,
-                          req.top_p, req.max_tokens, stop)
+                          req.top_p, req.max_tokens, stop, req.epsilon, req.delta)
 
     # --- compile: each program once, when it is first needed or ahead of time
 
@@ -852,8 +857,18 @@ class Engine:
         """Queue a request (checked first: ValueError; QueueFull past the bound)."""
         self.check(len(req.prompt), req.max_tokens)
         sampled = req.temperature > 0
+        given = {"typical_epsilon": req.epsilon, "typical_delta": req.delta}
+        for name, value in given.items():
+            if value is not None and not (self.medusa and self.acceptance == "typical"):
+                how = ("plain decoding" if not self.medusa
+                       else f"{self.acceptance} acceptance")
+                raise ValueError(f"{name} applies to typical acceptance (infer.serve "
+                                 f"--acceptance typical); this server runs {how}")
+        d = Sampling()
         sampling.check(self.acceptance if sampled else "greedy",
-                       req.temperature if sampled else 1.0, req.top_k, req.top_p)
+                       req.temperature if sampled else 1.0, req.top_k, req.top_p,
+                       d.epsilon if req.epsilon is None else req.epsilon,
+                       d.delta if req.delta is None else req.delta)
         if len(set(self.eos) | set(req.stop_ids)) > MAX_STOP:
             raise ValueError(f"at most {MAX_STOP - len(self.eos)} stop token ids")
         with self._cv:

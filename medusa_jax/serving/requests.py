@@ -104,6 +104,10 @@ class GenerationRequest(_Object):
     temperature: Number = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
     top_p: Number = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
     top_k: int = Field(0, ge=-1, description="an integer >= 1, or 0 or -1 for no top-k")
+    # typical acceptance's thresholds (a server run with --acceptance typical; default: the
+    # server's), as offline decoding takes them
+    typical_epsilon: Number | None = Field(None, ge=0, description="a number >= 0")
+    typical_delta: Number | None = Field(None, ge=0, description="a number >= 0")
     n: int = 1
     seed: int | None = Field(None, ge=-2**63, lt=2**63, description="a 64-bit integer")
     # lists stop at their first bad item (fail_fast): one error to report, not a million
@@ -163,6 +167,8 @@ class GenerationRequest(_Object):
         top-k (0 for the engine), top_p 1 is no top-p."""
         return dict(max_tokens=self.max_new_tokens(), temperature=float(self.temperature),
                     top_p=float(self.top_p), top_k=max(0, self.top_k), seed=self.seed,
+                    epsilon=None if self.typical_epsilon is None else float(self.typical_epsilon),
+                    delta=None if self.typical_delta is None else float(self.typical_delta),
                     stop=list(self.stop), stop_ids=tuple(self.stop_token_ids),
                     stream=self.stream, include_usage=self.stream_options.include_usage,
                     return_token_ids=self.return_token_ids, cache_prompt=self.cache_prompt,

@@ -556,7 +556,8 @@ class Server:
 
         req = Request(prompt=prompt, max_tokens=max_tokens, on_event=on_event,
                       temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"],
-                      seed=f["seed"], stop_ids=f["stop_ids"], cache_prompt=f["cache_prompt"])
+                      seed=f["seed"], stop_ids=f["stop_ids"], cache_prompt=f["cache_prompt"],
+                      epsilon=f["epsilon"], delta=f["delta"])
         try:
             self.engine.submit(req)
         except QueueFull as e:

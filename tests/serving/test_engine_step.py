@@ -130,8 +130,29 @@ def test_typical_acceptance_slots_equal_offline_typical(medusa):
         typ = _staggered(e, prompts, NEW, temperature=0.7, seed=5)
         assert typ == offline
         assert typ != greedy  # typical acceptance really ran (it is lossy)
+        # each request's own thresholds: at epsilon 1 no drafted token passes (p > 1 is
+        # impossible) and the greedy roots alone are emitted; at 0 every drafted token does
+        strict = _staggered(e, prompts, NEW, temperature=0.7, seed=5, epsilon=1.0, delta=1e9)
+        assert strict == greedy
+        loose = _staggered(e, prompts, NEW, temperature=0.7, seed=5, epsilon=0.0, delta=0.0)
+        assert loose != typ and loose != greedy
     finally:
         e.stop()
+
+
+def test_typical_thresholds_are_refused_where_typical_acceptance_does_not_run(medusa):
+    e = Engine(medusa, slots=2, max_context=CONTEXT)  # rejection; not started: nothing runs
+    req = engine_mod.Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None,
+                             temperature=0.7, epsilon=0.2)
+    with pytest.raises(ValueError, match=r"^typical_epsilon applies to typical acceptance "
+                                         r"\(infer.serve --acceptance typical\); this server "
+                                         r"runs rejection acceptance$"):
+        e.submit(req)
+    typical = Engine(medusa, slots=2, max_context=CONTEXT, acceptance="typical")
+    req = engine_mod.Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None,
+                             temperature=0.7, delta=-1.0)
+    with pytest.raises(ValueError, match=r"^delta must be >= 0, got -1.0$"):
+        typical.submit(req)
 
 
 def test_sampling_check_names_the_field_in_one_line():

@@ -260,6 +260,11 @@ def test_unimplemented_parameters_are_refused_by_name(url, endpoint, extra, para
     ("completions", dict(temperature=True), "temperature", "must be a number in [0, 2]"),
     ("completions", dict(seed="7"), "seed", 'seed must be a 64-bit integer, got "7"'),
     ("completions", dict(top_p=0), "top_p", "top_p must be a number in (0, 1], got 0"),
+    ("completions", dict(typical_epsilon=-1), "typical_epsilon",
+     "typical_epsilon must be a number >= 0, got -1"),
+    ("completions", dict(temperature=0.7, typical_delta=0.5), None,
+     "typical_delta applies to typical acceptance (infer.serve --acceptance typical); this "
+     "server runs plain decoding"),
     ("completions", dict(stop_token_ids=[1, True]), "stop_token_ids",
      "stop_token_ids[1] must be an integer, got true"),
     ("completions", dict(stream=True, stream_options={"include_usage": 1}),
