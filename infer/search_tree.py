@@ -53,6 +53,14 @@ def main(argv=None) -> int:
             options.writable_output("--plot", args.plot)
     except (ValueError, OSError) as e:
         ap.error(str(e))
+    try:  # before the model loads: the search models independent heads' accuracies
+        kind = _heads_kind(args.heads)
+    except (ValueError, OSError) as e:
+        ap.error(f"--heads {args.heads}: {e}")
+    if kind != "medusa":
+        what = "Hydra heads" if kind == "hydra" else "an EAGLE-3 drafter"
+        ap.error(f"--heads {args.heads} holds {what}; the tree search models Medusa heads "
+                 f"(independent per depth), not a drafter that conditions on the path")
     kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
     from medusa_jax.decoding.tree import Tree
@@ -62,9 +70,6 @@ def main(argv=None) -> int:
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]
     model = cli.load_with_heads(args.model, args.heads, heads_dtype=args.heads_dtype)
-    if model.drafter_kind == "hydra":  # the search models independent heads' accuracies
-        raise SystemExit("error: --heads holds Hydra heads; the tree search models Medusa "
-                         "heads (independent per depth), not Hydra's path-conditional ones")
     num_heads = model.heads["w"].shape[0]
     ids = [model.encode(p) for p in prompts]
     from medusa_jax.decoding.decode import check_fits
@@ -122,6 +127,18 @@ def main(argv=None) -> int:
     if args.plot:
         _plot(rows, args.plot)
     return 0
+
+
+def _heads_kind(heads: str | None) -> str:
+    """The kind of drafter --heads names (None: the embedded model's shipped Medusa heads)."""
+    from medusa_jax.drafters import formats
+    from medusa_jax.runtime import assets, hub
+
+    if heads is None:
+        return "medusa"
+    if heads in assets.SHIPPED_HEADS:
+        return formats.kind_at(assets.shipped_heads_dir(heads))
+    return formats.kind_at(hub.local(heads, "--heads", hub.HEADS_FILES))
 
 
 def _plot(rows, path):

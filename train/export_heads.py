@@ -162,6 +162,7 @@ def export(args: argparse.Namespace) -> list[Path]:
     found = hf.detect(source)
     # a first read without the backbone finds what the heads record about it
     heads, meta = hf.read(found, None)
+    hf.check_layout(heads, args.format)  # before the backbone is read
     model = resolve_model(source, found, meta, args.model)
     cfg = ModelConfig.from_dir(model) if model is not None else None
     if cfg is not None:  # strict: the shapes against the backbone's

@@ -81,6 +81,7 @@ from medusa_jax.drafters.medusa.formats import (  # noqa: F401 - the writers, he
     VLLM_PREFIX,
     check_heads,
     is_medusa2_model,
+    medusa_only,
     model_shards,
     read_reference,
     read_vllm,
@@ -147,6 +148,21 @@ def detect(path: str | Path) -> Found:
         raise HeadsFormatError(f"{cfg_file}: has medusa_num_heads but the folder has neither "
                                f"{REFERENCE_ST}/{REFERENCE_PT} nor model.safetensors[.index.json]")
     raise HeadsFormatError(f"{p}: no Medusa heads in any known layout; looked for: {LOOKED_FOR}")
+
+
+def kind_at(path: str | Path) -> str:
+    """The kind of drafter at `path` ("medusa", "hydra" or "eagle3"), from its config or
+    header alone: commands that take only one kind refuse the others before any work."""
+    found = detect(Path(path))
+    if found.layout in (eagle3.KIND, hydra.KIND):
+        return found.layout
+    if found.layout == "medusa_jax":
+        kind = safetensors_names(found.files[0])[1].get("kind", "medusa")
+        if kind not in ("medusa", hydra.KIND, eagle3.KIND):
+            raise HeadsFormatError(f"{found.files[0]}: unknown heads kind {kind!r} (medusa, "
+                                   f"hydra or eagle3)")
+        return kind
+    return "medusa"
 
 
 def _is_eagle3_config(conf: dict) -> bool:
@@ -365,9 +381,9 @@ def sizes_config(heads: Params) -> ModelConfig:
     return sizes_cfg(int(np.shape(heads["w"])[-1]), int(v))
 
 
-def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig | None = None,
-          base_model: str | None = None, extra: dict | None = None) -> list[Path]:
-    """Write `heads` in `layout` (medusa_jax, reference or vllm) under `out_dir`."""
+def check_layout(heads: Params, layout: str) -> None:
+    """`layout` can hold this kind of drafter (one-line HeadsFormatError otherwise): callers
+    check before costly work, such as loading the backbone a Medusa-2 folder bundles."""
     is_eagle = eagle3.is_eagle3(heads)
     if is_eagle and layout not in ("eagle3", "medusa_jax"):
         raise HeadsFormatError(f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax "
@@ -375,6 +391,14 @@ def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig |
     if layout == "eagle3" and not is_eagle:
         raise HeadsFormatError(f"the eagle3 layout holds EAGLE-3 drafters; these are "
                                f"{drafter.kind_of(heads)} heads")
+    if layout in ("reference", "vllm", "medusa2"):
+        medusa_only(heads, layout)
+
+
+def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig | None = None,
+          base_model: str | None = None, extra: dict | None = None) -> list[Path]:
+    """Write `heads` in `layout` (medusa_jax, reference or vllm) under `out_dir`."""
+    check_layout(heads, layout)
     if layout == "eagle3":
         bound = getattr(heads, "drafter", None)
         if getattr(bound, "config", None) is None:

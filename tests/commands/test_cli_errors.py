@@ -28,6 +28,47 @@ def test_search_tree_refuses_an_output_it_cannot_write(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("heads, what", [("eagle", "an EAGLE-3 drafter"),
+                                         ("hydra", "Hydra heads")])
+def test_search_tree_refuses_a_path_conditional_drafter_before_loading(monkeypatch, tmp_path,
+                                                                       capsys, heads, what):
+    from medusa_jax import cli
+
+    def tripwire(*a, **k):
+        raise AssertionError("the model loaded before the drafter's kind was checked")
+
+    monkeypatch.setattr(cli, "load_with_heads", tripwire)
+    with pytest.raises(SystemExit) as e:
+        search_tree.main(["--heads", heads, "--out", str(tmp_path / "t.json")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"error: --heads {heads} holds {what}; the tree search models Medusa "
+                        f"heads (independent per depth), not a drafter that conditions on "
+                        f"the path")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads, what, cmd", [("eagle", "an EAGLE-3 drafter", "train.eagle"),
+                                              ("hydra", "Hydra heads", "train.hydra")])
+def test_medusa2_init_refuses_another_drafter_before_any_work(monkeypatch, tmp_path, capsys,
+                                                              heads, what, cmd):
+    from medusa_jax.runtime import assets
+    from medusa_jax.training import trainer
+    from train import medusa2
+
+    def tripwire(*a, **k):
+        raise AssertionError("data was prepared before --init's drafter kind was checked")
+
+    monkeypatch.setattr(trainer, "prepare_data", tripwire)
+    init, run = assets.shipped_heads_dir(heads), tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        medusa2.command.main(["--init", str(init), "--steps", "2", "--output-dir", str(run)])
+    err = f"{e.value.code}\n{capsys.readouterr().err}".strip().splitlines()
+    assert f"error: --init {init}: holds {what}; train.medusa2 fine-tunes the backbone with " \
+           f"Medusa heads (train {what} with python -m {cmd})" in err
+    assert not any("Traceback" in line for line in err) and not run.exists()
+
+
 def test_distill_names_the_file_and_line_of_non_utf8_prompts(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_bytes(b"Once upon a time\nLily \xff\xfe went\n")

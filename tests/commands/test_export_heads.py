@@ -93,3 +93,24 @@ def test_written_files_get_the_permissions_of_other_files(tmp_path):
             assert stat.S_IMODE(p.stat().st_mode) == 0o644, p
     finally:
         os.umask(umask)
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("eagle", "an EAGLE-3 drafter is written in the eagle3 or medusa_jax layout, not "
+              "'medusa2'"),
+    ("hydra", "these are Hydra heads; the medusa2 layout holds only Medusa heads"),
+])
+def test_a_drafter_the_layout_cannot_hold_is_refused_before_the_backbone_loads(
+        tmp_path, capsys, monkeypatch, kind, says):
+    from medusa_jax.model import weights
+    from medusa_jax.runtime import assets
+
+    def no_backbone(*a, **k):
+        raise AssertionError("the backbone was loaded before the layout was checked")
+
+    monkeypatch.setattr(weights, "load_pretrained", no_backbone)
+    source = str(assets.shipped_heads_dir(kind))
+    assert export_heads.main([source, "--format", "medusa2", "--output",
+                              str(tmp_path / "m2")]) == 1
+    assert last_err(capsys).startswith(f"error: {says}")
+    assert not (tmp_path / "m2").exists() or not any((tmp_path / "m2").iterdir())

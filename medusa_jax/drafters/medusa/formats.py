@@ -251,10 +251,14 @@ def check_heads(tensors: dict, cfg: ModelConfig | None, file, k: int, lyr: int):
                     f"exactly one token id (-1 elsewhere)")
 
 
-def _medusa_only(heads: Params, layout: str):
+def medusa_only(heads: Params, layout: str):
+    """A one-line HeadsFormatError unless `heads` are Medusa heads (`layout` holds no other)."""
     if "in_w" in heads:  # Hydra heads (medusa_jax.drafters.hydra.heads)
         raise HeadsFormatError(f"these are Hydra heads; the {layout} layout holds only Medusa "
                                f"heads: write them with --format medusa_jax")
+    if "fc" in heads and "d2t" in heads:  # an EAGLE-3 drafter (eagle3.heads.is_eagle3)
+        raise HeadsFormatError(f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax "
+                               f"layout, not {layout!r}")
 
 
 def _full_proj(heads: Params, layout: str) -> np.ndarray:
@@ -270,7 +274,7 @@ def _full_proj(heads: Params, layout: str) -> np.ndarray:
 
 def reference_tensors(heads: Params, prefix: str = "") -> dict[str, np.ndarray]:
     """Our heads under the reference's names ({prefix}{i}.{j}.linear.weight, ...)."""
-    _medusa_only(heads, "reference")
+    medusa_only(heads, "reference")
     w, b = as_float32(heads["w"]), as_float32(heads["b"])
     proj = _full_proj(heads, "reference")
     k, lyr = w.shape[:2]
@@ -311,7 +315,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
 
 def vllm_tensors(heads: Params) -> tuple[dict[str, np.ndarray], dict]:
     """Our heads under vLLM's names, and the config fields that describe them."""
-    _medusa_only(heads, "vllm")
+    medusa_only(heads, "vllm")
     w, b, proj = as_float32(heads["w"]), as_float32(heads["b"]), as_float32(heads["proj"])
     k, lyr, h = w.shape[:3]
     bias = bool(np.any(b != 0))
@@ -372,7 +376,7 @@ def write_medusa2_model(out_dir: str | Path, cfg: ModelConfig, backbone: Params,
     with `Medusa.load(heads=out_dir)` / `--model out_dir --heads out_dir`."""
     from medusa_jax.model.weights import save_pretrained
 
-    _medusa_only(heads, "medusa2")
+    medusa_only(heads, "medusa2")
     head_tensors = reference_tensors(heads, MEDUSA2_PREFIX)
     k, lyr = np.shape(heads["w"])[:2]
     out = Path(out_dir)

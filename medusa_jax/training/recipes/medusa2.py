@@ -344,6 +344,7 @@ class Medusa2(trainer.Recipe):
         cfg = ctx.cfg
         if cfg.init is not None:
             self.init = resolve_init(cfg.init)
+            check_init_kind(cfg.init, self.init)
         else:
             self.init = self._stage1(cfg, ctx.run_dir)
         check_init_model(cfg, self.init)
@@ -507,6 +508,18 @@ def reuse_distilled(init: Init, run_dir: Path):
         if f.is_file() and f.name.endswith((".jsonl", ".jsonl.meta.json")) and \
                 not (dst / f.name).exists():
             shutil.copy(f, dst / f.name)
+
+
+def check_init_kind(flag_value, init: Init):
+    """--init gives Medusa heads: Hydra heads and EAGLE-3 drafters are refused from their
+    config or header, before their tensors are read and before any data is distilled."""
+    kind = heads_formats.kind_at(init.heads)
+    if kind != "medusa":
+        what, trainer_cmd = (("Hydra heads", "train.hydra") if kind == "hydra" else
+                             ("an EAGLE-3 drafter", "train.eagle"))
+        raise ValueError(f"--init {flag_value}: holds {what}; train.medusa2 fine-tunes the "
+                         f"backbone with Medusa heads (train {what} with python -m "
+                         f"{trainer_cmd})")
 
 
 def check_init_model(cfg: Medusa2Config, init: Init):
