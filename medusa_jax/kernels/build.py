@@ -13,6 +13,11 @@ results, or executes instructions this CPU lacks, is never loaded here. Whatever
 wrong (no compiler, a failed compile, an unwritable cache folder, a stale or corrupt
 library, a CPU without the instructions the build assumed) ends in one line on stderr and
 `None`: the callers then use XLA's own products. Nothing here raises.
+
+Start-up never waits on the compiler silently: a step slower than `SLOW_NOTE_S` says what it
+waits for, asking the compiler about itself gives up after `PROBE_TIMEOUT_S` and compiling
+after `MEDUSA_JAX_KERNEL_TIMEOUT` seconds (default `DEFAULT_TIMEOUT_S`), with the compiler's
+whole process group killed (a hung cc1plus would otherwise hold its output open).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("fewrow_matmul.cc")
@@ -33,6 +40,10 @@ LIBRARY = "libmedusa_fewrow.so"
 CACHE_ENV = "MEDUSA_JAX_KERNEL_CACHE"
 FLAGS_ENV = "MEDUSA_JAX_KERNEL_CXXFLAGS"  # replaces -march=native (a cross build, say)
 CPU_FLAGS_ENV = "MEDUSA_JAX_CPU_FLAGS"  # what this CPU supports, when /proc says otherwise
+TIMEOUT_ENV = "MEDUSA_JAX_KERNEL_TIMEOUT"  # seconds a compile may take
+DEFAULT_TIMEOUT_S = 120.0  # the build takes seconds; a slow shared machine, a minute
+PROBE_TIMEOUT_S = 30.0  # `--version` and the predefined macros: instant from a working compiler
+SLOW_NOTE_S = 2.0
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-DNDEBUG", "-ffp-contract=fast",
               "-fno-math-errno"]
 
@@ -77,14 +88,50 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def build_timeout() -> float:
+    """`MEDUSA_JAX_KERNEL_TIMEOUT` (seconds > 0), else DEFAULT_TIMEOUT_S; ValueError naming
+    the variable when it is not a number of seconds."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds > 0")
+    return seconds
 
 
-def required_isa(cxx: str, flags: list[str]) -> list[str]:
+def _run(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
+    """`cmd`'s output; past `SLOW_NOTE_S` a note says it waits for `what`, and past `timeout`
+    its whole process group is killed and TimeoutExpired raised."""
+    slow = threading.Timer(SLOW_NOTE_S, note, [
+        f"waiting for {what} ({cmd[0]}; giving up after {timeout:g} s; "
+        f"MEDUSA_JAX_CPU_KERNELS=0 skips the CPU kernels)"])
+    slow.daemon = True
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        slow.start()
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            proc.communicate()  # the pipes close once the group is gone
+            raise
+        finally:
+            slow.cancel()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def required_isa(cxx: str, flags: list[str], timeout: float = PROBE_TIMEOUT_S) -> list[str]:
     """The instruction sets code compiled with `flags` may execute (from the macros the
     compiler defines for them)."""
-    out = _run([cxx, *flags, "-dM", "-E", "-x", "c++", os.devnull]).stdout
+    out = _run([cxx, *flags, "-dM", "-E", "-x", "c++", os.devnull], timeout,
+               "the C++ compiler's predefined macros").stdout
     return sorted(flag for macro, flag in ISA_MACROS.items() if f"#define {macro} " in out)
 
 
@@ -98,7 +145,7 @@ def _selftest(path: Path) -> str | None:
     code = ("import ctypes, sys; "
             f"sys.exit(ctypes.CDLL({str(path)!r}).medusa_fewrow_selftest())")
     try:
-        r = _run([sys.executable, "-c", code], timeout=120)
+        r = _run([sys.executable, "-c", code], 120, "the CPU kernels' self-test")
     except subprocess.TimeoutExpired:
         return "its self-test did not finish"
     if r.returncode == 0:
@@ -110,10 +157,11 @@ def _selftest(path: Path) -> str | None:
     return f"it does not load ({_first_line(r.stderr)})"
 
 
-def _key(cxx: str, flags: list[str], include: str) -> str:
+def _key(cxx: str, flags: list[str], include: str, timeout: float = PROBE_TIMEOUT_S) -> str:
     import jaxlib
 
-    version = _run([cxx, "--version"]).stdout.splitlines()[:1]
+    version = _run([cxx, "--version"], timeout, "the C++ compiler's version").stdout
+    version = version.splitlines()[:1]
     parts = [SOURCE.read_bytes().decode(), cxx, *version, *flags, jaxlib.__version__,
              platform.machine(), " ".join(sorted(cpu_flags())), include]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -123,14 +171,24 @@ def library() -> tuple[Path | None, str]:
     """(path of a checked library, "") or (None, why there is none)."""
     import jax
 
+    try:
+        timeout = build_timeout()
+    except ValueError as e:
+        return None, str(e)
     cxx = compiler()
     if cxx is None:
+        if os.environ.get("CXX"):
+            return None, (f"CXX={os.environ['CXX']}: no such C++ compiler (not found, or not "
+                          f"executable)")
         return None, "no C++ compiler found (install g++ or set CXX)"
     include = jax.ffi.include_dir()
     flags = arch_flags()
+    probe = min(PROBE_TIMEOUT_S, timeout)
     try:
-        isa = required_isa(cxx, flags)
-        key = _key(cxx, flags, include)
+        isa = required_isa(cxx, flags, probe)
+        key = _key(cxx, flags, include, probe)
+    except subprocess.TimeoutExpired:
+        return None, f"the compiler {cxx} did not answer within {probe:g} s"
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the compiler {cxx} does not run ({e})"
     missing = sorted(set(isa) - cpu_flags()) if cpu_flags() else []
@@ -154,9 +212,13 @@ def library() -> tuple[Path | None, str]:
     try:
         cmd = [cxx, *BASE_FLAGS, *flags, "-I", include, str(SOURCE), "-o", str(tmp)]
         try:
-            r = _run(cmd)
+            r = _run(cmd, timeout, "the C++ compiler to build the CPU kernels (once for this "
+                                   "machine)")
         except subprocess.TimeoutExpired:
-            return None, "compiling the CPU kernels took over 5 minutes"
+            return None, (f"compiling the CPU kernels with {cxx} took over {timeout:g} s "
+                          f"({TIMEOUT_ENV} sets the limit)")
+        except OSError as e:  # the compiler, not the cache folder
+            return None, f"the compiler {cxx} does not run ({e.strerror or e})"
         if r.returncode != 0:
             return None, f"compiling the CPU kernels failed: {_first_line(r.stderr)}"
         problem = _selftest(tmp)

@@ -304,7 +304,10 @@ def _notes(stderr: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("case, env, says", [
-    ("no compiler", {"CXX": "/nonexistent/g++"}, "no C++ compiler"),
+    ("no compiler", {"CXX": "/nonexistent/g++"},
+     "CXX=/nonexistent/g++: no such C++ compiler (not found, or not executable)"),
+    ("bad timeout", {"MEDUSA_JAX_KERNEL_TIMEOUT": "soon"},
+     "MEDUSA_JAX_KERNEL_TIMEOUT='soon' is not a number of seconds > 0"),
     ("failing compile", {"MEDUSA_JAX_KERNEL_CXXFLAGS": "-march=native -fno-such-flag"},
      "compiling the CPU kernels failed"),
     ("missing instructions", {"MEDUSA_JAX_CPU_FLAGS": "fpu sse sse2"}, "this CPU lacks"),
@@ -319,6 +322,36 @@ def test_fallbacks_are_one_line_and_right(tmp_path, case, env, says):
         assert notes == []
     else:
         assert len(notes) == 1 and says in notes[0], r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.parametrize("hangs_in", ["probe", "compile"])
+def test_a_hanging_compiler_is_named_and_given_up_on(tmp_path, hangs_in):
+    import time
+
+    cxx = tmp_path / "g++"
+    real = build.compiler()
+    if hangs_in == "compile" and real is None:
+        pytest.skip("no C++ compiler here to answer the probes")
+    # the shell stays the parent of `sleep`, which holds the output pipe: killing the
+    # shell alone would leave the build waiting for it
+    answer = "" if hangs_in == "probe" else \
+        f'case "$*" in *-dM*|*--version*) exec {real} "$@";; esac\n'
+    cxx.write_text(f"#!/bin/sh\n{answer}sleep 60\n")
+    cxx.chmod(0o755)
+    t0 = time.perf_counter()
+    r = _child({"MEDUSA_JAX_KERNEL_CACHE": str(tmp_path / "k"), "CXX": str(cxx),
+                "MEDUSA_JAX_KERNEL_TIMEOUT": "3"})
+    assert time.perf_counter() - t0 < 45, r.stderr
+    assert r.returncode == 0 and r.stdout.strip() == "xla", r.stderr
+    waiting = [line for line in r.stderr.splitlines() if line.startswith("note: waiting for")]
+    assert len(waiting) == 1 and str(cxx) in waiting[0] and "giving up after 3 s" in waiting[0]
+    says = (f"the compiler {cxx} did not answer within 3 s" if hangs_in == "probe" else
+            f"compiling the CPU kernels with {cxx} took over 3 s (MEDUSA_JAX_KERNEL_TIMEOUT "
+            f"sets the limit)")
+    notes = _notes(r.stderr)
+    assert len(notes) == 1 and says in notes[0], r.stderr
 
 
 @pytest.mark.slow
