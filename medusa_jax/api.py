@@ -204,7 +204,7 @@ class Medusa:
              heads_dtype: str = "float32", mesh=None) -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
         `heads`: a heads artifact (directory or .safetensors) from `train.medusa1` or
-        `train.hydra` (the kind is read from it), heads in another layout (`heads_formats`:
+        `train.hydra` (the kind is read from it), heads in another layout (`drafters.formats`:
         the reference's, vLLM's, a Medusa-2 model folder, whose backbone is then the default
         `model`, a published EAGLE-3 drafter), or "default" / "hydra" / "eagle" for the
         embedded model's Medusa heads / Hydra heads / EAGLE-3 drafter.

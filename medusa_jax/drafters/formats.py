@@ -281,7 +281,7 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
     """Load Medusa heads strictly against the backbone config `cfg`.
 
     `path`: this package's artifact (file, directory or run directory), or any layout
-    `heads_formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
+    `drafters.formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
     Returns (heads, metadata). Head count and depth come from the files; files that do not
     match the backbone (hidden size, vocab) or are incomplete raise ValueError.
     `base_model`: the backbone loaded (name or folder); a heads config naming another base

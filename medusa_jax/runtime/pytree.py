@@ -1,7 +1,7 @@
 """`dataclass`: an immutable dataclass that is a JAX pytree (every field a leaf) and has
 `replace`, as `flax.struct.dataclass` makes one, without importing Flax: importing its
 package imports flax.linen too, about 0.2 s of every decoding command's start-up. The
-decoder's KV cache and loop states use it; training (`train_step`) keeps Flax's."""
+decoder's KV cache and loop states use it; training (`training.step`) keeps Flax's."""
 
 from __future__ import annotations
 

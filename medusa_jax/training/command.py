@@ -1,5 +1,5 @@
 """The training commands' command line (train/medusa1.py, medusa2.py, hydra.py, eagle.py):
-flags from the config class (`train_config`), --memory-report, and `main` with its exit
+flags from the config class (`training.config`), --memory-report, and `main` with its exit
 statuses.
 Nothing here imports JAX before the flags are parsed and the paths checked: `--help` and a
 flag or path error answer at once; the recipe and `trainer` are imported when work starts.

@@ -2,13 +2,13 @@
 
 `training_memory` builds the training state and a batch as shapes only
 (`jax.ShapeDtypeStruct`s with their shardings: no weights are created or read), compiles
-the real training step (`train_step.make_train_step` with the recipe's parameters, loss and
+the real training step (`training.step.make_train_step` with the recipe's parameters, loss and
 optimizer: `Medusa1.method` / `Medusa2.method`) at the model's full depth (the layers are
 one `lax.scan`, so that compile costs no more than a shallow one), and reads
 `compiled.memory_analysis()`:
 
     params, optimizer state  exact, at the full depth: each leaf's per-device shard bytes
-                             from its sharding (`train_step.state_shardings`)
+                             from its sharding (`training.step.state_shardings`)
     temporaries              what the compiled step allocates besides its arguments
                              (activations, gradients, the loss's logits); with two
                              depths given (`--memory-layers A,B`), extrapolated linearly

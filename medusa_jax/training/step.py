@@ -477,7 +477,7 @@ def frequent_tokens(tokens: np.ndarray, labels: np.ndarray, vocab: int, size: in
 
 def reduced_token_index(token_map, vocab: int) -> np.ndarray:
     """[1, V] int32: token id -> its column in `token_map`, -1 for the others (the heads'
-    `token_index`, the form `heads.apply_heads` and `heads_formats` read)."""
+    `token_index`, the form `heads.apply_heads` and `drafters.formats` read)."""
     index = np.full((1, vocab), -1, np.int32)
     index[0, np.asarray(token_map)] = np.arange(len(token_map), dtype=np.int32)
     return index

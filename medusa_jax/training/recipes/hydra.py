@@ -2,7 +2,7 @@
 
 Head i at position t reads h_t and the backbone's embeddings of tokens t+1 .. t+i+1 (the path
 teacher-forced from the data) and is trained on token t+i+2: the same targets, validity,
-per-head means and decay weights as Medusa-1 (`train_step.medusa_targets`, `medusa_loss`),
+per-head means and decay weights as Medusa-1 (`training.step.medusa_targets`, `medusa_loss`),
 so the held-out accuracy of head i is conditional on the true path above it. With
 `--teacher-loss` (Hydra++'s) the hard label is replaced by the soft cross-entropy against
 the frozen base model's own distribution at the target position. Data, self-distillation,

@@ -1,7 +1,7 @@
 """Medusa-1: the backbone is frozen; only the heads train, on its last hidden state.
 
-The loss is `train_step.medusa1_loss_fn` (sum over heads of decay**k * CE_k, the backbone
-under stop_gradient) and the optimizer `train_step.make_optimizer` (AdamW on the heads,
+The loss is `training.step.medusa1_loss_fn` (sum over heads of decay**k * CE_k, the backbone
+under stop_gradient) and the optimizer `training.step.make_optimizer` (AdamW on the heads,
 `set_to_zero` and no state for the backbone). The loop is `trainer.train`.
 """
 

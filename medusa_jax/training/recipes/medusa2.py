@@ -9,7 +9,7 @@ Params are one tree {"backbone", "heads", "teacher"}:
 
 Loss = lm_weight * L_LM + lambda(step) * sum_k decay^k * CE_k
 
-  - the head term is exactly Medusa-1's (`train_step.medusa_targets` / `medusa_loss`), but
+  - the head term is exactly Medusa-1's (`training.step.medusa_targets` / `medusa_loss`), but
     it now back-propagates into the backbone through the shared last hidden state;
   - L_LM ("ce") is next-token cross-entropy on the labels, or ("kl", for self-distilled data)
     the per-position KL(p_teacher || p_backbone) over the same positions, so the fine-tuned
@@ -23,7 +23,7 @@ Rows flagged `batch["lm_only"]` ([B] bool, from `data.concat`) count in the LM t
 text added to self-distilled answers so the KL also holds the model in place on text it did
 not write (the heads must learn the model's own continuations, not the text's).
 
-The training step itself is `train_step.make_train_step` (sharded jit, frozen subtrees kept
+The training step itself is `training.step.make_train_step` (sharded jit, frozen subtrees kept
 bit-identical) and the loop `trainer.train`; Medusa-2 is its loss, labels and optimizer here,
 plus `Medusa2Config` and the `Medusa2` recipe: the first stage (a Medusa-1 run, or --init),
 anchor text, the fine-tuned backbone's export and the perplexity/KL report.
@@ -177,7 +177,7 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk
                  remat: bool = False, batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
     """(params, batch) -> (loss, metrics). Metrics keep Medusa-1's per-head keys (head_loss,
     top1, top5, count: [K] arrays) so Medusa-1's evaluation and plots read them unchanged.
-    `chunk`: tokens per row per chunk of the heads' loss (`train_step.heads_loss`; 0 = auto
+    `chunk`: tokens per row per chunk of the heads' loss (`training.step.heads_loss`; 0 = auto
     for rows split `batch_ways` ways); `frozen_proj`: no gradient for the heads' projection;
     `remat`: the trained backbone's layers rematerialised in the backward pass."""
     lam_fn = head_weight_schedule(loss_cfg)
