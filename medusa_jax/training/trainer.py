@@ -389,7 +389,8 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
             backbone=jax.device_put(decoding_layout(model_cfg, decode_backbone)),
             heads=jax.device_put(heads), cfg=model_cfg, prompts=bench_prompts[:cfg.eval_prompts],
             trees=benchmark_trees(cfg, recipe.tree_depth(ctx, heads)), eos=ctx.stops,
-            max_new_tokens=cfg.eval_max_new_tokens, name=recipe.name)
+            max_new_tokens=cfg.eval_max_new_tokens, name=recipe.name,
+            embedded=assets.is_embedded(cfg.model))
     summary["wall_seconds"] = round(time.perf_counter() - t_start, 1)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return TrainResult(summary, t_start, finished=True, decoding=check)
@@ -408,6 +409,7 @@ class DecodingCheck:
     eos: tuple
     max_new_tokens: int
     name: str
+    embedded: bool = False  # the model is the embedded stories260K
 
 
 @dataclasses.dataclass
