@@ -1,4 +1,5 @@
-"""Serving tests' shared helper (test_engine, test_serve), as a fixture."""
+"""Serving tests' shared helpers: `exact_pairs` (test_engine, test_serve) and a stub engine
+(`stub_engine`, test_http_contract)."""
 
 import pytest
 
@@ -34,3 +35,160 @@ def exact_pairs():
         return p1[:, None] * next_probs([prompt + [x] for x in range(v)])
 
     return exact_pairs
+
+
+# ----------------------------------------------------------------------------- a stub engine
+#
+# The HTTP contract (test_http_contract) runs the server's app over this engine in process:
+# no model, no JAX compile, answers computable by hand.
+
+
+class ByteTokenizer:
+    """A tokenizer a test can run in its head: ids 0-2 are <unk>, <s>, </s>; byte b is id
+    3 + b. A prompt gets BOS; decoding skips the special ids and reads the bytes as UTF-8."""
+
+    SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    bos_token_id, eos_token_id, vocab_size = 1, 2, 3 + 256
+    chat_template = None
+
+    def __call__(self, text, add_special_tokens=True, split_special_tokens=True):
+        ids = [3 + b for b in text.encode()]
+        return {"input_ids": ([self.bos_token_id] if add_special_tokens else []) + ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i - 3 for i in ids if i >= 3).decode("utf-8", errors="replace")
+
+    def get_added_vocab(self):
+        return dict(self.SPECIALS)
+
+    def get_vocab(self):
+        return {**self.SPECIALS, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+
+
+class StubEngine:
+    """The engine surface `medusa_jax.serving.server` uses, and no more: a plain engine of
+    `slots` slots, prompts of up to `bucket` tokens in a context of `capacity`, whose answer
+    to a prompt of n tokens is the alphabet from its (n % 26)-th letter, `answer_len`
+    letters then EOS (`answer`), cut by max_tokens and the stop ids as `Engine._deliver`
+    cuts them, handed out `chunk` tokens per event.
+
+    Requests are answered at once when submitted; after `pause()` they wait (up to
+    `max_queue`, then QueueFull) until `resume()`. `stop()` ends them with an error event
+    and refuses new ones, as `Engine.stop` does. `submitted` holds every Request queued
+    (the sampling values the server passed)."""
+
+    ANSWER_LEN = 20
+
+    def __init__(self, *, slots=4, bucket=64, capacity=128, max_queue=2, chunk=3):
+        from types import SimpleNamespace
+
+        from medusa_jax.serving.engine import Metrics
+
+        self.tokenizer = ByteTokenizer()
+        self.model = SimpleNamespace(tokenizer=self.tokenizer, eos=(2,),
+                                     cfg=SimpleNamespace(vocab_size=ByteTokenizer.vocab_size))
+        self.medusa, self.fed, self.drafter, self.tree = False, 0, None, None
+        self.slots, self.buckets, self.capacity = slots, (bucket,), capacity
+        self.slot_buckets, self.prefill_batches = (1, slots), (1,)
+        self.metrics = Metrics()
+        self.max_queue, self.chunk = max_queue, chunk
+        self.ready, self.programs = True, 3
+        self._stop_reason = None
+        self.submitted, self.waiting, self.held = [], [], 0
+        self.paused = False
+
+    def check(self, prompt_len: int, max_tokens: int):
+        """The real engine's limits (`Engine.check`), on these sizes."""
+        from medusa_jax.serving.engine import Engine
+
+        Engine.check(self, prompt_len, max_tokens)
+
+    @classmethod
+    def answer(cls, n_prompt: int) -> list[int]:
+        start = n_prompt % 26
+        return [3 + ord("a") + (start + i) % 26 for i in range(cls.ANSWER_LEN)] + [2]
+
+    @classmethod
+    def answer_text(cls, n_prompt: int, n: int) -> str:
+        return ByteTokenizer().decode(cls.answer(n_prompt)[:n])
+
+    def status(self):
+        return {"ready": self.ready, "compiled": self.programs if self.ready else 1,
+                "programs": self.programs, "compiling": None if self.ready else "step"}
+
+    def queue_depth(self):
+        return len(self.waiting)
+
+    def slots_in_use(self):
+        return 0
+
+    def hold(self):
+        self.held += 1
+
+    def release(self):
+        self.held = max(0, self.held - 1)
+
+    def submit(self, req):
+        from medusa_jax.serving.engine import QueueFull
+
+        self.check(len(req.prompt), req.max_tokens)
+        for name, value in (("typical_epsilon", req.epsilon), ("typical_delta", req.delta)):
+            if value is not None:  # Engine.submit's rule for a plain engine
+                raise ValueError(f"{name} applies to typical acceptance (infer.serve "
+                                 f"--acceptance typical); this server runs plain decoding")
+        if self._stop_reason is not None:
+            raise RuntimeError(f"the engine has stopped: {self._stop_reason}")
+        if self.paused and len(self.waiting) >= self.max_queue:
+            raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
+        self.submitted.append(req)
+        if self.paused:
+            self.waiting.append(req)
+        else:
+            self._run(req)
+        return req
+
+    def _run(self, req):
+        if req.cancelled:
+            return self._finish(req, "cancelled")
+        stops = set(self.model.eos) | set(req.stop_ids)
+        out = []
+        for t in self.answer(len(req.prompt)):
+            out.append(t)
+            if t in stops or len(out) >= req.max_tokens:
+                break
+        finish = "stop" if out[-1] in stops else "length"
+        while len(out) > self.chunk:
+            req.on_event(out[:self.chunk], None, None)
+            out = out[self.chunk:]
+        self._finish(req, finish, out)
+
+    def _finish(self, req, reason, tokens=(), error=None):
+        if req.finished:
+            return
+        req.finished = True
+        self.metrics.requests[reason] += 1
+        req.on_event(list(tokens), reason, error)
+
+    def cancel(self, req):
+        req.cancelled = True
+
+    def pause(self):
+        self.paused = True
+
+    def resume(self):
+        self.paused = False
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            self._run(req)
+
+    def stop(self, reason="the server is shutting down"):
+        self._stop_reason = reason
+        waiting, self.waiting = self.waiting, []
+        for req in waiting:
+            self._finish(req, "error", error=reason)
+
+
+@pytest.fixture
+def stub_engine():
+    """A fresh `StubEngine` (no model, nothing compiled)."""
+    return StubEngine()
