@@ -2,9 +2,10 @@
 
 Scans README.md, docs/**/*.md and the docstrings and comments of medusa_jax/, train/, infer/
 and tests/ for backticked references that look like repository paths (`decoding/step.py`,
-`drafters/eagle3/`, `docs/performance.md:40-42`, `tests/test_layers.py::test_no_import_circles`) or modules
-(`medusa_jax.serving.engine`, `infer.bench`, `python -m train.medusa1`), and fails listing
-each one that names no file, folder, line, test or attribute here, with file:line."""
+`drafters/eagle3/`, `docs/performance.md:40-42`, `tests/test_layers.py::test_no_import_circles`)
+or modules (`medusa_jax.serving.engine`, `infer.bench`, `python -m train.medusa1`,
+`decoding.step.DraftSampler`, `heads.apply_heads`), and fails listing each one that names no
+file, folder, line, test, module or attribute here, with file:line."""
 
 import ast
 import io
@@ -90,7 +91,7 @@ def _check_path(m: re.Match, base: Path) -> str | None:
     if "/" in path.rstrip("/"):
         if head not in OUR_FOLDERS:
             return None
-    else:
+    elif not re.match(r"test_\w+\.py$", path):
         return None          # a bare `config.json` is the user's, `cnets.py` another project's
     found = _resolve(path, base)
     if found is None:
@@ -245,6 +246,8 @@ def test_the_check_catches_what_it_should():
     assert _check_span("medusa_jax/decoding/step.py:100000", base)
     assert _check_span("tests/decoding/test_decode.py::test_no_such_test", base)
     assert _check_span("drafters/nowhere/", base)
+    assert _check_span("test_engine.py", base) == []
+    assert _check_span("test_nowhere.py", base)
     assert _check_span("heads.apply_heads", base) == []
     assert _check_span("heads.no_such_name", base)
     assert _check_span("train_step.make_train_step", base)
