@@ -165,8 +165,13 @@ def export(args: argparse.Namespace) -> list[Path]:
     hf.check_layout(heads, args.format)  # before the backbone is read
     model = resolve_model(source, found, meta, args.model)
     cfg = ModelConfig.from_dir(model) if model is not None else None
-    if cfg is not None:  # strict: the shapes against the backbone's
-        heads, meta = hf.read(found, cfg, base_model=model)
+    if cfg is not None:  # strict: the shapes (and an EAGLE-3 embedding) against the backbone's
+        embed = None
+        if found.layout == "eagle3":
+            from medusa_jax.model.weights import read_embedding
+
+            embed = read_embedding(model)
+        heads, meta = hf.read(found, cfg, base_model=model, embed=embed)
     base = args.base_model or hf.base_model_of(meta) or (str(model.resolve()) if model else None)
     if args.format == "medusa2":
         from medusa_jax.model.weights import load_pretrained

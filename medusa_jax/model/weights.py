@@ -217,6 +217,17 @@ class _Tensors:
         return self._open[file, framework]
 
 
+def read_embedding(path: str | Path) -> np.ndarray:
+    """The token embedding [V, H] of a model folder alone (an EAGLE-3 folder's saved copy is
+    checked against it without loading the backbone)."""
+    path = Path(path)
+    tensors = _Tensors(weight_files(path), multimodal=_is_multimodal_gemma3(path))
+    name = "model.embed_tokens.weight"
+    if name not in tensors.where:
+        raise WeightsError(f"{path}: no tensor {name}")
+    return tensors.read(name)
+
+
 def check_finite(array: np.ndarray, name: str, file) -> None:
     """Random bytes under an intact header still read as tensors; NaN or inf never belongs to
     a trained model (it would decode as garbage, e.g. token 0 forever): refused, named."""

@@ -114,3 +114,25 @@ def test_a_drafter_the_layout_cannot_hold_is_refused_before_the_backbone_loads(
                               str(tmp_path / "m2")]) == 1
     assert last_err(capsys).startswith(f"error: {says}")
     assert not (tmp_path / "m2").exists() or not any((tmp_path / "m2").iterdir())
+
+
+def test_an_eagle3_folder_with_another_embedding_is_not_exported(tmp_path, capsys):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    from medusa_jax.model.weights import read_embedding
+    from medusa_jax.runtime import assets
+
+    cfg = load_pretrained()[0]
+    heads, _ = load_heads(assets.shipped_heads_dir("eagle"), cfg)
+    hf.write(heads, "eagle3", tmp_path / "d", cfg=cfg)
+    st = tmp_path / "d" / "model.safetensors"
+    table = read_embedding(default_model_dir())
+    save_file({**load_file(str(st)), "embed_tokens.weight": table + 1.0}, str(st))
+    argv = [str(tmp_path / "d"), "--model", str(default_model_dir()), "--format"]
+    assert export_heads.main(argv + ["medusa_jax", "--output", str(tmp_path / "o")]) == 1
+    assert last_err(capsys).startswith(f"error: {st}: tensor embed_tokens.weight is not the "
+                                       f"backbone's embedding (max abs difference 1)")
+    save_file({**load_file(str(st)), "embed_tokens.weight": table}, str(st))
+    assert export_heads.main(argv + ["medusa_jax", "--output", str(tmp_path / "o")]) == 0
+    assert np.array_equal(load_heads(tmp_path / "o", cfg)[0]["fc"], heads["fc"])
