@@ -103,10 +103,11 @@ def build_timeout() -> float:
     return seconds
 
 
-def _run(cmd: list[str], timeout: float, what: str) -> subprocess.CompletedProcess:
-    """`cmd`'s output; past `SLOW_NOTE_S` a note says it waits for `what`, and past `timeout`
-    its whole process group is killed and TimeoutExpired raised."""
-    slow = threading.Timer(SLOW_NOTE_S, note, [
+def _run(cmd: list[str], timeout: float, what: str, slow_note: float = SLOW_NOTE_S
+         ) -> subprocess.CompletedProcess:
+    """`cmd`'s output; past `slow_note` seconds a note says it waits for `what`, and past
+    `timeout` its whole process group is killed and TimeoutExpired raised."""
+    slow = threading.Timer(slow_note, note, [
         f"waiting for {what} ({cmd[0]}; giving up after {timeout:g} s; "
         f"MEDUSA_JAX_CPU_KERNELS=0 skips the CPU kernels)"])
     slow.daemon = True
@@ -145,7 +146,8 @@ def _selftest(path: Path) -> str | None:
     code = ("import ctypes, sys; "
             f"sys.exit(ctypes.CDLL({str(path)!r}).medusa_fewrow_selftest())")
     try:
-        r = _run([sys.executable, "-c", code], 120, "the CPU kernels' self-test")
+        # a busy machine may take a few seconds to start Python: no note before 10 s
+        r = _run([sys.executable, "-c", code], 120, "the CPU kernels' self-test", 10.0)
     except subprocess.TimeoutExpired:
         return "its self-test did not finish"
     if r.returncode == 0:
