@@ -210,6 +210,8 @@ def test_the_notebook_api_says_when_it_compiles_and_explains_its_results(capsys)
 def test_text_prompts_are_text_as_the_server_reads_them(model):
     from medusa_jax.serving.server import TextEncoder as ServerEncoder
 
+    assert ServerEncoder.__module__ == "medusa_jax.text.encoder"  # one rule, not a copy
+
     ids = model.encode("A</s>B")
     assert ids == ServerEncoder(model.tokenizer).prompt("A</s>B")
     eos = model.tokenizer.eos_token_id

@@ -4,10 +4,11 @@ Hydra heads), the offline driver of the shared step (`decoding.step`).
 Each is ONE jitted function: prefill, then a `lax.while_loop` of steps that runs until every
 row is done (on the CPU compiled with `runtime.xla_options`' schedule). Nothing goes back to
 the host per token. Shapes are static: prompts are right-padded to a power-of-two bucket, so
-a new prompt length only recompiles when it crosses a bucket. The static `Sampling` becomes every row's `sampling.Rows`; the program
-holds only its rule. Given `rows` instead (`Rows.values`: runtime arrays), one program serves
-every temperature, filter, seed and token limit up to `max_new_tokens`, which then only
-sizes the buffers (`length_bucket` rounds it so that nearby limits share a program).
+a new prompt length only recompiles when it crosses a bucket. The static `Sampling` becomes
+every row's `sampling.Rows`; the program holds only its rule. Given `rows` instead
+(`Rows.values`: runtime arrays), one program serves every temperature, filter, seed and
+token limit up to `max_new_tokens`, which then only sizes the buffers (`length_bucket`
+rounds it so that nearby limits share a program).
 
 Attention reads every cache slot its mask covers, so both loops run in a few phases
 (`cache_phases`): each phase is its own `while_loop` whose steps attend over a static

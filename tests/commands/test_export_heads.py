@@ -1,7 +1,6 @@
 """`python -m train.export_heads` never writes into a folder that holds something else, and
 what it writes has the permissions of any other file (train/export_heads.py, rundir.py)."""
 
-import json
 import os
 import shutil
 import stat

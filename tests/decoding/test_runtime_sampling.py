@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.decoding.decode import generate, length_bucket, medusa_generate, pad_prompts
-from medusa_jax.decoding.sampling import Rows, Sampling
+from medusa_jax.decoding.sampling import Rows
 
 
 def test_values_check_each_row_and_name_the_field():

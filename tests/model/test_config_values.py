@@ -7,8 +7,6 @@ import pytest
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.model.weights import default_model_dir
 
-
-
 GEMMA2 = dict(model_type="gemma2", hidden_activation="gelu_pytorch_tanh",
               query_pre_attn_scalar=8)
 

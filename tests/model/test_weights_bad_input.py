@@ -10,7 +10,6 @@ from medusa_jax.model.weights import WeightsError, check_headers
 from medusa_jax.text import tokenizer as startup
 
 
-
 def test_truncated_and_garbage_headers_are_named_from_the_header_alone(model_folder):
     d = model_folder()
     f = d / "model.safetensors"

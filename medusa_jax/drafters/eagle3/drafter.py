@@ -63,7 +63,6 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
     hidden = eagle3.features(heads, aux.astype(carry.out.dtype))
     pos = carry.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
-    draws = logq = None
     mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, t, s)),
                             jnp.broadcast_to(eagle3.causal_mask(t), (b, t, t))], axis=-1)
     out, k_new, v_new = eagle3.layer(heads, c, embed(next_tokens), hidden, pos, carry.k,
