@@ -100,16 +100,22 @@ def row_log_probs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     k, p = top_k.reshape(shape), top_p.reshape(shape)
     x = logits.astype(jnp.float32) / t
     neg = jnp.finfo(jnp.float32).min
-    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-    idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), sorted_x.shape[:-1] + (1,))
-    kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
-    use_k = k > 0
-    x = jnp.where(use_k & (x < kth), neg, x)
-    sorted_x = jnp.where(use_k & (sorted_x < kth), neg, sorted_x)  # still sorted
-    sm = jax.nn.softmax(sorted_x, axis=-1)
-    keep = (jnp.cumsum(sm, axis=-1) - sm) < p  # the smallest prefix reaching top_p
-    cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((p < 1.0) & (x < cutoff), neg, x)
+
+    def filtered(x):
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        idx = jnp.broadcast_to(jnp.clip(k - 1, 0, v - 1), sorted_x.shape[:-1] + (1,))
+        kth = jnp.take_along_axis(sorted_x, idx, axis=-1)
+        use_k = k > 0
+        x = jnp.where(use_k & (x < kth), neg, x)
+        sorted_x = jnp.where(use_k & (sorted_x < kth), neg, sorted_x)  # still sorted
+        sm = jax.nn.softmax(sorted_x, axis=-1)
+        keep = (jnp.cumsum(sm, axis=-1) - sm) < p  # the smallest prefix reaching top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        return jnp.where((p < 1.0) & (x < cutoff), neg, x)
+
+    # the sort over the vocabulary only when some row filters (a runtime choice: rows
+    # without top-k and top-p are the common case)
+    x = jax.lax.cond(jnp.any((top_k > 0) | (top_p < 1.0)), filtered, lambda x: x, x)
     return jax.nn.log_softmax(x, axis=-1)
 
 

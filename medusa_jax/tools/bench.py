@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.acceptance import Sampling
+from medusa_jax.decoding.sampling import Rows
 from medusa_jax.decoding.decode import generate, medusa_capacity, medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters.medusa.drafter import standard_heads
@@ -94,17 +95,25 @@ def run_decoder(params, cfg: ModelConfig, prompts: list[list[int]], *, batch_siz
         chunk = prompts[s:s + batch_size]
         batches.append((len(chunk), *pad_prompts(chunk + [chunk[-1]] * (batch_size - len(chunk)))))
     key = jax.random.key(seed)
+    # sampled modes pass their values at run time, as the notebook API does (one program
+    # for every sampled setting); greedy keeps its own program, as there
+    if sampling.mode == "greedy":
+        how = dict(sampling=sampling, eos=eos)
+    else:
+        how = dict(rows=Rows.values(batch_size, max_new_tokens, eos, mode=sampling.mode,
+                                    temperature=sampling.temperature, top_k=sampling.top_k,
+                                    top_p=sampling.top_p, epsilon=sampling.epsilon,
+                                    delta=sampling.delta))
 
     def run(call=lambda fn, *args, **kw: fn(*args, **kw)):
         outs = []
         for _, tokens, lengths in batches:
             if heads is None:
-                outs.append(call(generate, params, cfg, tokens, lengths, key, sampling=sampling,
-                                 max_new_tokens=max_new_tokens, eos=eos, **phases))
+                outs.append(call(generate, params, cfg, tokens, lengths, key,
+                                 max_new_tokens=max_new_tokens, **how, **phases))
             else:
                 outs.append(call(medusa_generate, params, heads, cfg, tokens, lengths, key,
-                                 tree=tree, sampling=sampling, max_new_tokens=max_new_tokens,
-                                 eos=eos, **phases))
+                                 tree=tree, max_new_tokens=max_new_tokens, **how, **phases))
         return outs
 
     compiled = sum(run(timing.precompile), timing.Compile())  # the compile, timed apart

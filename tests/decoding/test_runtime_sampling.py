@@ -2,6 +2,7 @@
 every temperature, filter, seed and limit, and its draws are still exactly plain sampling's."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -98,3 +99,17 @@ def test_runtime_rejection_sampling_matches_plain_sampling_distribution(
     assert ok, f"rejection sampling with runtime values is not lossless: {ratio:.2f}"
     hist = np.asarray(out.accept_hist).sum(0)
     assert hist[2:].sum() > 0.2 * hist.sum()
+
+
+def test_row_log_probs_without_filters_is_the_tempered_softmax_and_with_them_filters():
+    from medusa_jax.decoding.sampling import row_log_probs
+
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 20)) * 3, jnp.float32)
+    t = jnp.asarray([0.5, 1.0, 2.0], jnp.float32)
+    off = row_log_probs(logits, t, jnp.zeros(3, jnp.int32), jnp.ones(3, jnp.float32))
+    np.testing.assert_allclose(off, jax.nn.log_softmax(logits / t[:, None, None]), atol=1e-6)
+    # one row filtering: its top-2 alone keep mass; the others are untouched
+    on = row_log_probs(logits, t, jnp.asarray([0, 2, 0], jnp.int32), jnp.ones(3, jnp.float32))
+    np.testing.assert_allclose(np.delete(np.asarray(on), 1, 0), np.delete(np.asarray(off), 1, 0),
+                               atol=1e-6)
+    assert np.all(np.sum(np.exp(np.asarray(on[1])) > 1e-12, axis=-1) == 2)
