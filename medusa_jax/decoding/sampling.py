@@ -44,6 +44,8 @@ def check(mode: str = "greedy", temperature: float = 1.0, top_k: int = 0, top_p:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     if mode != "greedy" and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
+    if not np.isfinite(temperature):
+        raise ValueError(f"temperature must be a finite number, got {temperature}")
     if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
         raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
     if not 0 < top_p <= 1:

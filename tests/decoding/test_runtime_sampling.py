@@ -19,6 +19,8 @@ def test_values_check_each_row_and_name_the_field():
         Rows.values(1, 8, mode="sample")
     with pytest.raises(ValueError, match=r"^row 0: max_tokens must be >= 1"):
         Rows.values(2, [0, 3])
+    with pytest.raises(ValueError, match=r"^temperature must be a finite number, got inf"):
+        Rows.values(1, 8, mode="rejection", temperature=float("inf"))
     assert Rows.values(3, 8).modes == ("greedy",)  # a greedy program compiles argmax only
     mixed = Rows.values(2, 8, mode=["greedy", "typical"])
     assert mixed.modes == ("greedy", "typical", "rejection")

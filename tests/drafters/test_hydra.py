@@ -50,14 +50,18 @@ def tiny_hydra(toy_lm, noisy_hydra):
 
 
 @pytest.mark.slow
-def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok):
-    """On a dynamic tree: Hydra's drafts, its per-path choice of nodes and rejection over the
-    pool with the unchosen nodes masked (static trees share all but the choice)."""
+@pytest.mark.parametrize("dynamic, which", [(True, 0), (False, 1)],
+                         ids=["dynamic-t1", "static-t0.7-topk-topp"])
+def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok, dynamic,
+                                              which):
+    """Hydra's drafts, drawn per parent node from its heads' distributions: on a dynamic
+    tree (its per-path choice of nodes, rejection over the pool with the unchosen nodes
+    masked) and on a static one with top-k and top-p filtering the drafts' distribution."""
     CFG, TREE, PROMPT, ROWS = toy_lm.CFG, toy_lm.TREE, toy_lm.PROMPT, toy_lm.ROWS
     SAMPLINGS = toy_lm.SAMPLINGS
     params, heads = tiny_hydra
-    tree = DynamicTree(TREE, 3)
-    sampling = SAMPLINGS[0]
+    tree = DynamicTree(TREE, 3) if dynamic else TREE
+    sampling = SAMPLINGS[which]
     exact = toy_lm.exact_pair_distribution(params, sampling)
     tokens, lengths = pad_prompts([PROMPT] * ROWS)
     out = medusa_generate(params, heads, CFG, tokens, lengths, jax.random.key(7), tree=tree,
