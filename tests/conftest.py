@@ -45,6 +45,22 @@ def pytest_configure(config):
             jax.config.update(name, value)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file, drop the programs JAX keeps compiled in this process (the
+    persistent cache still holds them). XLA:CPU maps a few memory regions per loaded
+    program, and a worker that kept every program of its files reached the kernel's limit
+    on mappings (vm.max_map_count, 65,530 here) and aborted inside a compile."""
+    yield
+    import gc
+    import sys
+
+    jax = sys.modules.get("jax")  # files that never import JAX stay without it
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture(scope="session")
 def stories():
     """(cfg, backbone params, tokenizer) of the embedded stories260K model."""
