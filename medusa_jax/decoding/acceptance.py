@@ -123,7 +123,6 @@ def rejection_logp(logp, tokens, tree: Tree, keys, valid=None, drafts=None):
     if drafts is not None:
         return rejection_drafted(logp, tree, keys, valid, *drafts)
     children = jnp.asarray(tree.children)
-    paths = jnp.asarray(tree.paths)
     if valid is None:
         valid = jnp.ones(tokens.shape, bool)
 
@@ -148,31 +147,46 @@ def rejection_logp(logp, tokens, tree: Tree, keys, valid=None, drafts=None):
                 body, (probs[node], jnp.int32(-1), key), jnp.arange(children.shape[1]))
             return residual, chosen, key
 
-        node = jnp.int32(0)
-        acc_len = jnp.int32(0)
-        active = jnp.bool_(True)
-        final = probs[0]
-        visited = [node]
-        for _ in range(tree.depth):
+        def try_node(node, key):
             residual, chosen, key = try_children(node, key)
-            stop_here = active & (chosen < 0)
-            final = jnp.where(stop_here, residual, final)
-            go = active & (chosen >= 0)
-            node = jnp.where(go, chosen, node)
-            acc_len = acc_len + go
-            active = go
-            visited.append(node)
-        final = jnp.where(active, probs[node], final)
-        key, sub = jax.random.split(key)
-        bonus = jax.random.categorical(sub, jnp.log(jnp.maximum(final, 0.0)))
-        # the chosen path: the leaf-path row whose prefix equals the visited nodes
-        visited = jnp.stack(visited)  # [D+1]
-        steps = jnp.arange(tree.depth + 1)
-        agrees = jnp.all((paths == visited[None]) | (steps[None] > acc_len), axis=-1)
-        best = jnp.argmax(agrees)
-        return best, acc_len, bonus.astype(jnp.int32)
+            return residual, chosen, jnp.int32(-1), key
+
+        return _walk(tree, probs, key, try_node)
 
     return jax.vmap(one_row)(logp, tokens, keys, valid)
+
+
+def _walk(tree: Tree, probs, key, try_node):
+    """One row's descent from the root: `try_node(node, key)` -> (what is left of the
+    node's target distribution [V], the child accepted or -1, a token that ends the path
+    there or -1, key). Returns (best path, accepted length, next root): the next root is the
+    token that ended the path, else a draw from what is left at the last node."""
+    paths = jnp.asarray(tree.paths)
+    node = jnp.int32(0)
+    acc_len = jnp.int32(0)
+    active = jnp.bool_(True)
+    final = probs[0]
+    fixed = jnp.int32(-1)
+    visited = [node]
+    for _ in range(tree.depth):
+        residual, chosen, ends, key = try_node(node, key)
+        stop_here = active & (chosen < 0)
+        final = jnp.where(stop_here, residual, final)
+        fixed = jnp.where(stop_here, ends, fixed)
+        go = active & (chosen >= 0)
+        node = jnp.where(go, chosen, node)
+        acc_len = acc_len + go
+        active = go
+        visited.append(node)
+    final = jnp.where(active, probs[node], final)
+    key, sub = jax.random.split(key)
+    drawn = jax.random.categorical(sub, jnp.log(jnp.maximum(final, 0.0)))
+    bonus = jnp.where(fixed >= 0, fixed, drawn)
+    # the chosen path: the leaf-path row whose prefix equals the visited nodes
+    visited = jnp.stack(visited)  # [D+1]
+    steps = jnp.arange(tree.depth + 1)
+    agrees = jnp.all((paths == visited[None]) | (steps[None] > acc_len), axis=-1)
+    return jnp.argmax(agrees), acc_len, bonus.astype(jnp.int32)
 
 
 def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
@@ -193,7 +207,6 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
     node's drafts were drawn from."""
     rank_child = jnp.asarray(tree.rank_child)  # [T, k]
     offered = jnp.asarray(tree.rank_offered)  # [T, k]
-    paths = jnp.asarray(tree.paths)
     k = rank_child.shape[1]
     if valid is None:
         valid = jnp.ones(logp.shape[:2], bool)
@@ -225,30 +238,7 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
             (residual, _, chosen, ends, key), _ = jax.lax.scan(body, init, jnp.arange(k))
             return residual, chosen, ends, key
 
-        node = jnp.int32(0)
-        acc_len = jnp.int32(0)
-        active = jnp.bool_(True)
-        final = probs[0]
-        fixed = jnp.int32(-1)  # an accepted draft that ends the path: the next root
-        visited = [node]
-        for _ in range(tree.depth):
-            residual, chosen, ends, key = try_drafts(node, key)
-            stop_here = active & (chosen < 0)
-            final = jnp.where(stop_here, residual, final)
-            fixed = jnp.where(stop_here, ends, fixed)
-            go = active & (chosen >= 0)
-            node = jnp.where(go, chosen, node)
-            acc_len = acc_len + go
-            active = go
-            visited.append(node)
-        final = jnp.where(active, probs[node], final)
-        key, sub = jax.random.split(key)
-        drawn = jax.random.categorical(sub, jnp.log(jnp.maximum(final, 0.0)))
-        bonus = jnp.where(fixed >= 0, fixed, drawn)
-        visited = jnp.stack(visited)  # [D+1]
-        steps = jnp.arange(tree.depth + 1)
-        agrees = jnp.all((paths == visited[None]) | (steps[None] > acc_len), axis=-1)
-        return jnp.argmax(agrees), acc_len, bonus.astype(jnp.int32)
+        return _walk(tree, probs, key, try_drafts)
 
     return jax.vmap(one_row)(logp, keys, valid, draws, draft_logq.astype(jnp.float32))
 
