@@ -34,6 +34,9 @@ class Drafter(Protocol):
     kind: str  # the artifact's kind ("medusa", "hydra", "eagle3")
     batch_axis: int  # the axis of the carry's leaves that holds the rows
     aux_layers: tuple  # backbone layers whose inputs `begin`/`advance` receive (() : none)
+    # whether the carry holds state built from every committed token (its own KV cache): such
+    # a drafter cannot start after a cached prefix, nor be carried along by plain steps
+    keeps_context: bool
 
     @classmethod
     def matches(cls, heads: Params) -> bool:
@@ -81,6 +84,7 @@ class FromLastHidden:
     of the last committed token, lengths [B])`: Medusa and Hydra heads."""
 
     aux_layers = ()
+    keeps_context = False
 
     def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
         last = hidden[jnp.arange(hidden.shape[0]), lengths - 1]

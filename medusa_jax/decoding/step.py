@@ -299,9 +299,10 @@ def start_after_prefix(params: Params, cfg: ModelConfig, cache: KVCache, tokens:
     hold lengths + Q slots), lengths [B] the whole prompts' lengths. The drafter begins
     from the tokens fed here (`begin` sees them as a prompt of that many tokens: a drafter
     that reads only the last hidden state starts as after the whole prompt); one that reads
-    every prompt token (`aux_layers`) cannot start here, as it never saw the prefix."""
-    if drafter is not None and drafter.aux_layers:
-        raise ValueError(f"a {drafter.kind} drafter reads every prompt token's hidden state, "
+    that keeps state of every committed token (`keeps_context`) cannot start here, as it
+    never saw the prefix."""
+    if drafter is not None and drafter.keeps_context:
+        raise ValueError(f"a {drafter.kind} drafter keeps state of every prompt token, "
                          f"so it cannot start after a cached prefix")
     b, q = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(q, dtype=jnp.int32)[None]

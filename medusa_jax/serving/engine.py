@@ -360,8 +360,8 @@ AUTO_PLAIN_ABOVE = 4
 def auto_plain_above(drafter, slots: int, backend: str) -> int | None:
     """The default `plain_above`: on CPU, plain steps while more than AUTO_PLAIN_ABOVE
     slots are live; elsewhere, with fewer slots, or for a drafter that plain steps cannot
-    carry along (one with its own cache, `aux_layers`), always Medusa (None)."""
-    if drafter is None or drafter.aux_layers or backend != "cpu" or slots <= AUTO_PLAIN_ABOVE:
+    carry along (one with its own cache, `keeps_context`), always Medusa (None)."""
+    if drafter is None or drafter.keeps_context or backend != "cpu" or slots <= AUTO_PLAIN_ABOVE:
         return None
     return AUTO_PLAIN_ABOVE
 
@@ -407,7 +407,7 @@ class Engine:
       request left in its slot) is prefilled only after them, when that takes a shorter
       prompt bucket (`extend`; compiled last in a warm-up, and used once compiled). Not
       with one prompt bucket, nor for a drafter with its own cache of every token
-      (`aux_layers`). A free slot's cache is moved to another free one (the least recently
+      (`keeps_context`). A free slot's cache is moved to another free one (the least recently
       used) before its slot takes a new request, so the slots keep what they held."""
 
     def __init__(self, model, *, slots: int = 8, medusa: bool | None = None, tree=None,
@@ -467,7 +467,7 @@ class Engine:
         self.extend_buckets = sorted({b for b in EXTEND_BUCKETS if b < self.buckets[-1]}
                                      | set(self.buckets[:-1]))
         self.prefix_cache = (bool(prefix_cache) and bool(self.extend_buckets)
-                             and not (self.drafter is not None and self.drafter.aux_layers))
+                             and not (self.drafter is not None and self.drafter.keeps_context))
         if slot_buckets is None:
             slot_buckets = [slots] + [2**i for i in range(slots.bit_length()) if 2**i < slots]
         if not slot_buckets or any(not 1 <= int(r) <= slots for r in slot_buckets):
@@ -483,7 +483,7 @@ class Engine:
                              f"got {plain_above!r}")
         if plain_above == "auto":
             plain_above = auto_plain_above(self.drafter, slots, jax.default_backend())
-        if plain_above is not None and self.drafter is not None and self.drafter.aux_layers:
+        if plain_above is not None and self.drafter is not None and self.drafter.keeps_context:
             raise ValueError(f"plain_above={plain_above}: a {self.drafter.kind} drafter keeps "
                              f"its own cache of every committed token, which plain steps do "
                              f"not feed; leave plain_above unset with these heads")

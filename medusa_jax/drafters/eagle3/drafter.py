@@ -182,6 +182,7 @@ class Eagle3Drafter:
     config: eagle3.Eagle3Config | None = None
     model_cfg: ModelConfig | None = None
     kind = "eagle3"
+    keeps_context = True  # its own KV cache of every committed entry
     batch_axis = 0  # of the carry: every leaf has the rows first
 
     @classmethod
