@@ -42,77 +42,16 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
+from medusa_jax.model.cache import (  # noqa: F401 (re-exported: callers import them from here)
+    MAX_UNROLLED_ROWS,
+    KVCache,
+    write_kv,
+)
+from medusa_jax.model.cache import write_layer as _write_layer
+from medusa_jax.model.cache import write_rows as _write_rows  # noqa: F401 (EAGLE-3's carry)
 from medusa_jax.model.config import ModelConfig, as_dtype
-from medusa_jax.runtime import pytree as struct  # flax.struct without importing Flax
-from medusa_jax.runtime import sharding
 
 Params = dict
-
-
-@struct.dataclass
-class KVCache:
-    """Preallocated keys/values, one fill length per batch row.
-
-    k, v:    [L, B, KVH, S, D]  slot s of row b holds the token at position s
-                                (heads before slots: attention is then a plain batched matmul)
-             or tuples of L [B*KVH, S, D] buffers (`per_layer`, for the decoding layout: a
-             batch row's KV heads are rows b*KVH .. (b+1)*KVH - 1)
-    lengths: [B] int32          slots [0, lengths[b]) are the row's committed context
-
-    `forward` writes the new tokens at slots lengths[b] ... lengths[b] + T - 1 and leaves
-    `lengths` alone: the caller decides how many of them to keep (speculative decoding keeps
-    a different number per row) and calls `advance`.
-    """
-
-    k: jax.Array
-    v: jax.Array
-    lengths: jax.Array
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[1] if isinstance(self.k, tuple) else self.k.shape[3]
-
-    @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None, *,
-             per_layer: bool = False) -> "KVCache":
-        """`per_layer=True`: k and v are tuples of L buffers [B*KVH, S, D], for the
-        decoding layout on one device (each layer writes its own buffer in place)."""
-        dtype = as_dtype(dtype or cfg.compute_dtype)
-        if per_layer:
-            shape = (batch * cfg.num_kv_heads, capacity, cfg.head_dim)
-            return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                       v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                       lengths=jnp.zeros((batch,), jnp.int32))
-        shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-        # under `jax.set_mesh`: rows over the batch axes, KV heads over "model"
-        k, v = sharding.constrain_cache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                                        cfg.num_kv_heads)
-        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32))
-
-    def advance(self, n: jax.Array) -> "KVCache":
-        return self.replace(lengths=self.lengths + n.astype(jnp.int32))
-
-    def leading(self, rows: int, window: int) -> "KVCache":
-        """The first `rows` rows, cut to their first `window` slots (a copy). A loop that
-        attends over a window carries this, not the whole cache: a narrower read of a
-        loop-carried buffer that the loop also updates makes XLA copy it at every step."""
-        if isinstance(self.k, tuple):
-            kvh = self.k[0].shape[0] // self.lengths.shape[0]
-            k = tuple(a[:rows * kvh, :window] for a in self.k)
-            v = tuple(a[:rows * kvh, :window] for a in self.v)
-        else:
-            k, v = self.k[:, :rows, :, :window], self.v[:, :rows, :, :window]
-        return KVCache(k=k, v=v, lengths=self.lengths[:rows])
-
-    def put_leading(self, sub: "KVCache") -> "KVCache":
-        """`leading`'s inverse: `sub` written over the first rows and slots (in place when
-        this cache is donated or dead afterwards)."""
-        at = lambda a, b: jax.lax.dynamic_update_slice(a, b, (0,) * a.ndim)  # noqa: E731
-        if isinstance(self.k, tuple):
-            k, v = tuple(map(at, self.k, sub.k)), tuple(map(at, self.v, sub.v))
-        else:
-            k, v = at(self.k, sub.k), at(self.v, sub.v)
-        return KVCache(k=k, v=v, lengths=at(self.lengths, sub.lengths))
 
 
 # ----------------------------------------------------------------------------- masks
@@ -250,29 +189,6 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotate(x, rope_table(positions, inv_freq))
 
 
-# Batch rows written one in-place update each (up to this many; see `_write_rows`).
-MAX_UNROLLED_ROWS = 16
-
-
-def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [L, B, KVH, S, D], new [L, B, KVH, T, D]: row b's T entries go to slot starts[b].
-
-    One in-place update per row (B is static): a `vmap` over the row axis would move it
-    to the front and back, which XLA does by copying the whole cache at every step. Past
-    `MAX_UNROLLED_ROWS` rows (sampling tests, big offline batches) the vmap it is: a copy
-    per step is cheaper there than thousands of updates to trace and compile."""
-    if cache.shape[1] > MAX_UNROLLED_ROWS:
-        def one(c, n, s):  # c [L, KVH, S, D]
-            return jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=2)
-
-        return jax.vmap(one, in_axes=(1, 1, 0), out_axes=1)(cache, new, starts)
-    zero = jnp.zeros((), jnp.int32)
-    for b in range(cache.shape[1]):
-        start = (zero, jnp.asarray(b, jnp.int32), zero, starts[b].astype(jnp.int32), zero)
-        cache = jax.lax.dynamic_update_slice(cache, new[:, b:b + 1], start)
-    return cache
-
-
 def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask, new_mask):
     """Attention over the committed cache plus the T new tokens.
 
@@ -396,22 +312,6 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_
     attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
                       new_mask)
     return _residual_and_mlp(cfg, x, attn, layer), k, v
-
-
-def _write_layer(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B*KVH, S, D], new [B, KVH, T, D]: row b's entries go to slot starts[b], one
-    in-place update per row."""
-    kvh = new.shape[1]
-    if new.shape[0] > MAX_UNROLLED_ROWS:  # see `_write_rows`
-        rows = cache.reshape(new.shape[0], kvh, *cache.shape[1:])
-        rows = jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, axis=1)
-                        )(rows, new, starts)
-        return rows.reshape(cache.shape)
-    zero = jnp.zeros((), jnp.int32)
-    for b in range(new.shape[0]):
-        cache = jax.lax.dynamic_update_slice(
-            cache, new[b], (jnp.asarray(b * kvh, jnp.int32), starts[b], zero))
-    return cache
 
 
 def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq,
@@ -684,16 +584,6 @@ def _scan_capturing(body, x, xs, aux_layers: tuple, num_layers: int, unroll: int
     kept = jnp.zeros((n + 1, *x.shape), x.dtype)
     (x, kept), ys = jax.lax.scan(step, (x, kept), (xs, slot), unroll=unroll)
     return x, ys, {i: kept[j] for j, i in enumerate(aux_layers)}
-
-
-def write_kv(cache: KVCache, k_new: jax.Array, v_new: jax.Array) -> KVCache:
-    """Write [L, B, KVH, T, D] keys/values at slots lengths[b] ... (lengths unchanged)."""
-    if isinstance(cache.k, tuple):
-        return cache.replace(
-            k=tuple(_write_layer(c, k_new[i], cache.lengths) for i, c in enumerate(cache.k)),
-            v=tuple(_write_layer(c, v_new[i], cache.lengths) for i, c in enumerate(cache.v)))
-    return cache.replace(k=_write_rows(cache.k, k_new, cache.lengths),
-                         v=_write_rows(cache.v, v_new, cache.lengths))
 
 
 def forward_scratch(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
