@@ -218,3 +218,33 @@ def model_folder(tmp_path):
 
     return make
 
+
+
+class OneLineError:
+    """The project's bad-input contract: an error message is one line with no traceback.
+
+    `check(exc_type, fn, *needles)` (the fixture called): `fn()` raises `exc_type` with a
+    one-line message holding every needle; returns the message.
+    `.message(msg_or_excinfo)`: asserts a message (a string or `pytest.raises`' ExceptionInfo)
+    is one line with no traceback; returns it."""
+
+    def __call__(self, exc_type, fn, *needles) -> str:
+        with pytest.raises(exc_type) as e:
+            fn()
+        msg = self.message(e)
+        for n in needles:
+            assert str(n) in msg, (n, msg)
+        return msg
+
+    @staticmethod
+    def message(msg) -> str:
+        if isinstance(msg, pytest.ExceptionInfo):
+            msg = str(msg.value)
+        assert "\n" not in msg.strip() and "Traceback" not in msg, msg
+        return msg
+
+
+@pytest.fixture(scope="session")
+def one_line_error():
+    """`OneLineError`: checks that an error is one line naming what it should."""
+    return OneLineError()

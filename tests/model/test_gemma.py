@@ -371,15 +371,6 @@ def test_rejection_sampling_is_lossless_on_gemma2(chi_square_ok):
 # ----------------------------------------------------------------------------- errors
 
 
-def _one_line(exc, fn, *needles):
-    with pytest.raises(exc) as e:
-        fn()
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    for n in needles:
-        assert str(n) in msg, (n, msg)
-
-
 def _write_config(folder, **changes):
     conf = json.loads((folder / "config.json").read_text())
     conf.update(changes)
@@ -395,12 +386,14 @@ def _write_config(folder, **changes):
     (dict(final_logit_softcapping="big"), ("final_logit_softcapping='big'",)),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 2.0}), ("rope type 'yarn'",)),
 ])
-def test_unsupported_config_values_are_one_line_errors(models, tmp_path, change, needles):
+def test_unsupported_config_values_are_one_line_errors(models, tmp_path, change, needles,
+                                                        one_line_error):
     import shutil
 
     shutil.copytree(models["gemma2"][1], tmp_path, dirs_exist_ok=True)
     _write_config(tmp_path, **change)
-    _one_line(ValueError, lambda: load_pretrained(tmp_path), tmp_path / "config.json", *needles)
+    one_line_error(ValueError, lambda: load_pretrained(tmp_path), tmp_path / "config.json",
+                   *needles)
 
 
 def test_defaults_are_transformers_class_defaults():
@@ -423,7 +416,7 @@ def test_defaults_are_transformers_class_defaults():
         "gemma3_text", 2560, (1, 106), 1024)
 
 
-def test_strict_loading_names_the_missing_or_misshapen_tensor(models, tmp_path):
+def test_strict_loading_names_the_missing_or_misshapen_tensor(models, tmp_path, one_line_error):
     from safetensors.numpy import load_file, save_file
 
     src = models["gemma3_text"][1]
@@ -432,17 +425,17 @@ def test_strict_loading_names_the_missing_or_misshapen_tensor(models, tmp_path):
     missing = {k: v for k, v in tensors.items()
                if k != "model.layers.1.post_feedforward_layernorm.weight"}
     save_file(missing, str(tmp_path / "model.safetensors"))
-    _one_line(WeightsError, lambda: load_pretrained(tmp_path),
+    one_line_error(WeightsError, lambda: load_pretrained(tmp_path),
               "missing tensor model.layers.1.post_feedforward_layernorm.weight")
     bad = dict(tensors, **{"model.layers.2.self_attn.q_norm.weight": np.zeros(8, np.float32)})
     save_file(bad, str(tmp_path / "model.safetensors"))
-    _one_line(WeightsError, lambda: load_pretrained(tmp_path),
+    one_line_error(WeightsError, lambda: load_pretrained(tmp_path),
               "tensor model.layers.2.self_attn.q_norm.weight has shape (8,), expected (16,)")
     # Gemma 1 has no pre-feedforward norm: a Gemma 2 layer's tensors are refused by name
     _write_config(tmp_path, **json.loads((models["gemma"][1] / "config.json").read_text()))
     save_file(load_file(str(models["gemma2"][1] / "model.safetensors")),
               str(tmp_path / "model.safetensors"))
-    _one_line(WeightsError, lambda: load_pretrained(tmp_path), "unexpected tensor",
+    one_line_error(WeightsError, lambda: load_pretrained(tmp_path), "unexpected tensor",
               "post_feedforward_layernorm")
 
 

@@ -9,12 +9,6 @@ from medusa_jax.text import data
 from medusa_jax.text.data import DataError
 
 
-def one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg and "Traceback" not in msg, msg
-    return msg
-
-
 @pytest.mark.parametrize("name, content, message", [
     ("zero.jsonl", b"", "the file is empty"),
     ("blank.json", b" \n\t\n", "the file is empty (whitespace only)"),
@@ -23,18 +17,18 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     ("array.json", b"[]", "the file holds no records (an empty JSON array)"),
 ])
 @pytest.mark.parametrize("fmt", ["auto", "sharegpt"])
-def test_empty_data_file(tmp_path, name, content, message, fmt):
+def test_empty_data_file(tmp_path, name, content, message, fmt, one_line_error):
     f = tmp_path / name
     f.write_bytes(content)
     if fmt == "sharegpt" and name.endswith(".txt"):
         fmt = "text"
     with pytest.raises(DataError) as e:
         data.read_file(f, fmt)
-    assert one_line(e) == f"{f}: {message}"
+    assert one_line_error.message(e) == f"{f}: {message}"
 
 
 @pytest.mark.parametrize("name", ["chats.jsonl", "stories.txt"])
-def test_non_utf8_data_file_names_the_line(tmp_path, name):
+def test_non_utf8_data_file_names_the_line(tmp_path, name, one_line_error):
     f = tmp_path / name
     good = json.dumps({"conversations": [{"from": "human", "value": "hi"},
                                          {"from": "gpt", "value": "hello"}]}).encode()
@@ -42,8 +36,8 @@ def test_non_utf8_data_file_names_the_line(tmp_path, name):
     with pytest.raises(DataError) as e:
         data.read_file(f)
     offset = 2 * (len(good) + 1) + 10
-    assert one_line(e) == (f"{f}:3: not UTF-8 text (byte 0xe9 at offset {offset}: invalid "
-                           f"continuation byte)")
+    assert one_line_error.message(e) == (f"{f}:3: not UTF-8 text (byte 0xe9 at offset "
+                                         f"{offset}: invalid continuation byte)")
 
 
 def test_data_file_with_a_byte_order_mark(tmp_path):

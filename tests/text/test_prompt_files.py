@@ -6,12 +6,6 @@ import pytest
 from medusa_jax.tools.bench import read_prompt_file
 
 
-def one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg and "Traceback" not in msg, msg
-    return msg
-
-
 @pytest.mark.parametrize("content, message", [
     (b"Once upon a time\nLily \xff\n", "2: not UTF-8 text (byte 0xff at offset 22: invalid "
                                        "start byte)"),
@@ -29,12 +23,12 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     (b"", " the file is empty"),
     (b"\n \n", " the file is empty (whitespace only)"),
 ])
-def test_bad_prompt_files(tmp_path, content, message):
+def test_bad_prompt_files(tmp_path, content, message, one_line_error):
     f = tmp_path / "prompts.jsonl"
     f.write_bytes(content)
     with pytest.raises(ValueError) as e:
         read_prompt_file(f)
-    assert one_line(e) == f"{f}:{message}"
+    assert one_line_error.message(e) == f"{f}:{message}"
 
 
 def test_good_prompt_file(tmp_path):
