@@ -22,16 +22,6 @@ from medusa_jax.decoding.sampling import MODES, Rows, Sampling, argmax, log_prob
 from medusa_jax.decoding.tree import Tree
 
 
-def sample(key: jax.Array, logits: jax.Array, s: Sampling) -> jax.Array:
-    """Plain next-token choice: argmax in greedy mode, else a draw from `log_probs`.
-
-    (Plain decoding has no tree, so "typical" and "rejection" both mean plain sampling there.)
-    logits [..., V]."""
-    if s.mode != "greedy":
-        return jax.random.categorical(key, log_probs(logits, s)).astype(jnp.int32)
-    return argmax(logits)
-
-
 def _path_tokens(tree: Tree, tokens):
     paths = jnp.asarray(tree.paths)
     return tokens[:, paths], paths  # [B, P, D+1]
@@ -243,19 +233,6 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
     return jax.vmap(one_row)(logp, keys, valid, draws, draft_logq.astype(jnp.float32))
 
 
-# Every rule as (logits, tokens, tree, sampling, keys, valid, slot) -> (best path, accepted
-# length, next root), looked up by `Sampling.mode`.
-RULES = {
-    "greedy": lambda logits, tokens, tree, s, keys, valid, slot: greedy(logits, tokens, tree,
-                                                                        valid, slot),
-    "typical": lambda logits, tokens, tree, s, keys, valid, slot: typical(
-        node_rows(logits, slot), tokens, tree, s, valid),
-    "rejection": lambda logits, tokens, tree, s, keys, valid, slot: rejection(
-        node_rows(logits, slot), tokens, tree, s, keys, valid),
-}
-assert set(RULES) == set(MODES)
-
-
 def accept_rows(logits, tokens, tree: Tree, rows: Rows, keys, valid=None, slot=None,
                 live=None, drafts=None):
     """`accept` with each row's own rule and parameters (`rows`): the first of `rows.modes`
@@ -283,4 +260,4 @@ def accept(logits, tokens, tree: Tree, s: Sampling, keys, valid=None, slot=None)
     next root token [B]). keys [B]: one PRNG key per row (used by "rejection" only);
     valid [B, T]: the nodes each row verified (dynamic trees), default all; slot [B, T]:
     which row of `logits` [B, F, V] each node was verified as (default: node i is row i)."""
-    return RULES[s.mode](logits, tokens, tree, s, keys, valid, slot)
+    return accept_rows(logits, tokens, tree, Rows.of(s, logits.shape[0], 1), keys, valid, slot)

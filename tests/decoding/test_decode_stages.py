@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from medusa_jax.decoding import acceptance, decode
-from medusa_jax.decoding.acceptance import MODES, Sampling
+from medusa_jax.decoding.acceptance import Sampling
 from medusa_jax.decoding.tree import Tree
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
 from medusa_jax.model.config import ModelConfig
@@ -69,23 +69,20 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
     assert int(cache.lengths[0]) == 4  # verify commits nothing
 
 
-@pytest.mark.slow
-def test_acceptance_rules_are_looked_up_by_mode(params):
-    assert set(acceptance.RULES) == set(MODES)
-    cache = _prefilled(params, [[1, 2, 3]])
-    prop = decode.propose_candidates(jnp.array([4]), jax.random.normal(jax.random.key(1),
-                                                                        (3, 1, V)), TREE)
-    cand = prop.fed
+def test_each_row_follows_its_own_acceptance_rule(params):
+    """`accept_rows`, the acceptance the step runs: rows of a batch in different modes each
+    get what their mode's rule gives them alone."""
+    cache = _prefilled(params, [[1, 2, 3], [5, 6, 7]])
+    prop = decode.propose_candidates(jnp.array([4, 9]), jax.random.normal(
+        jax.random.key(1), (3, 2, V)), TREE)
     logits, _, _, _ = decode.verify(params, CFG, prop, cache)
-    keys = jax.random.split(jax.random.key(0), 1)
-    got = acceptance.accept(logits, cand, TREE, Sampling(), keys)
-    want = acceptance.greedy(logits, cand, TREE)
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    got = acceptance.accept(logits, cand, TREE, Sampling("typical", temperature=0.7), keys)
-    want = acceptance.typical(logits, cand, TREE, Sampling("typical", temperature=0.7))
-    for a, b in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    keys = jax.random.split(jax.random.key(0), 2)
+    rows = decode.Rows.values(2, 8, mode=["greedy", "typical"], temperature=0.7)
+    got = acceptance.accept_rows(logits, prop.fed, TREE, rows, keys)
+    greedy = acceptance.greedy(logits, prop.fed, TREE)
+    typical = acceptance.typical(logits, prop.fed, TREE, Sampling("typical", temperature=0.7))
+    for a, g, t in zip(got, greedy, typical):
+        np.testing.assert_array_equal(np.asarray(a), [np.asarray(g)[0], np.asarray(t)[1]])
 
 
 def _state(b, count, done):
