@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from medusa_jax.constants import HEADS_DTYPES, MODES
 from medusa_jax.runtime.options import errors_to_exit, mesh_spec
 
-# acceptance.MODES, here without importing JAX (a test checks the two agree)
-DECODE_MODES = ("greedy", "typical", "rejection")
+DECODE_MODES = MODES  # the name the commands used before `constants`
 
 
 def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
@@ -23,7 +23,7 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                     "EAGLE-3 drafter (any layout load_heads reads), or 'default' / 'hydra' / "
                     "'eagle' for the embedded model's shipped ones (default: the shipped "
                     "Medusa heads for the embedded model)") + "; a hub id works here too")
-    ap.add_argument("--heads-dtype", choices=["float32", "bfloat16"], default="float32",
+    ap.add_argument("--heads-dtype", choices=HEADS_DTYPES, default="float32",
                     help="the heads' weight matrices in bfloat16 halve what a step reads of "
                          "them; they change only the drafts, not what is emitted (default "
                          "float32)")

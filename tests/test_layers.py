@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "medusa_jax"
 
 # lowest first; a folder imports only from folders of lower rank (and from itself)
 LAYERS = {
-    "kernels": 0, "runtime": 1, "text": 2, "model": 3, "decoding": 4, "drafters": 5,
+    "constants": 0, "kernels": 0, "runtime": 1, "text": 2, "model": 3, "decoding": 4, "drafters": 5,
     "api": 6, "tools": 7, "training": 8, "serving": 8, "cli": 9, "__init__": 10,
 }
 

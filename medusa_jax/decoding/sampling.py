@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.constants import MODES
 from medusa_jax.runtime import pytree as struct
 
-MODES = ("greedy", "typical", "rejection")
 # the modes that draw a token at random where plain decoding chooses one (plain decoding has
 # no tree, so "typical" means plain sampling there) and where a tree's root is chosen
 PLAIN_DRAWS = ("typical", "rejection")

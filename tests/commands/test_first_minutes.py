@@ -144,10 +144,3 @@ def test_a_missing_prompts_file_is_one_line_before_heavy_imports(module, argv):
     result, proc = probe(module, *argv)
     assert result["rc"] in (1, 2) and result["heavy"] == [], proc.stderr
     assert "/nonexistent/p.txt: no such" in proc.stderr
-
-
-def test_the_commands_modes_are_the_decoders():
-    from medusa_jax import cli
-    from medusa_jax.decoding.acceptance import MODES
-
-    assert cli.DECODE_MODES == MODES
