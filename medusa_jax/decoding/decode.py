@@ -237,16 +237,16 @@ def medusa_init(params: Params, heads: Params, cfg: ModelConfig, tokens: jax.Arr
     """Prefill, choose each row's root and start the drafter. Returns (state, the heads the
     tree uses: those deeper than the tree never propose a candidate and are not run)."""
     drafter = drafter_for(heads, head_fn)
+    have = drafter.depth(heads)
+    if have is not None and have < tree.depth:
+        raise ValueError(f"tree {tree.name!r} has depth {tree.depth} but there are only "
+                         f"{have} {drafter.kind.title()} heads")
     b, p = tokens.shape
     heads = drafter.prepare(heads, tree, cpu_kernels=kernels.active(params))
     state = step.start(params, cfg, tokens, lengths, _row_keys(key, b),
                        _rows(sampling, rows, b, max_new_tokens, eos),
                        medusa_capacity(p, max_new_tokens, tree), drafter, heads,
                        width=tree.depth + 1)
-    have = drafter.num_heads(heads, state.draft)
-    if have < tree.depth:
-        raise ValueError(f"tree {tree.name!r} has depth {tree.depth} but there are only "
-                         f"{have} {drafter.kind.title()} heads")
     return state, heads
 
 

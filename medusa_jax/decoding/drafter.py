@@ -14,9 +14,11 @@ Parameters may carry their drafter (`BoundParams`: a dict with a `drafter`, stat
 pytree): a drafter whose configuration the tensors' shapes do not hold (EAGLE-3's aux layers,
 its norm eps and rope) travels with its parameters through every decoder that way.
 
-The kinds of drafter live in `medusa_jax.drafters` (one folder each); this layer names them
-in `DRAFTERS` as "module:class" and imports one only when heads of its kind are decoded,
-so decoding never imports a drafter's code. Adding a kind is a folder there and a line here.
+The kinds of drafter live in `medusa_jax.drafters` (one folder each), registered in
+`drafters.registry`; this layer looks a kind up there by name only when heads of it are
+decoded, so decoding never imports a drafter's code. Besides decoding, a kind's class
+declares its file formats (`formats`: see `drafters.formats`) and how it is enlarged
+(`enlarge`); the conformance test (tests/drafters/test_conformance.py) is the recipe.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ class Drafter(Protocol):
     def matches(cls, heads: Params) -> bool:
         """Whether `heads` (arrays, numpy or shapes) are this kind's parameters."""
 
-    @classmethod
-    def shape_of(cls, heads: Params) -> tuple[int, int]:
-        """(number of heads, residual blocks per head), read off the parameters."""
+    def depth(self, heads: Params) -> int | None:
+        """How many levels of a tree this drafter can fill with `heads` (None: any): the
+        one answer the API, the decoders and the tools check a tree against."""
 
     @classmethod
     def axes(cls, heads: Params) -> dict:
@@ -68,9 +70,6 @@ class Drafter(Protocol):
         committed), tokens [B, W] its tokens, acc_len [B] nodes accepted below the root,
         next_root [B], lengths [B] the cache lengths after commit, live [B] the rows that
         stepped -> the next carry (rows not live are restored by the step)."""
-
-    def num_heads(self, heads: Params, carry) -> int:
-        """How deep a tree this drafter can fill."""
 
     def propose(self, params: Params, heads: Params, carry, root, tree, draw=None):
         """Stage 1: the carry and the root [B] -> a `step.Proposal`. `draw` (a
@@ -116,49 +115,32 @@ jax.tree_util.register_pytree_with_keys(
     lambda aux, leaves: BoundParams(dict(zip(aux[0], leaves)), aux[1]))
 
 
-# kind -> "module:class", imported on first use; the first whose `matches` says yes drafts
-DRAFTERS = {
-    "eagle3": "medusa_jax.drafters.eagle3.drafter:Eagle3Drafter",
-    "hydra": "medusa_jax.drafters.hydra.drafter:HydraDrafter",
-    "medusa": "medusa_jax.drafters.medusa.drafter:MedusaDrafter",
-}
+def _registry():
+    """The kinds live with the drafters (`drafters.registry`), a layer above this one: it is
+    imported by name when a kind is first looked up, so decoding never imports their code."""
+    return importlib.import_module("medusa_jax.drafters.registry")
+
+
+def __getattr__(name):
+    if name == "DRAFTERS":  # kind -> "module:class" (or class), kept by `drafters.registry`
+        return _registry().KINDS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def drafter_class(kind: str) -> type:
-    """The drafter class registered for `kind`."""
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter kind {kind!r}; known: {', '.join(DRAFTERS)}")
-    module, name = DRAFTERS[kind].split(":")
-    return getattr(importlib.import_module(module), name)
+    """The drafter class registered for `kind` (`drafters.registry`)."""
+    return _registry().drafter_class(kind)
 
 
 def kind_of(heads: Params) -> str:
-    """The kind of drafter `heads` are the parameters of."""
-    for kind in DRAFTERS:
-        if drafter_class(kind).matches(heads):
-            return kind
-    names = ", ".join(sorted(heads)) if isinstance(heads, dict) else type(heads).__name__
-    raise ValueError(f"these heads are of no known drafter kind ({', '.join(DRAFTERS)}); "
-                     f"their tensors: {names}")
+    """The kind of drafter `heads` are the parameters of (`drafters.registry`)."""
+    return _registry().kind_of(heads)
 
 
 def drafter_for(heads: Params, head_fn=None) -> Drafter:
-    """The drafter of `heads`: `head_fn` when it is a drafter already, else the one bound to
-    `heads` (`BoundParams`), else the registered kind's, built from `head_fn` (a Medusa head
-    function, for tests' oracle heads)."""
-    if head_fn is not None and hasattr(head_fn, "propose"):
-        return head_fn
-    if head_fn is None and getattr(heads, "drafter", None) is not None:
-        return heads.drafter
-    if head_fn is not None and not any(drafter_class(k).matches(heads) for k in DRAFTERS):
-        # a Medusa head function takes whatever parameters it likes (tests' oracle heads)
-        return drafter_class("medusa").from_head_fn(head_fn)
-    return drafter_class(kind_of(heads)).from_head_fn(head_fn)
-
-
-def shape_of(heads: Params) -> tuple[int, int]:
-    """(number of heads, residual blocks per head) of heads of any kind."""
-    return drafter_class(kind_of(heads)).shape_of(heads)
+    """The drafter of `heads` (`drafters.registry.drafter_for`): `head_fn` when it is a
+    drafter, else the one bound to `heads`, else the registered kind's."""
+    return _registry().drafter_for(heads, head_fn)
 
 
 HEADS_DTYPES = ("float32", "bfloat16")

@@ -1,6 +1,8 @@
 """Heads in the layouts other tools use: detection, strict readers, writers, and our own
-artifact (`save_heads`, `load_heads`). This module imports `heads` (computing heads), never
-the reverse.
+artifact (`save_heads`, `load_heads`), as one loop over the kinds of drafter
+(`drafters.registry`): each kind's class names its formats (`formats`: an object with the
+kind's `layouts`, each a `drafters.io.Layout` with detect / read / write, and `save`,
+`load`, `sizes` for our artifact, whose metadata records the kind). No kind is named here.
 
 K heads, L residual blocks each, hidden size H, vocabulary V (T < V: a reduced vocabulary).
 Per head i and block j; torch `Linear` weights are [out, in], ours are [in, out] (y = x @ w):
@@ -46,9 +48,7 @@ with L > 1 are read here as L independent blocks (as vLLM and TensorRT-LLM read 
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
 from pathlib import Path
 
 import jax
@@ -56,16 +56,22 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from medusa_jax.decoding import drafter
-from medusa_jax.drafters.eagle3 import heads as eagle3
-from medusa_jax.drafters.eagle3.drafter import bind
-from medusa_jax.drafters.eagle3.formats import read_eagle3, write_eagle3
-from medusa_jax.drafters.hydra import heads as hydra
-from medusa_jax.drafters.hydra.formats import HYDRA_PT, HYDRA_ST, read_hydra, write_hydra
+from medusa_jax.drafters import registry
+from medusa_jax.drafters.artifact import (  # noqa: F401 - kind-neutral names, here too
+    FORMAT,
+    HEADS_FILE,
+    HeadsConfig,
+    check_kind,
+    formats_of,
+    has_formats,
+    heads_config_of,
+    writable_layouts,
+)
 from medusa_jax.drafters.io import (  # noqa: F401 - HeadsFormatError, base_model_of: here too
     PICKLES,
     Found,
     HeadsFormatError,
+    Layout,
     base_model_of,
     clip,
     meta_count,
@@ -90,22 +96,37 @@ from medusa_jax.drafters.medusa.formats import (  # noqa: F401 - the writers, he
     write_reference,
     write_vllm,
 )
-from medusa_jax.drafters.medusa.heads import HEADS_FILE, heads_config_of
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
 
-LAYOUTS = ("medusa_jax", "reference", "medusa2", "vllm", "hydra")
+OURS = "medusa_jax"  # our own artifact's layout, which holds every kind
 
 
-LOOKED_FOR = (
-    f"medusa_jax ({HEADS_FILE}, or heads/{HEADS_FILE} in a run directory); "
-    f"reference (config.json + {REFERENCE_ST} or {REFERENCE_PT}); "
-    "Medusa-2 model (config.json with medusa_num_heads + model.safetensors[.index.json] "
-    "holding medusa_head.* tensors); "
-    "vLLM (config.json with model_type medusa + *.safetensors); "
-    f"zankner/Hydra (config.json with hydra_num_heads + {HYDRA_PT} or {HYDRA_ST}); "
-    "EAGLE-3 (config.json with eagle_config or an Eagle3 architecture + model.safetensors)")
+def layouts() -> dict[str, tuple[str, Layout]]:
+    """{layout name: (kind, Layout)} of every registered kind, in detection order."""
+    out = {}
+    for kind in registry.kinds():
+        for lay in formats_of(kind).layouts if has_formats(kind) else ():
+            out[lay.name] = (kind, lay)
+    return out
+
+
+def layout_names() -> tuple[str, ...]:
+    return (OURS, *layouts())
+
+
+def looked_for() -> str:
+    return "; ".join([f"{OURS} ({HEADS_FILE}, or heads/{HEADS_FILE} in a run directory)"] +
+                     [lay.looked_for for _, lay in layouts().values()])
+
+
+def __getattr__(name):
+    if name == "LAYOUTS":
+        return layout_names()
+    if name == "LOOKED_FOR":
+        return looked_for()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def detect(path: str | Path) -> Found:
@@ -116,94 +137,73 @@ def detect(path: str | Path) -> Found:
     if p.is_file():
         return _detect_file(p)
     if (p / HEADS_FILE).is_file():
-        return Found("medusa_jax", p, (p / HEADS_FILE,))
+        return Found(OURS, p, (p / HEADS_FILE,))
     if (p / "heads" / HEADS_FILE).is_file():
-        return Found("medusa_jax", p, (p / "heads" / HEADS_FILE,))
+        return Found(OURS, p, (p / "heads" / HEADS_FILE,))
     cfg_file = p / "config.json"
     conf = read_json(cfg_file) if cfg_file.is_file() else None
     config = cfg_file if conf is not None else None
-    if conf is not None and _is_eagle3_config(conf):
-        return Found("eagle3", p, (), config)
-    if conf is not None and conf.get("model_type") == "medusa":
-        files = sorted(f for f in p.glob("*.safetensors"))
-        if not files:
-            files = sorted(f for f in p.iterdir() if f.suffix in PICKLES and f.is_file())
-        if not files:
-            raise HeadsFormatError(f"{p}: config.json says model_type medusa (vLLM) but there "
-                                   f"is no *.safetensors (or .pt/.bin) file with the heads")
-        return Found("vllm", p, tuple(files), config)
-    for name in (REFERENCE_ST, REFERENCE_PT):
-        if (p / name).is_file():
-            return Found("reference", p, (p / name,), config)
-    for name in (HYDRA_ST, HYDRA_PT):
-        if (p / name).is_file():
-            if config is None:
-                raise HeadsFormatError(f"{p / name}: zankner/Hydra heads need their "
-                                       f"config.json (hydra_num_heads, hydra_num_layers, ...)")
-            return Found("hydra", p, (p / name,), config)
-    if conf is not None and "medusa_num_heads" in conf:
-        shards = model_shards(p)
-        if shards is not None:
-            return Found("medusa2", p, tuple(shards), config)
-        raise HeadsFormatError(f"{cfg_file}: has medusa_num_heads but the folder has neither "
-                               f"{REFERENCE_ST}/{REFERENCE_PT} nor model.safetensors[.index.json]")
-    raise HeadsFormatError(f"{p}: no Medusa heads in any known layout; looked for: {LOOKED_FOR}")
-
-
-def kind_at(path: str | Path) -> str:
-    """The kind of drafter at `path` ("medusa", "hydra" or "eagle3"), from its config or
-    header alone: commands that take only one kind refuse the others before any work."""
-    found = detect(Path(path))
-    if found.layout in (eagle3.KIND, hydra.KIND):
-        return found.layout
-    if found.layout == "medusa_jax":
-        kind = safetensors_names(found.files[0])[1].get("kind", "medusa")
-        if kind not in ("medusa", hydra.KIND, eagle3.KIND):
-            raise HeadsFormatError(f"{found.files[0]}: unknown heads kind {kind!r} (medusa, "
-                                   f"hydra or eagle3)")
-        return kind
-    return "medusa"
-
-
-def _is_eagle3_config(conf: dict) -> bool:
-    arch = conf.get("architectures")
-    return "eagle_config" in conf or (isinstance(arch, list) and any(
-        isinstance(a, str) and "eagle3" in a.lower() for a in arch))
+    for _, lay in layouts().values():
+        found = lay.detect_dir(p, conf, config) if lay.detect_dir is not None else None
+        if found is not None:
+            return found
+    raise HeadsFormatError(f"{p}: no Medusa heads in any known layout; looked for: "
+                           f"{looked_for()}")
 
 
 def _detect_file(p: Path) -> Found:
     sibling = p.parent / "config.json"
     conf = read_json(sibling) if sibling.is_file() else {}
     config = sibling if sibling.is_file() else None
-    if p.name in (HYDRA_PT, HYDRA_ST) and "hydra_num_heads" in conf:
-        return Found("hydra", p, (p,), config)
-    if p.suffix in PICKLES:
-        layout = "vllm" if conf.get("model_type") == "medusa" else "reference"
-        return Found(layout, p, (p,), config)
-    if p.suffix != ".safetensors":
+    names, meta = None, {}
+    if p.suffix == ".safetensors":
+        names, meta = safetensors_names(p)
+        if meta.get("format") == FORMAT:
+            return Found(OURS, p, (p,))
+    elif p.suffix not in PICKLES:
         raise HeadsFormatError(f"{p}: not a heads file (.safetensors, or a .pt/.bin pickle); "
-                               f"looked for: {LOOKED_FOR}")
-    names, meta = safetensors_names(p)
-    if meta.get("format") == "medusa_jax.heads/1":
-        return Found("medusa_jax", p, (p,))
-    if conf.get("model_type") == "medusa" or any(
-            n.startswith(("blocks.", "lm_heads.", VLLM_PREFIX)) for n in names):
-        return Found("vllm", p, (p,), config if conf.get("model_type") == "medusa" else None)
-    if any(n.startswith(MEDUSA2_PREFIX) for n in names):
-        return Found("medusa2", p, (p,), config)
-    if names and all(re.match(r"\d+\.\d+\.", n) for n in names):
-        return Found("reference", p, (p,), config)
+                               f"looked for: {looked_for()}")
+    for _, lay in layouts().values():
+        found = (lay.detect_file(p, conf, config, names, meta)
+                 if lay.detect_file is not None else None)
+        if found is not None:
+            return found
     if p.name == HEADS_FILE:  # our name, but not our metadata
         raise HeadsFormatError(f"{p}: not a medusa_jax heads artifact "
                                f"(format={meta.get('format')!r})")
     raise HeadsFormatError(f"{p}: no Medusa heads in any known layout (tensors "
-                           f"{', '.join(sorted(names)[:4]) or 'none'}...); "
-                           f"looked for: {LOOKED_FOR}")
+                           f"{', '.join(sorted(names or ())[:4]) or 'none'}...); "
+                           f"looked for: {looked_for()}")
+
+
+def _recorded_kind(meta: dict, file: Path) -> str:
+    kind = meta.get("kind", registry.HEAD_FN_KIND)  # written before the kind was recorded
+    if kind not in registry.KINDS:
+        raise HeadsFormatError(f"{file}: unknown heads kind {kind!r} "
+                               f"({', '.join(registry.kinds())})")
+    return kind
+
+
+def kind_at(path: str | Path) -> str:
+    """The kind of drafter at `path`, from its config or header alone: commands that take
+    only some kinds refuse the others before any work."""
+    found = detect(Path(path))
+    if found.layout == OURS:
+        return _recorded_kind(safetensors_names(found.files[0])[1], found.files[0])
+    return layouts()[found.layout][0]
+
+
+def bundled_model(path: str | Path) -> bool:
+    """Whether `path` is a folder holding a backbone with its drafter (a Medusa-2 model
+    folder): it is then the model too, when none is named."""
+    return any(lay.bundles_model is not None and lay.bundles_model(path)
+               for _, lay in layouts().values())
 
 
 def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
                extra: dict | None = None) -> Path:
-    """Write heads as a standalone safetensors artifact (atomically: temp file, then rename).
+    """Write heads of any kind as our standalone safetensors artifact (atomically: temp
+    file, then rename), recording their kind and the kind's own fields (`formats.save`).
 
     `path` is a directory (the file goes inside as medusa_heads.safetensors) or a file path.
     The backbone's hidden and vocab sizes are recorded so a mismatch is caught at load time.
@@ -211,91 +211,33 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
     path = Path(path)
     file = path if path.suffix == ".safetensors" else path / HEADS_FILE
     file.parent.mkdir(parents=True, exist_ok=True)
-    kind = drafter.kind_of(heads)
-    if kind == eagle3.KIND:
-        return _save_eagle3(file, heads, cfg, extra)
-    hc = heads_config_of(heads)
-    meta = {
-        "format": "medusa_jax.heads/1",
-        "kind": kind,
-        "num_heads": str(hc.num_heads),
-        "num_layers": str(hc.num_layers),
-        "hidden_size": str(cfg.hidden_size),
-        "vocab_size": str(cfg.vocab_size),
-        "extra": json.dumps(extra or {}),
-    }
-    tensors = {k: np.ascontiguousarray(np.asarray(v, np.int32 if k == "token_index" else
-                                                  np.float32)) for k, v in heads.items()}
-    return weights.save_safetensors(tensors, file, metadata=meta)
-
-
-def _save_eagle3(file: Path, heads: Params, cfg: ModelConfig, extra: dict | None) -> Path:
-    """Our artifact of an EAGLE-3 drafter: its tensors (float32 weights, d2t int32, t2d
-    bool) and its whole configuration (`eagle3_config`: what the shapes do not hold)."""
-    bound = getattr(heads, "drafter", None)
-    if bound is None or getattr(bound, "config", None) is None:
-        raise ValueError("save_heads: these EAGLE-3 parameters carry no configuration (aux "
-                         "layers, norm eps, rope); bind them first "
-                         "(drafters.eagle3.drafter.bind(heads, config, model_cfg))")
-    c = bound.config
-    eagle3.check(heads, cfg, c, f"save_heads({file})")
-    meta = {"format": "medusa_jax.heads/1", "kind": eagle3.KIND,
-            "num_heads": str(eagle3.TTT_STEPS), "num_layers": "1",
+    kind = registry.kind_of(heads)
+    tensors, fields = formats_of(kind).save(heads, cfg, file)
+    meta = {"format": FORMAT, "kind": kind, **fields,
             "hidden_size": str(cfg.hidden_size), "vocab_size": str(cfg.vocab_size),
-            "eagle3_config": json.dumps(dataclasses.asdict(c)),
             "extra": json.dumps(extra or {})}
-    tensors = {k: np.ascontiguousarray(np.asarray(
-        v, np.int32 if k == "d2t" else bool if k == "t2d" else np.float32))
-        for k, v in heads.items()}
     return weights.save_safetensors(tensors, file, metadata=meta)
-
-
-def _eagle3_of(meta: dict, file: Path) -> "eagle3.Eagle3Config":
-    """The Eagle3Config recorded in our artifact's metadata (one-line error otherwise)."""
-    try:
-        fields = json.loads(meta.get("eagle3_config") or "")
-        names = {f.name for f in dataclasses.fields(eagle3.Eagle3Config)}
-        if not isinstance(fields, dict) or set(fields) - names:
-            raise ValueError(f"unknown fields {sorted(set(fields) - names)}"
-                             if isinstance(fields, dict) else "not a JSON object")
-        fields["aux_layers"] = tuple(int(i) for i in fields.get("aux_layers", ()))
-        fields["rope_scaling"] = tuple(fields.get("rope_scaling", ("default",)))
-        c = eagle3.Eagle3Config(**fields)
-    except (ValueError, TypeError) as e:
-        raise HeadsFormatError(f"{file}: metadata eagle3_config="
-                               f"{clip(meta.get('eagle3_config'))} is not an EAGLE-3 "
-                               f"drafter's configuration ({e})") from None
-    try:
-        eagle3.check_config(c, str(file), "metadata eagle3_config.")
-    except ValueError as e:
-        raise HeadsFormatError(str(e)) from None
-    return c
-
-
-def _bind_eagle3(heads: dict, c, cfg: ModelConfig | None):
-    return bind(heads, c, cfg)
 
 
 def load_heads(path: str | Path, cfg: ModelConfig, *,
                base_model: str | Path | None = None, embed=None) -> tuple[Params, dict]:
-    """Load Medusa heads strictly against the backbone config `cfg`.
+    """Load a drafter strictly against the backbone config `cfg`, as the kind its artifact
+    records (our artifact's `kind`, or the kind whose layout it is).
 
     `path`: this package's artifact (file, directory or run directory), or any layout
-    `drafters.formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's).
-    Returns (heads, metadata). Head count and depth come from the files; files that do not
-    match the backbone (hidden size, vocab) or are incomplete raise ValueError.
+    `drafters.formats` reads (the reference's Medusa-1 heads, a Medusa-2 model folder, vLLM's,
+    zankner/Hydra's, a published EAGLE-3 drafter). Returns (heads, metadata). Sizes come
+    from the files; files that do not match the backbone (hidden size, vocab) or are
+    incomplete raise ValueError.
     `base_model`: the backbone loaded (name or folder); a heads config naming another base
     model gives a warning with both names.
-    `embed`: the backbone's embedding [V, H]; an EAGLE-3 folder's copy of it
-    (`embed_tokens.weight`) must then be that table (the drafter embeds with the backbone's).
+    `embed`: the backbone's embedding [V, H]; a drafter folder's copy of it must then be
+    that table (the drafter embeds with the backbone's).
     """
     found = detect(Path(path))
-    if found.layout == "eagle3":
+    if found.layout != OURS:
         heads, meta = read(found, cfg, base_model, embed=embed)
         return jax.tree.map(jnp.asarray, heads), meta
-    if found.layout != "medusa_jax":
-        heads, meta = read(found, cfg, base_model)
-        return {n: jnp.asarray(a) for n, a in heads.items()}, meta
     file = found.files[0]
     try:
         with safe_open(str(file), framework="numpy") as f:
@@ -303,33 +245,9 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file}: corrupt or truncated heads file ({e})") from None
-    if meta.get("format") != "medusa_jax.heads/1":
+    if meta.get("format") != FORMAT:
         raise ValueError(f"{file}: not a medusa_jax heads artifact (format={meta.get('format')!r})")
-    k, lyr = meta_count(meta, "num_heads", file), meta_count(meta, "num_layers", file)
-    kind = meta.get("kind", "medusa")  # artifacts written before Hydra have no kind
-    eagle_cfg = None
-    if kind == eagle3.KIND:
-        eagle_cfg = _eagle3_of(meta, file)
-        try:
-            eagle3.check(tensors, cfg, eagle_cfg, file)
-        except ValueError as e:
-            raise HeadsFormatError(str(e)) from None
-    elif kind == hydra.KIND:
-        try:
-            hydra.check(tensors, cfg, file, k, lyr)
-        except ValueError as e:
-            raise HeadsFormatError(str(e)) from None
-    elif kind == "medusa":
-        check_heads(tensors, cfg, file, k, lyr)
-    else:
-        raise ValueError(f"{file}: unknown heads kind {kind!r} (medusa, hydra or eagle3)")
-    if eagle_cfg is not None:
-        heads = _bind_eagle3({name: jnp.asarray(a) for name, a in tensors.items()}, eagle_cfg,
-                             cfg)
-        meta["aux_layers"] = list(eagle_cfg.aux_layers)
-    else:
-        heads = {name: jnp.asarray(a, jnp.int32 if name == "token_index" else jnp.float32)
-                 for name, a in tensors.items()}
+    heads = formats_of(_recorded_kind(meta, file)).load(tensors, meta, cfg, file)
     try:
         meta["extra"] = json.loads(meta.get("extra") or "{}")
     except json.JSONDecodeError:
@@ -341,83 +259,52 @@ def load_heads(path: str | Path, cfg: ModelConfig, *,
 
 def read(found: Found, cfg: ModelConfig | None, base_model=None, embed=None
          ) -> tuple[Params, dict]:
-    """Heads (numpy: float32, token_index int32) and metadata from a detected layout, checked
-    against the backbone config `cfg` (None: sizes from the files themselves) and, for an
-    EAGLE-3 folder, the backbone's embedding `embed` (None: not checked)."""
-    if found.layout == "medusa_jax":
+    """Heads (numpy) and metadata from a detected layout, checked against the backbone
+    config `cfg` (None: sizes from the files themselves) and the backbone's embedding
+    `embed` (None: not checked)."""
+    if found.layout == OURS:
         if cfg is None:
             cfg = _native_cfg(found.files[0])
         heads, meta = load_heads(found.files[0], cfg, base_model=base_model)
         return jax.tree.map(np.asarray, heads), meta
-    if found.layout == "eagle3":
-        heads, c, meta = read_eagle3(found.root, cfg, embed)
-        warn_base_model(meta, base_model, found.root)
-        return _bind_eagle3(heads, c, cfg), meta
-    if found.layout == "hydra":
-        heads, meta = read_hydra(found, cfg)
-        warn_base_model(meta, base_model, found.root)
-        return heads, meta
-    if found.layout == "vllm":
-        heads, meta = read_vllm(found, cfg)
-    else:
-        heads, meta = read_reference(found, cfg, MEDUSA2_PREFIX if found.layout == "medusa2"
-                                      else "")
+    heads, meta = layouts()[found.layout][1].read(found, cfg, embed)
     warn_base_model(meta, base_model, found.root)
-    check_heads(heads, cfg, found.root, int(meta["num_heads"]), int(meta["num_layers"]))
     return heads, meta
 
 
 def _native_cfg(file: Path) -> ModelConfig:
     _, meta = safetensors_names(file)
     cfg = sizes_cfg(meta_count(meta, "hidden_size", file), meta_count(meta, "vocab_size", file))
-    if meta.get("kind") == eagle3.KIND:  # deep enough for the layers the drafter reads
-        cfg = cfg.replace(num_layers=max(_eagle3_of(meta, file).aux_layers, default=0) + 1)
-    return cfg
+    own = formats_of(_recorded_kind(meta, file))
+    return own.native_cfg(meta, file, cfg) if hasattr(own, "native_cfg") else cfg
 
 
 def sizes_config(heads: Params) -> ModelConfig:
-    """The stand-in config of `heads` themselves (hidden from w, vocab from proj/token_index)."""
-    v = np.shape(heads["token_index"] if "token_index" in heads else heads["proj"])[-1]
-    return sizes_cfg(int(np.shape(heads["w"])[-1]), int(v))
+    """The stand-in config of `heads` themselves (their hidden and vocabulary sizes)."""
+    return sizes_cfg(*formats_of(registry.kind_of(heads)).sizes(heads))
 
 
 def check_layout(heads: Params, layout: str) -> None:
     """`layout` can hold this kind of drafter (one-line HeadsFormatError otherwise): callers
     check before costly work, such as loading the backbone a Medusa-2 folder bundles."""
-    is_eagle = eagle3.is_eagle3(heads)
-    if is_eagle and layout not in ("eagle3", "medusa_jax"):
-        raise HeadsFormatError(f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax "
-                               f"layout, not {layout!r}")
-    if layout == "eagle3" and not is_eagle:
-        raise HeadsFormatError(f"the eagle3 layout holds EAGLE-3 drafters; these are "
-                               f"{drafter.kind_of(heads)} heads")
-    if layout in ("reference", "vllm", "medusa2"):
-        medusa_only(heads, layout)
+    if layout in layouts():
+        check_kind(heads, layouts()[layout][0], layout)
 
 
 def write(heads: Params, layout: str, out_dir: str | Path, *, cfg: ModelConfig | None = None,
           base_model: str | None = None, extra: dict | None = None) -> list[Path]:
-    """Write `heads` in `layout` (medusa_jax, reference or vllm) under `out_dir`."""
+    """Write `heads` in `layout` (ours, or one their kind's formats write) under `out_dir`."""
     check_layout(heads, layout)
-    if layout == "eagle3":
-        bound = getattr(heads, "drafter", None)
-        if getattr(bound, "config", None) is None:
-            raise HeadsFormatError("the eagle3 layout records the drafter's configuration: "
-                                   "bind the parameters first (drafters.eagle3.drafter.bind)")
-        return write_eagle3(dict(heads), out_dir, bound.config, model_cfg=cfg,
-                            base_model=base_model)
-    if layout == "hydra":
-        return write_hydra(heads, out_dir, base_model=base_model)
-    if layout == "reference":
-        return write_reference(heads, out_dir, base_model=base_model)
-    if layout == "vllm":
-        return write_vllm(heads, out_dir, base_model=base_model)
-    if layout == "medusa_jax":
+    if layout == OURS:
         if cfg is None:
             raise HeadsFormatError("medusa_jax artifacts record the backbone's sizes: need cfg")
         extra = dict(extra or {})
         if base_model:
             extra["base_model_name_or_path"] = str(base_model)
         return [save_heads(out_dir, heads, cfg, extra)]
-    raise HeadsFormatError(f"unknown layout {layout!r}; writable: medusa_jax, reference, vllm, "
-                           f"hydra, eagle3 (medusa2: write_medusa2_model)")
+    lay = layouts().get(layout, (None, None))[1]
+    if lay is None or lay.write is None:
+        writable = [OURS] + [n for n, (_, x) in layouts().items() if x.write is not None]
+        raise HeadsFormatError(f"unknown layout {layout!r}; writable: {', '.join(writable)} "
+                               f"(medusa2: write_medusa2_model)")
+    return lay.write(heads, out_dir, cfg, base_model)

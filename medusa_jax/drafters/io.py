@@ -33,10 +33,27 @@ def first_line(e: BaseException | str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Found:
-    layout: str  # one of LAYOUTS
+    layout: str  # one of `drafters.formats.layout_names()`
     root: Path  # the path given
     files: tuple[Path, ...]  # the files holding the tensors
     config: Path | None = None  # config.json with the head counts (None: counts from names)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A file layout a kind of drafter is read from (and perhaps written in), as the kind's
+    formats declare it (`drafters.formats` loops over every kind's). Each callable returns
+    None for "not this layout" and raises a one-line HeadsFormatError for "this layout,
+    but broken"."""
+
+    name: str
+    looked_for: str  # what detection looks for, for the error that lists every layout
+    detect_dir: object = None  # (folder, config.json's dict | None, its path) -> Found
+    detect_file: object = None  # (file, sibling config dict, its path, tensor names or
+    #                             None for a pickle, safetensors metadata) -> Found
+    read: object = None  # (found, backbone cfg | None, embed table | None) -> (heads, meta)
+    write: object = None  # (heads, out_dir, cfg | None, base_model) -> [Path]
+    bundles_model: object = None  # (folder) -> whether it holds a backbone with the drafter
 
 
 def read_json(file: Path) -> dict:

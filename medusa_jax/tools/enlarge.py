@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from medusa_jax.drafters import registry
 from medusa_jax.model.config import ModelConfig
 
 # The dimensions a target shape gives (the rest of the config is the source's).
@@ -220,49 +221,25 @@ def _rotate(cfg: ModelConfig, p: dict, seed: int) -> tuple[ModelConfig, dict]:
 
 def enlarge_heads(heads: dict, src: ModelConfig, dst: ModelConfig, *, rotated: bool = False
                   ) -> dict:
-    """Medusa or Hydra heads, or an EAGLE-3 drafter (bound to its config:
-    `enlarge_eagle3`), for the enlarged backbone: blocks and projections padded to H'."""
+    """A drafter of any kind for the enlarged backbone: its kind's `enlarge(heads, src, dst,
+    grow)` (`grow`: this module, whose `plan` and `place` grow a layer as the backbone's
+    grow). The heads' SiLU is elementwise, so none follows --rotate."""
     if rotated:
-        raise EnlargeError("Medusa and Hydra heads and EAGLE-3 drafters cannot follow --rotate: "
-                           "their SiLU is elementwise, so a rotation of their input cannot be "
-                           "undone; enlarge without --rotate to keep the heads")
-    h, h2 = src.hidden_size, dst.hidden_size
-    if "in_w" in heads:  # Hydra (medusa_jax.drafters.hydra.heads's layout)
-        return _enlarge_hydra(heads, h, h2)
-    if "fc" in heads:  # an EAGLE-3 drafter
-        return enlarge_eagle3(heads, src, dst)
-    w, b, proj = _np(heads["w"]), _np(heads["b"]), _np(heads["proj"])
-    out = {"w": np.zeros((*w.shape[:2], h2, h2)), "b": np.zeros((*b.shape[:2], h2)),
-           "proj": np.zeros((proj.shape[0], h2, proj.shape[2]))}
-    out["w"][:, :, :h, :h] = w
-    out["b"][:, :, :h] = b
-    out["proj"][:, :h] = proj
-    out = {k: v.astype(np.float32) for k, v in out.items()}
-    if "token_index" in heads:
-        out["token_index"] = np.asarray(heads["token_index"], np.int32)
-    return out
+        raise EnlargeError("drafters cannot follow --rotate: their SiLU is elementwise, so a "
+                           "rotation of their input cannot be undone; enlarge without "
+                           "--rotate to keep the heads")
+    import sys
+
+    cls = registry.drafter_class(registry.kind_of(heads))
+    try:
+        return cls.enlarge(heads, src, dst, sys.modules[__name__])
+    except ValueError as e:
+        raise EnlargeError(str(e)) from None
 
 
-def _enlarge_hydra(heads: dict, h: int, h2: int) -> dict:
-    """Hydra heads padded to H': every H x H block of in_w / res_w [K, K+1, H, H] (one per
-    input slot: h, then each path embedding) to the leading corner of its H' x H' block, so
-    slot j of the padded input (the source's slot j, zeros after H) meets the source's
-    weights; biases, residual blocks and projection rows padded as Medusa's. The new output
-    dimensions of the input block are 0 + SiLU(0) = 0, and stay 0 through the blocks."""
-    out = {}
-    for name in ("in_w", "res_w", "w"):  # [K, S, H, H] -> [K, S, H', H']
-        a = _np(heads[name])
-        out[name] = np.zeros((*a.shape[:-2], h2, h2))
-        out[name][..., :h, :h] = a
-    for name in ("in_b", "res_b", "b"):  # [..., H] -> [..., H']
-        a = _np(heads[name])
-        out[name] = np.zeros((*a.shape[:-1], h2))
-        out[name][..., :h] = a
-    proj = _np(heads["proj"])  # [K, H, V]
-    out["proj"] = np.zeros((proj.shape[0], h2, proj.shape[2]))
-    out["proj"][:, :h] = proj
-    out["proj_b"] = _np(heads["proj_b"])  # [K, V]
-    return {k: v.astype(np.float32) for k, v in out.items()}
+def place(shape, a, rows=None, cols=None):
+    """`a` written into zeros of `shape` at `rows` x `cols` (default: the leading corner)."""
+    return _place(shape, a, rows, cols)
 
 
 def hf_config(source: dict, cfg: ModelConfig) -> dict:
@@ -275,60 +252,3 @@ def hf_config(source: dict, cfg: ModelConfig) -> dict:
                dtype="float32")
     out.pop("torch_dtype", None)
     return out
-
-
-def enlarge_eagle3(heads, src: ModelConfig, dst: ModelConfig):
-    """An EAGLE-3 drafter bound to its config (`drafters.eagle3.drafter.bind`) whose layer
-    has the source backbone's layer shape -> the same drafter for the enlarged backbone `dst`
-    (bound to its new config): its layer grown to dst's layer shape, exactly as
-    `enlarge_backbone` grows a layer, its fc and q/k/v inputs padded block by block."""
-    from medusa_jax.drafters.eagle3.drafter import bind
-
-    c = getattr(getattr(heads, "drafter", None), "config", None)
-    if c is None:
-        raise EnlargeError("an EAGLE-3 drafter to enlarge must carry its config (load it "
-                           "with load_heads)")
-    layer_shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
-    if layer_shape != (src.hidden_size, src.num_heads, src.num_kv_heads, src.head_dim) \
-            or c.feature_size != src.hidden_size:
-        raise EnlargeError(f"the EAGLE-3 drafter's layer (hidden, heads, kv heads, head_dim "
-                           f"{layer_shape}) is not shaped like its backbone's layers; only "
-                           f"such a drafter is enlarged")
-    if max(c.aux_layers) >= src.num_layers:
-        raise EnlargeError(f"the drafter reads layers {list(c.aux_layers)} of a "
-                           f"{src.num_layers}-layer source")
-    p = plan(src, dst)
-    h, h2, f2 = src.hidden_size, dst.hidden_size, dst.intermediate_size
-    nh2, kvh2, d2 = dst.num_heads, dst.num_kv_heads, dst.head_dim
-    norm_scale = math.sqrt(h / h2)
-    q_scale = math.sqrt(d2 / src.head_dim)
-    hid = np.arange(h)
-    (qs, qt), (ks, kt) = p.q_cols, p.kv_cols
-    w = {k: _np(v) for k, v in heads.items() if k not in ("d2t", "t2d")}
-    blocks2 = np.concatenate([hid, h2 + hid])  # [embedding | feature] rows of q/k/v
-    blocks3 = np.concatenate([hid, h2 + hid, 2 * h2 + hid])  # [low | mid | high] rows of fc
-
-    def qkv(name, cols, out_cols, width, scale=1.0):
-        a = w[name].reshape(2 * h, -1)  # [2H, heads * D]
-        return _place((2 * h2, width), a[:, cols] * scale, blocks2, out_cols)
-
-    out = {
-        "fc": _place((3 * h2, h2), w["fc"], blocks3, hid),
-        "wq": qkv("wq", qs, qt, nh2 * d2, q_scale).reshape(2 * h2, nh2, d2),
-        "wk": qkv("wk", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
-        "wv": qkv("wv", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
-        "wo": _place((nh2 * d2, h2), w["wo"].reshape(-1, h)[qs], qt, hid).reshape(nh2, d2, h2),
-        "w_gate": _place((h2, f2), w["w_gate"]),
-        "w_up": _place((h2, f2), w["w_up"]),
-        "w_down": _place((f2, h2), w["w_down"]),
-        "lm_head": _place((h2, w["lm_head"].shape[1]), w["lm_head"]),
-    }
-    for name in ("input_norm", "hidden_norm", "post_attn_norm", "final_norm"):
-        out[name] = _place((h2,), w[name] * norm_scale)
-    out = {k: v.astype(np.float32) for k, v in out.items()}
-    out["d2t"] = np.asarray(heads["d2t"], np.int32)
-    out["t2d"] = np.asarray(heads["t2d"], bool)
-    big = c.replace(hidden_size=h2, num_heads=nh2, num_kv_heads=kvh2, head_dim=d2,
-                    intermediate_size=f2, target_hidden_size=h2,
-                    rms_norm_eps=c.rms_norm_eps * h / h2)
-    return bind(out, big, dst)

@@ -20,6 +20,7 @@ EAGLE-3 parameters travel bound to their drafter (`bind`: `decoding.drafter.Boun
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,9 +28,8 @@ import numpy as np
 
 from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
-from medusa_jax.decoding.tree import DynamicTree
+from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
-from medusa_jax.drafters.hydra.heads import tree_plan
 from medusa_jax.model.backbone import MAX_UNROLLED_ROWS, Params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
@@ -182,6 +182,7 @@ class Eagle3Drafter:
     config: eagle3.Eagle3Config | None = None
     model_cfg: ModelConfig | None = None
     kind = "eagle3"
+    formats = "medusa_jax.drafters.eagle3.formats:Eagle3Formats"  # its layouts, its artifact
     keeps_context = True  # its own KV cache of every committed entry
     batch_axis = 0  # of the carry: every leaf has the rows first
 
@@ -247,8 +248,12 @@ class Eagle3Drafter:
         return extend(heads, self.cfg(heads), self.embed(params), carry, aux, nxt,
                       jnp.where(live, acc_len + 1, 0))
 
-    def num_heads(self, heads, carry) -> int:
-        return 1 << 30  # any depth: the drafter runs on its own outputs
+    @staticmethod
+    def enlarge(heads: Params, src: ModelConfig, dst: ModelConfig, grow) -> BoundParams:
+        return enlarge(heads, src, dst, grow)
+
+    def depth(self, heads) -> None:
+        return None  # any depth: the drafter runs on its own outputs
 
     def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
         static = tree.pool if isinstance(tree, DynamicTree) else tree
@@ -265,3 +270,63 @@ def bind(heads: Params, config: eagle3.Eagle3Config, model_cfg: ModelConfig | No
     eps, rope) and the backbone's `model_cfg` (its embedding). Every decoder finds the
     drafter on the parameters (`decoding.drafter.drafter_for`)."""
     return BoundParams(dict(heads), Eagle3Drafter(config, model_cfg))
+
+
+def _f64(a) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64)
+
+
+def enlarge(heads, src: ModelConfig, dst: ModelConfig, grow) -> BoundParams:
+    """An EAGLE-3 drafter bound to its config (`drafters.eagle3.drafter.bind`) whose layer
+    has the source backbone's layer shape -> the same drafter for the enlarged backbone `dst`
+    (bound to its new config): its layer grown to dst's layer shape, exactly as
+    `tools.enlarge` grows a backbone layer (`grow`: that module's `plan` and `place`), its
+    fc and q/k/v inputs padded block by block."""
+    c = getattr(getattr(heads, "drafter", None), "config", None)
+    if c is None:
+        raise ValueError("an EAGLE-3 drafter to enlarge must carry its config (load it "
+                           "with load_heads)")
+    layer_shape = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+    if layer_shape != (src.hidden_size, src.num_heads, src.num_kv_heads, src.head_dim) \
+            or c.feature_size != src.hidden_size:
+        raise ValueError(f"the EAGLE-3 drafter's layer (hidden, heads, kv heads, head_dim "
+                           f"{layer_shape}) is not shaped like its backbone's layers; only "
+                           f"such a drafter is enlarged")
+    if max(c.aux_layers) >= src.num_layers:
+        raise ValueError(f"the drafter reads layers {list(c.aux_layers)} of a "
+                           f"{src.num_layers}-layer source")
+    p = grow.plan(src, dst)
+    h, h2, f2 = src.hidden_size, dst.hidden_size, dst.intermediate_size
+    nh2, kvh2, d2 = dst.num_heads, dst.num_kv_heads, dst.head_dim
+    norm_scale = math.sqrt(h / h2)
+    q_scale = math.sqrt(d2 / src.head_dim)
+    hid = np.arange(h)
+    (qs, qt), (ks, kt) = p.q_cols, p.kv_cols
+    w = {k: _f64(v) for k, v in heads.items() if k not in ("d2t", "t2d")}
+    blocks2 = np.concatenate([hid, h2 + hid])  # [embedding | feature] rows of q/k/v
+    blocks3 = np.concatenate([hid, h2 + hid, 2 * h2 + hid])  # [low | mid | high] rows of fc
+
+    def qkv(name, cols, out_cols, width, scale=1.0):
+        a = w[name].reshape(2 * h, -1)  # [2H, heads * D]
+        return grow.place((2 * h2, width), a[:, cols] * scale, blocks2, out_cols)
+
+    out = {
+        "fc": grow.place((3 * h2, h2), w["fc"], blocks3, hid),
+        "wq": qkv("wq", qs, qt, nh2 * d2, q_scale).reshape(2 * h2, nh2, d2),
+        "wk": qkv("wk", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
+        "wv": qkv("wv", ks, kt, kvh2 * d2).reshape(2 * h2, kvh2, d2),
+        "wo": grow.place((nh2 * d2, h2), w["wo"].reshape(-1, h)[qs], qt, hid).reshape(nh2, d2, h2),
+        "w_gate": grow.place((h2, f2), w["w_gate"]),
+        "w_up": grow.place((h2, f2), w["w_up"]),
+        "w_down": grow.place((f2, h2), w["w_down"]),
+        "lm_head": grow.place((h2, w["lm_head"].shape[1]), w["lm_head"]),
+    }
+    for name in ("input_norm", "hidden_norm", "post_attn_norm", "final_norm"):
+        out[name] = grow.place((h2,), w[name] * norm_scale)
+    out = {k: v.astype(np.float32) for k, v in out.items()}
+    out["d2t"] = np.asarray(heads["d2t"], np.int32)
+    out["t2d"] = np.asarray(heads["t2d"], bool)
+    big = c.replace(hidden_size=h2, num_heads=nh2, num_kv_heads=kvh2, head_dim=d2,
+                    intermediate_size=f2, target_hidden_size=h2,
+                    rms_norm_eps=c.rms_norm_eps * h / h2)
+    return bind(out, big, dst)

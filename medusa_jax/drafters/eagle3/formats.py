@@ -37,8 +37,11 @@ tensor or field); config.json is written last, so a folder without it is half-wr
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.drafters.eagle3 import heads as eagle3
@@ -46,6 +49,7 @@ from medusa_jax.drafters.io import (
     Expect,
     Found,
     HeadsFormatError,
+    Layout,
     clip,
     contiguous,
     read_files,
@@ -323,3 +327,110 @@ def write_eagle3(heads: Params, out_dir: str | Path, c: eagle3.Eagle3Config, *,
     write_safetensors(out / WEIGHTS_ST, eagle3_tensors(heads), {"format": "pt"})
     write_json(out / "config.json", eagle3_config(c, base_model))
     return [out / WEIGHTS_ST, out / "config.json"]
+
+
+# ----------------------------------------------------------------------------- the kind's formats
+
+
+def is_eagle3_config(conf: dict) -> bool:
+    arch = conf.get("architectures")
+    return "eagle_config" in conf or (isinstance(arch, list) and any(
+        isinstance(a, str) and "eagle3" in a.lower() for a in arch))
+
+
+def _eagle3_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
+    return Found("eagle3", p, (), config) if conf is not None and is_eagle3_config(conf) \
+        else None
+
+
+def config_of_meta(meta: dict, file: Path) -> eagle3.Eagle3Config:
+    """The Eagle3Config recorded in our artifact's metadata (one-line error otherwise)."""
+    try:
+        fields = json.loads(meta.get("eagle3_config") or "")
+        names = {f.name for f in dataclasses.fields(eagle3.Eagle3Config)}
+        if not isinstance(fields, dict) or set(fields) - names:
+            raise ValueError(f"unknown fields {sorted(set(fields) - names)}"
+                             if isinstance(fields, dict) else "not a JSON object")
+        fields["aux_layers"] = tuple(int(i) for i in fields.get("aux_layers", ()))
+        fields["rope_scaling"] = tuple(fields.get("rope_scaling", ("default",)))
+        c = eagle3.Eagle3Config(**fields)
+    except (ValueError, TypeError) as e:
+        raise HeadsFormatError(f"{file}: metadata eagle3_config="
+                               f"{clip(meta.get('eagle3_config'))} is not an EAGLE-3 "
+                               f"drafter's configuration ({e})") from None
+    try:
+        eagle3.check_config(c, str(file), "metadata eagle3_config.")
+    except ValueError as e:
+        raise HeadsFormatError(str(e)) from None
+    return c
+
+
+def _config_of(heads: Params, what: str) -> eagle3.Eagle3Config:
+    bound = getattr(heads, "drafter", None)
+    if bound is None or getattr(bound, "config", None) is None:
+        raise HeadsFormatError(f"{what}: these EAGLE-3 parameters carry no configuration (aux "
+                               f"layers, norm eps, rope); bind them first "
+                               f"(drafters.eagle3.drafter.bind(heads, config, model_cfg))")
+    return bound.config
+
+
+def _read(found: Found, cfg: ModelConfig | None, embed):
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    heads, c, meta = read_eagle3(found.root, cfg, embed)
+    return bind(heads, c, cfg), meta
+
+
+def _write(heads: Params, out_dir, cfg: ModelConfig | None, base_model):
+    return write_eagle3(dict(heads), out_dir, _config_of(heads, "the eagle3 layout records "
+                                                         "the drafter's configuration"),
+                        model_cfg=cfg, base_model=base_model)
+
+
+class Eagle3Formats:
+    """What `drafters.formats` asks of a kind: its layout, and its fields of our artifact
+    (the drafter's whole configuration, which the tensors' shapes do not hold)."""
+
+    kind = eagle3.KIND
+    what = "EAGLE-3 drafters"
+    layouts = (
+        Layout("eagle3", "EAGLE-3 (config.json with eagle_config or an Eagle3 architecture + "
+               "model.safetensors)", _eagle3_dir, None, _read, _write),
+    )
+
+    @staticmethod
+    def wrong_layout(layout: str) -> str:
+        return f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax layout, not {layout!r}"
+
+    @staticmethod
+    def save(heads: Params, cfg: ModelConfig, file: Path) -> tuple[dict, dict]:
+        """Float32 weights, d2t int32, t2d bool, and the configuration (`eagle3_config`)."""
+        c = _config_of(heads, "save_heads")
+        eagle3.check(heads, cfg, c, f"save_heads({file})")
+        tensors = {k: contiguous(np.asarray(
+            v, np.int32 if k == "d2t" else bool if k == "t2d" else np.float32))
+            for k, v in heads.items()}
+        return tensors, {"num_heads": str(eagle3.TTT_STEPS), "num_layers": "1",
+                         "eagle3_config": json.dumps(dataclasses.asdict(c))}
+
+    @staticmethod
+    def load(tensors: dict, meta: dict, cfg: ModelConfig | None, file: Path) -> Params:
+        from medusa_jax.drafters.eagle3.drafter import bind
+
+        c = config_of_meta(meta, file)
+        try:
+            eagle3.check(tensors, cfg, c, file)
+        except ValueError as e:
+            raise HeadsFormatError(str(e)) from None
+        meta["aux_layers"] = list(c.aux_layers)
+        return bind({n: jnp.asarray(a) for n, a in tensors.items()}, c, cfg)
+
+    @staticmethod
+    def native_cfg(meta: dict, file: Path, cfg: ModelConfig) -> ModelConfig:
+        """Deep enough for the layers the drafter reads."""
+        return cfg.replace(num_layers=max(config_of_meta(meta, file).aux_layers, default=0) + 1)
+
+    @staticmethod
+    def sizes(heads: Params) -> tuple[int, int]:
+        c = _config_of(heads, "sizes")
+        return c.hidden_size, c.vocab_size

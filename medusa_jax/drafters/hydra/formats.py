@@ -1,22 +1,27 @@
 """Hydra heads in zankner/Hydra's layout (config.json + hydra_lm_head.safetensors or .pt):
-the strict reader and the writer. The table of every layout is in `drafters.formats`."""
+the strict reader and the writer, and `HydraFormats` (what `drafters.formats` asks of a
+kind). The table of every layout is in `drafters.formats`."""
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.drafters.artifact import check_kind
 from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.drafters.io import (
     Expect,
     Found,
     HeadsFormatError,
+    Layout,
     as_float32,
     config_count,
     contiguous,
     heads_meta,
+    meta_count,
     read_files,
     read_json,
     tensor_sizes,
@@ -47,7 +52,7 @@ def read_hydra(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
         raise HeadsFormatError(f"{cf}: hidden_state_offset={conf['hidden_state_offset']!r} "
                                f"is not supported (only 0: the last hidden state)")
     tensors = read_files(found.files)
-    first = f"hydra_lm_head.0.weight"
+    first = "hydra_lm_head.0.weight"
     h, v = tensor_sizes(cfg, tensors, first, found)
     what = f"{k} Hydra heads x {lyr} layers, hidden {h}, vocab {v}"
     ex = Expect(tensors, found, what)
@@ -82,9 +87,7 @@ def read_hydra(found: Found, cfg: ModelConfig | None) -> tuple[Params, dict]:
 
 def hydra_tensors(heads: Params) -> dict[str, np.ndarray]:
     """Our Hydra heads under zankner/Hydra's names (hydra_mlp.{i}.0.linear.weight, ...)."""
-    if "in_w" not in heads:
-        raise HeadsFormatError("the hydra layout holds Hydra heads; these are Medusa heads "
-                               "(write them with --format medusa_jax, reference or vllm)")
+    check_kind(heads, hydra.KIND, "hydra")
     k, h = int(np.shape(heads["in_w"])[0]), int(np.shape(heads["in_w"])[-1])
     lyr = int(np.shape(heads["w"])[1]) + 1
     out = {}
@@ -125,3 +128,56 @@ def write_hydra(heads: Params, out_dir: str | Path, *, base_model: str | None = 
         conf["base_model_name_or_path"] = str(base_model)
     write_json(out / "config.json", conf)
     return [out / "config.json", *written]
+
+
+# ----------------------------------------------------------------------------- the kind's formats
+
+
+def _hydra_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
+    for name in (HYDRA_ST, HYDRA_PT):
+        if (p / name).is_file():
+            if config is None:
+                raise HeadsFormatError(f"{p / name}: zankner/Hydra heads need their "
+                                       f"config.json (hydra_num_heads, hydra_num_layers, ...)")
+            return Found("hydra", p, (p / name,), config)
+    return None
+
+
+def _hydra_file(p: Path, conf: dict, config: Path | None, names, meta) -> Found | None:
+    if p.name in (HYDRA_PT, HYDRA_ST) and "hydra_num_heads" in conf:
+        return Found("hydra", p, (p,), config)
+    return None
+
+
+class HydraFormats:
+    """What `drafters.formats` asks of a kind: its layouts, and its fields of our artifact."""
+
+    kind = hydra.KIND
+    what = "Hydra heads"
+    layouts = (
+        Layout("hydra", f"zankner/Hydra (config.json with hydra_num_heads + {HYDRA_PT} or "
+               f"{HYDRA_ST})", _hydra_dir, _hydra_file,
+               lambda found, cfg, embed: read_hydra(found, cfg),
+               lambda heads, out, cfg, base: write_hydra(heads, out, base_model=base)),
+    )
+
+    @staticmethod
+    def save(heads: Params, cfg: ModelConfig, file: Path) -> tuple[dict, dict]:
+        k, lyr = hydra.config_of(heads)
+        tensors = {n: contiguous(as_float32(a)) for n, a in heads.items()}
+        return tensors, {"num_heads": str(k), "num_layers": str(lyr)}
+
+    @staticmethod
+    def load(tensors: dict, meta: dict, cfg: ModelConfig | None, file: Path) -> Params:
+        try:
+            hydra.check(tensors, cfg, file, meta_count(meta, "num_heads", file),
+                        meta_count(meta, "num_layers", file))
+        except HeadsFormatError:
+            raise
+        except ValueError as e:
+            raise HeadsFormatError(str(e)) from None
+        return {n: jnp.asarray(a, jnp.float32) for n, a in tensors.items()}
+
+    @staticmethod
+    def sizes(heads: Params) -> tuple[int, int]:
+        return int(np.shape(heads["w"])[-1]), int(np.shape(heads["proj"])[-1])

@@ -28,13 +28,12 @@ shape is.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
+from medusa_jax.decoding.tree import tree_plan
 from medusa_jax.drafters.io import check_float_tensors
 from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
@@ -192,27 +191,6 @@ def teacher_forced_logits(heads: Params, hidden: jax.Array, emb: jax.Array) -> j
 
 
 # ----------------------------------------------------------------------------- drafting
-
-
-@functools.lru_cache(maxsize=64)
-def tree_plan(paths_ranks: tuple[tuple[int, ...], ...]):
-    """Per depth d = 1..D of a static tree (its `paths_ranks`, node i+1 = paths_ranks[i]):
-    (the nodes at depth d-1 that have children [E], their root-to-node paths [E, d],
-    the nodes at depth d [M], each one's parent's position in the first list [M], its rank
-    [M], top-k needed). Host numpy, cached."""
-    index = {(): 0, **{p: i + 1 for i, p in enumerate(paths_ranks)}}
-    depth = max(len(p) for p in paths_ranks)
-    plan = []
-    for d in range(1, depth + 1):
-        nodes = [p for p in paths_ranks if len(p) == d]
-        parents = sorted({p[:-1] for p in nodes}, key=lambda p: index[p])
-        pos = {p: j for j, p in enumerate(parents)}
-        anc = np.array([[index[p[:m]] for m in range(d)] for p in parents], np.int32)
-        plan.append((anc, np.array([index[p] for p in nodes], np.int32),
-                     np.array([pos[p[:-1]] for p in nodes], np.int32),
-                     np.array([p[-1] for p in nodes], np.int32),
-                     max(p[-1] for p in nodes) + 1))
-    return tuple(plan)
 
 
 def draft_tree(heads: Params, embed_table: jax.Array, hidden: jax.Array, root: jax.Array,

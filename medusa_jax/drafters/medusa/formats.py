@@ -1,6 +1,7 @@
 """Medusa heads in the layouts other tools use: the reference's (FasterDecoding/Medusa),
-a Medusa-2 model folder, vLLM's; strict readers and writers, and the checks of our own
-layout's tensors. The table of every layout is in `drafters.formats`."""
+a Medusa-2 model folder, vLLM's; strict readers and writers, the checks of our own
+layout's tensors, and `MedusaFormats` (what `drafters.formats` asks of a kind). The table
+of every layout is in `drafters.formats`."""
 
 from __future__ import annotations
 
@@ -10,18 +11,23 @@ import re
 import warnings
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from medusa_jax.drafters.artifact import HEADS_FILE, check_kind
 from medusa_jax.drafters.io import (
+    PICKLES,
     Expect,
     Found,
     HeadsFormatError,
+    Layout,
     as_float32,
     config_count,
     contiguous,
     file_of,
     heads_meta,
+    meta_count,
     names_counts,
     read_files,
     read_json,
@@ -30,11 +36,11 @@ from medusa_jax.drafters.io import (
     write_safetensors,
     write_tensors,
 )
-from medusa_jax.drafters.medusa.heads import HEADS_FILE
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
 
+KIND = "medusa"
 REFERENCE_ST = "medusa_lm_head.safetensors"
 
 
@@ -253,12 +259,7 @@ def check_heads(tensors: dict, cfg: ModelConfig | None, file, k: int, lyr: int):
 
 def medusa_only(heads: Params, layout: str):
     """A one-line HeadsFormatError unless `heads` are Medusa heads (`layout` holds no other)."""
-    if "in_w" in heads:  # Hydra heads (medusa_jax.drafters.hydra.heads)
-        raise HeadsFormatError(f"these are Hydra heads; the {layout} layout holds only Medusa "
-                               f"heads: write them with --format medusa_jax")
-    if "fc" in heads and "d2t" in heads:  # an EAGLE-3 drafter (eagle3.heads.is_eagle3)
-        raise HeadsFormatError(f"an EAGLE-3 drafter is written in the eagle3 or medusa_jax "
-                               f"layout, not {layout!r}")
+    check_kind(heads, KIND, layout)
 
 
 def _full_proj(heads: Params, layout: str) -> np.ndarray:
@@ -398,3 +399,105 @@ def write_medusa2_model(out_dir: str | Path, cfg: ModelConfig, backbone: Params,
         conf["base_model_name_or_path"] = str(base_model)
     write_json(out / "config.json", conf)
     return out
+
+
+# ----------------------------------------------------------------------------- the kind's formats
+
+
+def _vllm_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
+    if conf is None or conf.get("model_type") != "medusa":
+        return None
+    files = sorted(f for f in p.glob("*.safetensors"))
+    if not files:
+        files = sorted(f for f in p.iterdir() if f.suffix in PICKLES and f.is_file())
+    if not files:
+        raise HeadsFormatError(f"{p}: config.json says model_type medusa (vLLM) but there "
+                               f"is no *.safetensors (or .pt/.bin) file with the heads")
+    return Found("vllm", p, tuple(files), config)
+
+
+def _vllm_file(p: Path, conf: dict, config: Path | None, names, meta) -> Found | None:
+    if names is None:  # a pickle
+        return Found("vllm", p, (p,), config) if conf.get("model_type") == "medusa" else None
+    if conf.get("model_type") == "medusa" or any(
+            n.startswith(("blocks.", "lm_heads.", VLLM_PREFIX)) for n in names):
+        return Found("vllm", p, (p,), config if conf.get("model_type") == "medusa" else None)
+    return None
+
+
+def _reference_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
+    for name in (REFERENCE_ST, REFERENCE_PT):
+        if (p / name).is_file():
+            return Found("reference", p, (p / name,), config)
+    return None
+
+
+def _reference_file(p: Path, conf: dict, config: Path | None, names, meta) -> Found | None:
+    if names is None or (names and all(re.match(r"\d+\.\d+\.", n) for n in names)):
+        return Found("reference", p, (p,), config)
+    return None
+
+
+def _medusa2_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
+    if conf is None or "medusa_num_heads" not in conf:
+        return None
+    shards = model_shards(p)
+    if shards is not None:
+        return Found("medusa2", p, tuple(shards), config)
+    raise HeadsFormatError(f"{config}: has medusa_num_heads but the folder has neither "
+                           f"{REFERENCE_ST}/{REFERENCE_PT} nor model.safetensors[.index.json]")
+
+
+def _medusa2_file(p: Path, conf: dict, config: Path | None, names, meta) -> Found | None:
+    if names is not None and any(n.startswith(MEDUSA2_PREFIX) for n in names):
+        return Found("medusa2", p, (p,), config)
+    return None
+
+
+def _checked(heads: Params, meta: dict, found: Found, cfg: ModelConfig | None):
+    check_heads(heads, cfg, found.root, int(meta["num_heads"]), int(meta["num_layers"]))
+    return heads, meta
+
+
+class MedusaFormats:
+    """What `drafters.formats` asks of a kind: its layouts, and its fields of our artifact."""
+
+    kind = KIND
+    what = "Medusa heads"
+    layouts = (
+        Layout("vllm", "vLLM (config.json with model_type medusa + *.safetensors)",
+               _vllm_dir, _vllm_file,
+               lambda found, cfg, embed: _checked(*read_vllm(found, cfg), found, cfg),
+               lambda heads, out, cfg, base: write_vllm(heads, out, base_model=base)),
+        Layout("reference", f"reference (config.json + {REFERENCE_ST} or {REFERENCE_PT})",
+               _reference_dir, _reference_file,
+               lambda found, cfg, embed: _checked(*read_reference(found, cfg, ""), found, cfg),
+               lambda heads, out, cfg, base: write_reference(heads, out, base_model=base)),
+        Layout("medusa2", "Medusa-2 model (config.json with medusa_num_heads + "
+               "model.safetensors[.index.json] holding medusa_head.* tensors)",
+               _medusa2_dir, _medusa2_file,
+               lambda found, cfg, embed: _checked(*read_reference(found, cfg, MEDUSA2_PREFIX),
+                                                  found, cfg),
+               None, is_medusa2_model),  # written with the backbone: write_medusa2_model
+    )
+
+    @staticmethod
+    def save(heads: Params, cfg: ModelConfig, file: Path) -> tuple[dict, dict]:
+        """(tensors, metadata fields) of our artifact: float32 weights, token_index int32."""
+        k, lyr = np.shape(heads["w"])[:2]
+        tensors = {n: contiguous(np.asarray(a, np.int32 if n == "token_index" else np.float32))
+                   for n, a in heads.items()}
+        return tensors, {"num_heads": str(k), "num_layers": str(lyr)}
+
+    @staticmethod
+    def load(tensors: dict, meta: dict, cfg: ModelConfig | None, file: Path) -> Params:
+        check_heads(tensors, cfg, file, meta_count(meta, "num_heads", file),
+                    meta_count(meta, "num_layers", file))
+        return {n: jnp.asarray(a, jnp.int32 if n == "token_index" else jnp.float32)
+                for n, a in tensors.items()}
+
+    @staticmethod
+    def sizes(heads: Params) -> tuple[int, int]:
+        """(hidden, vocab) of the heads themselves."""
+        v = np.shape(heads["token_index"] if "token_index" in heads else heads["proj"])[-1]
+        return int(np.shape(heads["w"])[-1]), int(v)

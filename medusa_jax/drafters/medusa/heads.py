@@ -15,31 +15,25 @@ and `proj` [K or 1, H, T] with `token_index` [K or 1, V] (int32) predicts over T
 token id v gets column token_index[v] of proj, or logit -inf where token_index[v] = -1.
 
 Hydra heads (`drafters.hydra`: each head also reads the path drafted above it) are another
-kind of drafter; `heads_config_of` and `drafters.formats`' `save_heads` and `load_heads` take
-heads of any kind (the artifact's `kind` field says which), the rest only Medusa heads.
+kind of drafter; `drafters.artifact.heads_config_of` and `drafters.formats`' `save_heads` and
+`load_heads` take heads of any kind (the artifact's `kind` field says which), the rest only
+Medusa heads.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
 from medusa_jax.decoding import drafter
+from medusa_jax.drafters.artifact import (  # noqa: F401 - kind-neutral, here too
+    HEADS_FILE,
+    HeadsConfig,
+    heads_config_of,
+)
 from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class HeadsConfig:
-    num_heads: int = 5
-    num_layers: int = 1
-
-    def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 1:
-            raise ValueError(f"need at least one head and one layer, got {self}")
 
 
 def heads_param_specs(hidden: int, vocab: int, heads_cfg: HeadsConfig = HeadsConfig()) -> dict:
@@ -87,12 +81,6 @@ def is_medusa(heads: Params) -> bool:
     return heads is not None and {"w", "b", "proj"} <= set(heads) <= _NAMES
 
 
-def heads_config_of(heads: Params) -> HeadsConfig:
-    """Read the head count and depth from the parameters themselves (heads of any kind:
-    `decoding.drafter.shape_of`)."""
-    return HeadsConfig(*drafter.shape_of(heads))
-
-
 def head_states(heads: Params, hidden: jax.Array) -> jax.Array:
     """The heads' residual blocks: hidden [..., H] -> [K, ..., H], what each head projects
     (`apply_heads`; the training loss over vocabulary chunks projects it itself)."""
@@ -136,4 +124,3 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     return logits
 
 
-HEADS_FILE = "medusa_heads.safetensors"  # the artifact's tensors (`drafters.formats`)

@@ -1,0 +1,95 @@
+"""The kinds of drafter: kind -> its class (`decoding.drafter.Drafter`), each written here as
+"module:class" and imported on first use, so a command pays only for the kinds it decodes.
+
+A new kind is a folder under `medusa_jax.drafters` and one line in `KINDS` (or, from a test
+or a plugin, one `register(kind, "module:class")` call, or `register(kind, TheClass)`).
+Everything else (decoders, the engine, file formats, enlarging, benchmarks, tree search)
+reaches the kind through the protocol: nothing outside this package names one. The order
+of `KINDS` is the order in which `matches` is asked (and file layouts are detected).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+Params = object  # a parameter pytree
+
+# kind -> "module:class"; tried in this order
+KINDS: dict[str, object] = {
+    "eagle3": "medusa_jax.drafters.eagle3.drafter:Eagle3Drafter",
+    "hydra": "medusa_jax.drafters.hydra.drafter:HydraDrafter",
+    "medusa": "medusa_jax.drafters.medusa.drafter:MedusaDrafter",
+}
+
+# the kind of heads decoded with a plain head function (`drafter_for(heads, head_fn)`), and
+# of our artifacts written before the artifact recorded its kind
+HEAD_FN_KIND = "medusa"
+
+
+def register(kind: str, target) -> None:
+    """Make `kind` known: `target` is "module:class" or the class itself. A kind registered
+    again is replaced (tests register toy kinds and `unregister` them)."""
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"a drafter kind is a non-empty str, got {kind!r}")
+    if not (isinstance(target, type) or (isinstance(target, str) and target.count(":") == 1)):
+        raise ValueError(f"register({kind!r}, ...): give 'module:class' or a class, "
+                         f"got {target!r}")
+    KINDS[kind] = target
+
+
+def unregister(kind: str) -> None:
+    """Forget `kind` (a toy kind a test registered)."""
+    KINDS.pop(kind, None)
+
+
+def kinds() -> tuple[str, ...]:
+    return tuple(KINDS)
+
+
+def drafter_class(kind: str) -> type:
+    """The drafter class registered for `kind`."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown drafter kind {kind!r}; known: {', '.join(KINDS)}")
+    target = KINDS[kind]
+    if isinstance(target, type):
+        return target
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def classes():
+    """(kind, class) of every registered kind, in order."""
+    return [(kind, drafter_class(kind)) for kind in KINDS]
+
+
+def kind_of(heads: Params) -> str:
+    """The kind of drafter `heads` are the parameters of: the one bound to them, else the
+    first whose `matches` says yes."""
+    bound = getattr(heads, "drafter", None)
+    if bound is not None:
+        return bound.kind
+    for kind, cls in classes():
+        if cls.matches(heads):
+            return kind
+    names = ", ".join(sorted(heads)) if isinstance(heads, dict) else type(heads).__name__
+    raise ValueError(f"these heads are of no known drafter kind ({', '.join(KINDS)}); "
+                     f"their tensors: {names}")
+
+
+def drafter_for(heads: Params, head_fn=None):
+    """The drafter of `heads`: `head_fn` when it is a drafter already, else the one bound to
+    `heads` (`BoundParams`), else the registered kind's, built from `head_fn` (a plain head
+    function `(heads, hidden [B, H], lengths [B]) -> logits [K, B, V]`, tests' oracles)."""
+    if head_fn is not None and hasattr(head_fn, "propose"):
+        return head_fn
+    if head_fn is None and getattr(heads, "drafter", None) is not None:
+        return heads.drafter
+    if head_fn is not None and not any(cls.matches(heads) for _, cls in classes()):
+        # a head function takes whatever parameters it likes (tests' oracle heads)
+        return drafter_class(HEAD_FN_KIND).from_head_fn(head_fn)
+    return drafter_class(kind_of(heads)).from_head_fn(head_fn)
+
+
+def depth_of(heads: Params) -> int | None:
+    """How many tree levels the drafter of `heads` can fill (None: any)."""
+    return drafter_for(heads).depth(heads)
