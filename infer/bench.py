@@ -29,6 +29,7 @@ import sys
 from collections import defaultdict
 
 from medusa_jax import cli
+from medusa_jax.drafters import shipped
 from medusa_jax.kernels.flags import add_flag as kernels_flag
 from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
@@ -55,7 +56,7 @@ def build_parser():
                         "decoders' own); each value gets its own plain and Medusa rows")
     p.add_argument("--also-heads", type=options.name_list, default=None, metavar="HEADS,...",
                    help="comma list of more drafters (Medusa or Hydra heads, EAGLE-3 "
-                        "drafters; 'default' / 'hydra' / 'eagle': the embedded model's "
+                        f"drafters; {shipped.help_names()}: the embedded model's "
                         "shipped ones), each benchmarked against the same plain run, side by "
                         "side with --heads")
     p.add_argument("--temperature", type=float, default=0.7)
@@ -432,9 +433,9 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax.decoding.drafter import kind_of, with_weight_dtype
+    from medusa_jax.decoding.drafter import with_weight_dtype
     from medusa_jax.drafters import formats as heads_formats
-    from medusa_jax.drafters.medusa import heads as heads_lib
+    from medusa_jax.drafters import registry
 
     out = []
     for name in args.also_heads.split(","):
@@ -442,11 +443,11 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         if args.heads_dtype != "float32":
             heads = with_weight_dtype(heads, args.heads_dtype)
-        kind = kind_of(heads)
-        k = heads_lib.heads_config_of(heads).num_heads
+        kind = registry.kind_of(heads)
+        k = registry.depth_of(heads)
         for t in trees:
             static = getattr(t, "pool", t)
-            if static.depth > k:
+            if k is not None and static.depth > k:
                 raise ValueError(f"--also-heads {name}: tree {t.name!r} has depth "
                                  f"{static.depth} but there are only {k} {kind.title()} heads")
         out.append((f"{kind} ({name})", heads))
@@ -523,8 +524,7 @@ def _report(args, results) -> int:
         _print_table(results)
     if args.plot:
         _plot(results, args.plot)
-    bad = [r for r in results if r["identical_to_plain"] is False
-           and r["config"].startswith(SPECULATIVE)]
+    bad = [r for r in results if r["identical_to_plain"] is False and _drafted(r)]
     if bad:
         print(f"error: {bad[0]['config']} greedy output differs from plain greedy output",
               file=sys.stderr)
@@ -532,7 +532,11 @@ def _report(args, results) -> int:
     return 0
 
 
-SPECULATIVE = ("medusa", "hydra", "eagle3")  # the rows of decoding with a drafter
+NOT_SPECULATIVE = ("plain", "transformers")  # the rows of decoding without a drafter
+
+
+def _drafted(row) -> bool:
+    return row["tree"] != "-" and not row["config"].startswith(NOT_SPECULATIVE)
 
 
 def _row(run, base, config, mode, tree, identical, by_category=None):
@@ -580,7 +584,7 @@ def _plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = [r for r in results if r["config"].startswith(SPECULATIVE)]
+    med = [r for r in results if _drafted(r)]
     labels = [f"{r['mode']}\n{r['tree']}\nbs{r['batch_size']}\n{r['config']}"
               for r in med]  # "medusa (4 ph.)": the --cache-phases value too
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.4 * len(med)), 4))

@@ -12,6 +12,7 @@ import json
 import sys
 
 from medusa_jax import cli
+from medusa_jax.drafters import shipped
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import compile_cache, options, quiet
@@ -23,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
-                                      "or 'default' / 'hydra' / 'eagle' for the embedded "
+                                      f"or {shipped.help_names()} for the embedded "
                                       "model's shipped ones (omit for plain decoding)",
                         mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")

@@ -1,13 +1,13 @@
-"""`python -m infer.search_tree` (alias `infer.tree`): search the Medusa tree that pays
-best on THIS machine.
+"""`python -m infer.search_tree` (alias `infer.tree`): search the tree that pays best on
+THIS machine, for the drafter --heads names (any kind).
 
     python -m infer.search_tree                            # embedded model + shipped heads
     python -m infer.search_tree --heads runs/<run>/heads --out my_tree.json --plot tree.png
 
-Measures each head's top-k accuracy against the model's own greedy continuation of held-out
-prompts, grows the best tree of every size from those accuracies, times a Medusa step of each
-size here, and keeps the size with the best expected tokens/step / step overhead. The JSON
-it writes is accepted by `--tree FILE` everywhere.
+Measures the drafter's top-k accuracy at each depth (below its own best path) against the
+model's own greedy continuation of held-out prompts, grows the best tree of every size from
+those accuracies, times a decoding step of each size here, and keeps the size with the best
+expected tokens/step / step overhead. The JSON it writes is accepted by `--tree FILE` everywhere.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def build_parser():
     p.add_argument("--sizes", type=options.int_list(1),
                    default=[1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 63])
     p.add_argument("--top-k", type=options.positive_int, default=10)
+    p.add_argument("--max-depth", type=options.positive_int, default=8,
+                   help="deepest tree searched (a drafter with a depth of its own: at most it)")
     p.add_argument("--reps", type=options.positive_int, default=3)
     p.add_argument("--out", default="searched_tree.json", help="where to write the chosen tree")
     p.add_argument("--plot", help="PNG of expected and measured tokens/step and speedup vs size")
@@ -53,14 +55,6 @@ def main(argv=None) -> int:
             options.writable_output("--plot", args.plot)
     except (ValueError, OSError) as e:
         ap.error(str(e))
-    try:  # before the model loads: the search models independent heads' accuracies
-        kind = _heads_kind(args.heads)
-    except (ValueError, OSError) as e:
-        ap.error(f"--heads {args.heads}: {e}")
-    if kind != "medusa":
-        what = "Hydra heads" if kind == "hydra" else "an EAGLE-3 drafter"
-        ap.error(f"--heads {args.heads} holds {what}; the tree search models Medusa heads "
-                 f"(independent per depth), not a drafter that conditions on the path")
     kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
     from medusa_jax.decoding.tree import Tree
@@ -70,7 +64,6 @@ def main(argv=None) -> int:
 
     prompts = [p for p, _ in cli.read_prompts(args.prompts, args.num_prompts)]
     model = cli.load_with_heads(args.model, args.heads, heads_dtype=args.heads_dtype)
-    num_heads = model.heads["w"].shape[0]
     ids = [model.encode(p) for p in prompts]
     from medusa_jax.decoding.decode import check_fits
 
@@ -81,7 +74,9 @@ def main(argv=None) -> int:
             ap.error(f"--sizes {n}: {e}")
     print(f"measuring head accuracies on {len(ids)} prompts ...", file=sys.stderr)
     acc = head_rank_accuracy(model.params, model.cfg, model.heads, ids,
-                             max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos=model.eos)
+                             max_new_tokens=args.max_new_tokens, top_k=args.top_k, eos=model.eos,
+                             max_depth=args.max_depth)
+    num_heads = acc.shape[0]  # the depths measured: the drafter's, or --max-depth
     cum = acc.cumsum(1)
     print("head  top-1  top-3  top-5  top-10")
     for d in range(acc.shape[0]):
@@ -127,18 +122,6 @@ def main(argv=None) -> int:
     if args.plot:
         _plot(rows, args.plot)
     return 0
-
-
-def _heads_kind(heads: str | None) -> str:
-    """The kind of drafter --heads names (None: the embedded model's shipped Medusa heads)."""
-    from medusa_jax.drafters import formats
-    from medusa_jax.runtime import assets, hub
-
-    if heads is None:
-        return "medusa"
-    if heads in assets.SHIPPED_HEADS:
-        return formats.kind_at(assets.shipped_heads_dir(heads))
-    return formats.kind_at(hub.local(heads, "--heads", hub.HEADS_FILES))
 
 
 def _plot(rows, path):

@@ -36,8 +36,8 @@ from medusa_jax.decoding.decode import (
 from medusa_jax.decoding.sampling import MODES, Rows
 from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.drafters.formats import is_medusa2_model, load_heads
-from medusa_jax.drafters.medusa.heads import heads_config_of
+from medusa_jax.drafters import registry, shipped
+from medusa_jax.drafters.formats import bundled_model, load_heads
 from medusa_jax.model.backbone import Params, decoding_layout, head_units, param_axes, param_specs
 from medusa_jax.model.config import ModelConfig, stop_tokens
 from medusa_jax.model.weights import (
@@ -119,13 +119,13 @@ def default_heads_dir() -> Path:
 def default_hydra_heads_dir() -> Path:
     """The Hydra heads trained by the default `python -m train.hydra`, shipped for
     stories260K."""
-    return assets.shipped_heads_dir("hydra")
+    return shipped.folder(shipped.HYDRA)
 
 
 def default_eagle_heads_dir() -> Path:
     """The EAGLE-3 drafter trained by the default `python -m train.eagle`, shipped for
     stories260K."""
-    return assets.shipped_heads_dir("eagle")
+    return shipped.folder(shipped.EAGLE)
 
 
 def _is_int(x) -> bool:
@@ -231,7 +231,7 @@ class Medusa:
         if heads not in assets.SHIPPED_HEADS:
             heads = hub.local(heads, "heads", hub.HEADS_FILES)
         if model is None and heads is not None and heads not in assets.SHIPPED_HEADS and \
-                is_medusa2_model(heads):
+                bundled_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
         # cheap checks first, in this order: config.json's fields, that there is a
@@ -264,7 +264,7 @@ class Medusa:
 
     @property
     def drafter_kind(self) -> str | None:
-        """"medusa", "hydra" or "eagle3": the kind of the loaded heads (None without heads)."""
+        """The kind of the loaded drafter (`drafters.registry`; None without heads)."""
         if self.heads is None:
             return None
         return drafter.kind_of(self.heads)
@@ -320,13 +320,12 @@ class Medusa:
 
     def tree(self, spec: str | Path | Tree | DynamicTree | None = None) -> Tree | DynamicTree:
         """A tree checked against the loaded heads (depth) and the vocabulary (ranks)."""
-        k = heads_config_of(self.heads).num_heads if self.heads is not None else None
+        k = registry.depth_of(self.heads) if self.heads is not None else None
         try:
             return self._tree(spec, k)
-        except ValueError as e:
-            kind = self.drafter_kind  # the tree module's message names Medusa heads
-            if kind in ("hydra", "eagle3"):
-                name = "Hydra heads" if kind == "hydra" else "EAGLE-3 drafting steps"
+        except ValueError as e:  # the tree module's message names Medusa heads
+            name = f"{self.drafter_kind.title()} heads" if self.heads is not None else None
+            if name is not None and "Medusa heads" in str(e):
                 raise ValueError(str(e).replace("Medusa heads", name)) from None
             raise
 

@@ -19,10 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.acceptance import Sampling
-from medusa_jax.decoding.sampling import Rows
 from medusa_jax.decoding.decode import generate, medusa_capacity, medusa_generate, pad_prompts
+from medusa_jax.decoding.sampling import Rows
 from medusa_jax.decoding.tree import DynamicTree, Tree
-from medusa_jax.drafters.medusa.drafter import standard_heads
+from medusa_jax.drafters import registry
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
 from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.model.shapes import SHAPES  # noqa: E402 - the named shapes (no JAX there)
@@ -182,12 +182,12 @@ def compare_decoding(params, heads, cfg: ModelConfig, prompts: list[list[int]], 
                   sampling=sampling, reps=reps, max_cache_phases=max_cache_phases)
     if plain is None:
         plain = run_decoder(params, cfg, prompts, name="plain", **common)
-    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="medusa",
+    medusa = run_decoder(params, cfg, prompts, heads=heads, tree=tree, name="drafted",
                          progress=progress, **common)
     return Comparison(plain, medusa, tree, sampling.mode, max_new_tokens)
 
 
-def print_comparison(c: Comparison, title: str, label: str = "medusa"):
+def print_comparison(c: Comparison, title: str, label: str = "drafted"):
     """The comparison as the training commands print it (`label`: the drafter's kind)."""
     p, m = c.plain, c.medusa
     print(f"\n{title}, {len(m.rows)} held-out prompts, batch {m.batch_size}, up to "
@@ -503,8 +503,10 @@ def _shard_bytes(x, s) -> int:
 
 def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat16",
                batch: int = 1, context: int = 2048, tree: Tree | None = None,
-               num_heads: int = 5, steps: int = 4, seed: int = 0) -> dict:
-    """Per-device memory of Medusa decoding of a real backbone shape, measured on `layers`
+               num_heads: int = 5, steps: int = 4, seed: int = 0,
+               kind: str = registry.HEAD_FN_KIND) -> dict:
+    """Per-device memory of decoding with a fresh drafter of `kind` (its `init`) on a real
+    backbone shape, measured on `layers`
     of its layers (random weights, created directly in their shardings) and extrapolated
     to all of them.
 
@@ -516,7 +518,6 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
     extrapolated from their growth between a compile at `layers` and one at `layers + 1`
     (from shapes only)."""
     from medusa_jax import api
-    from medusa_jax.drafters.medusa.heads import HeadsConfig
     from medusa_jax.runtime import sharding
 
     if shape not in SHAPES:
@@ -530,11 +531,10 @@ def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat1
     tree = tree or Tree.load("mc_sim_7b_63")
     bb_sh, _ = api.decode_shardings(cfg, mesh)
     params = jax.jit(lambda k: init_params(cfg, k), out_shardings=bb_sh)(jax.random.key(seed))
-    hcfg = HeadsConfig(num_heads=num_heads)
+    init = registry.drafter_class(kind).init  # fresh heads of `num_heads` levels
 
     def make_heads(p):
-        from medusa_jax.drafters.medusa.heads import init_heads
-        return init_heads(cfg, p, hcfg)
+        return init(cfg, p, jax.random.key(seed), num_heads)
 
     abstract_heads = jax.eval_shape(make_heads, params)
     _, hd_sh = api.decode_shardings(cfg, mesh, abstract_heads)
@@ -666,7 +666,7 @@ def count_kernels(hlo_text: str) -> int:
 MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
 
 
-def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
+def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages, drafter):
     """`step.medusa_step` with only `stages` real (plus the backbone pass, always); the
     others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
     can neither drop nor hoist the stages that stay)."""
@@ -692,10 +692,11 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
         rows = jnp.arange(b)
         live = ~s.done
         if "candidates" in stages:
-            prop = decode.propose_candidates(s.root, s.draft, tree)
+            prop = drafter.propose(params, heads, s.draft, s.root, tree)
         else:
             prop = stand_in(s.root)
-        logits, hidden, (k_new, v_new), scratch = decode.verify(params, cfg, prop, s.cache)
+        logits, hidden, (k_new, v_new), scratch, *aux = decode.verify(
+            params, cfg, prop, s.cache, None, tuple(drafter.aux_layers))
         if "acceptance" in stages:
             best, acc_len, next_root = acceptance.accept(
                 logits, prop.tokens, static, Sampling(), None, prop.valid, prop.slot)
@@ -710,17 +711,23 @@ def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages):
             cache = decode.commit(scratch, k_new, v_new, fed_path, advance)
         else:
             cache = scratch.advance(advance)
-        if "heads" in stages:
-            new_hl = standard_heads(heads, hidden[rows, fed_path[rows, acc_len]], None)
+        chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
+        if "heads" in stages:  # the drafter's advance, as the step runs it
+            along = fed_path[:, :, None]
+            new_hl = drafter.advance(params, heads, s.draft,
+                                     jnp.take_along_axis(hidden, along, axis=1),
+                                     jnp.take_along_axis(aux[0], along, axis=1) if aux else None,
+                                     chunk, acc_len, next_root, cache.lengths, live)
         else:
-            new_hl = s.draft + hidden[:, 0, :1].sum() * 0.0
+            new_hl = jax.tree.map(lambda x: x + hidden[:, 0, :1].sum().astype(x.dtype) * 0,
+                                  s.draft)
         if "bookkeeping" in stages:
-            chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
             kept, count, done = decode.emit(s, chunk, acc_len + 1)
             hist = s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(
                 live.astype(jnp.int32))
             return s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
-                             draft=jnp.where(live[None, :, None], new_hl, s.draft),
+                             draft=decode.step.select_rows(live, new_hl, s.draft,
+                                                           decode.step.batch_axis(drafter)),
                              count=count, steps=s.steps + live, hist=hist, done=done)
         return s.replace(cache=cache, root=next_root, draft=new_hl, count=s.count + advance)
 
@@ -757,13 +764,15 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
     for tree in trees:
         state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
                                          Sampling(), max_new_tokens, eos=eos)
-        config = f"medusa {tree.name} ({tree.num_nodes} tokens)"
+        drafter = decode.drafter_for(heads)
+        config = f"{drafter.kind} {tree.name} ({tree.num_nodes} tokens)"
         every = frozenset(MEDUSA_STAGES)
         variants = [("whole step", every)] + [(f"- {stage}", every - {stage})
                                               for stage in MEDUSA_STAGES]
         variants.append(("backbone pass alone", frozenset()))
         for label, stages in variants:
-            fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages)
+            fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages,
+                                     drafter)
             runs.append((config, label, fn, state))
     loops = [jax.jit(lambda st, fn=fn: jax.lax.fori_loop(0, iters, lambda i, s: fn(s), st),
                      compiler_options=xla_options.for_backend()) for _, _, fn, _ in runs]
@@ -792,29 +801,8 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
 # ----------------------------------------------------------------------------- heads' cost
 
 
-def heads_cost(hidden: int, vocab: int, *, num_heads: int = 5, num_layers: int = 1,
-               reduced: int | None = None, reps: int = 30, seed: int = 0) -> dict[str, float]:
-    """Seconds of one jitted `apply_heads` call on one token (random heads, float32), for
-    each projection the heads may have: one per head [K, H, V], one shared [1, H, V], a
-    reduced vocabulary of `reduced` tokens (default V // 4) per head, or shared and
-    reduced. Median of `reps` calls after a warm-up."""
-    from medusa_jax.drafters.medusa.heads import apply_heads
-
-    reduced = reduced or max(1, vocab // 4)
-    keys = jax.random.split(jax.random.key(seed), 4)
-    k, lyr = num_heads, num_layers
-    blocks = {"w": 0.01 * jax.random.normal(keys[0], (k, lyr, hidden, hidden)),
-              "b": jnp.zeros((k, lyr, hidden))}
-    index = jnp.where(jnp.arange(vocab) < reduced, jnp.arange(vocab), -1).astype(jnp.int32)
-    variants = {
-        "per-head": {"proj": jax.random.normal(keys[1], (k, hidden, vocab))},
-        "shared": {"proj": jax.random.normal(keys[1], (1, hidden, vocab))},
-        "reduced": {"proj": jax.random.normal(keys[2], (k, hidden, reduced)),
-                    "token_index": jnp.broadcast_to(index, (k, vocab))},
-        "shared+reduced": {"proj": jax.random.normal(keys[2], (1, hidden, reduced)),
-                           "token_index": index[None]},
-    }
-    x = jax.random.normal(keys[3], (1, hidden))
-    fn = jax.jit(apply_heads)
-    return {name: _median_time(lambda h=dict(blocks, **v): fn(h, x), reps)[0]
-            for name, v in variants.items()}
+def heads_cost(hidden: int, vocab: int, *, kind: str = registry.HEAD_FN_KIND, **kw
+               ) -> dict[str, float]:
+    """Seconds of one drafting call of a fresh drafter of `kind` on one token, per variant
+    of its parameters (the kind's `cost`; Medusa's: its projection layouts)."""
+    return registry.drafter_class(kind).cost(hidden, vocab, **kw)

@@ -1,8 +1,9 @@
-"""Trees that fit the hardware: head accuracies -> best tree of each size -> the size that pays.
+"""Trees that fit the hardware: drafter accuracies -> best tree of each size -> the size that pays.
 
-1. `head_rank_accuracy`: for each head d and rank r, how often the r-th candidate of head d
-   is the token the model itself produces d+1 positions later (greedy continuation of
-   held-out prompts).
+1. `head_rank_accuracy`: for each depth d and rank r, how often the drafter's r-th token at
+   depth d+1 (below its own best path, which must be right so far) is the token the model
+   itself produces there (greedy continuation of held-out prompts). Any kind of drafter:
+   it runs through the protocol (`begin`, `propose`).
 2. `grow_tree`: from the root, repeatedly add the candidate node (the next sibling rank of a
    node, or the first child of a node) with the largest product of accuracies along its path.
    The expected number of tokens per step is 1 + the sum of those products.
@@ -17,59 +18,82 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import kernels
+from medusa_jax.decoding import step
 from medusa_jax.decoding.decode import generate, pad_prompts
-from medusa_jax.drafters.medusa.heads import apply_heads
-from medusa_jax.model.backbone import KVCache, Params, causal_mask, forward
+from medusa_jax.decoding.drafter import drafter_for
+from medusa_jax.decoding.tree import Tree
+from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
+
+
+def probe_tree(depth: int, top_k: int) -> Tree:
+    """The drafter's top-1 chain to `depth` with every rank < `top_k` beside it: node
+    (0,)*d + (r,) is what the drafter ranks r-th at depth d+1 below its own best path."""
+    return Tree.from_paths([[0] * d + [r] for d in range(depth) for r in range(top_k)],
+                           name=f"probe-{depth}x{top_k}")
 
 
 def head_rank_accuracy(params: Params, cfg: ModelConfig, heads: Params,
                        prompts: list[list[int]], *, max_new_tokens: int = 128, top_k: int = 10,
-                       eos: tuple[int, ...] = (), batch_size: int = 16) -> np.ndarray:
-    """[K, top_k]: P(head d's rank-r candidate == the greedy token d+1 positions later).
+                       eos: tuple[int, ...] = (), batch_size: int = 16, max_depth: int = 8,
+                       rows: int = 16) -> np.ndarray:
+    """[D, top_k]: P(the drafter's rank-r token at depth d+1 is the greedy token there |
+    its rank-0 path above it is), for drafters of any kind (through the protocol:
+    `begin` after a teacher-forced prefix, then `propose` on `probe_tree`). D: the
+    drafter's depth, at most `max_depth`.
 
-    Measured on the model's own greedy continuations of `prompts` (what greedy Medusa
-    decoding will have to guess), over the generated part only.
+    Measured on the model's own greedy continuations of `prompts` (what greedy decoding
+    with the drafter will have to guess), from every position of the generated part
+    (`rows` positions at a time).
     """
-    k_heads = heads["w"].shape[0]
-    hits = np.zeros((k_heads, top_k))
-    total = np.zeros(k_heads)
+    drafter = drafter_for(heads)
+    depth = min(drafter.depth(heads) or max_depth, max_depth)
+    tree = probe_tree(depth, top_k)
+    used = drafter.prepare(heads, tree, cpu_kernels=kernels.active(params))
+    node = np.array([[tree.paths_ranks.index((0,) * d + (r,)) + 1 for r in range(top_k)]
+                     for d in range(depth)])  # [D, top_k] node index of (0,)*d + (r,)
+    hits = np.zeros((depth, top_k))
+    total = np.zeros(depth)
 
     @jax.jit
-    def ranks(params, heads, seq, valid):
-        b, t = seq.shape
-        cache = KVCache.init(cfg, b, t)
-        _, hidden, _ = forward(params, cfg, seq, jnp.broadcast_to(jnp.arange(t), (b, t)),
-                               causal_mask(cache.lengths, t, t), cache, return_logits=False,
-                               empty_cache=True)
-        top = jax.lax.top_k(apply_heads(heads, hidden), top_k)[1]  # [K, B, T, k]
-        out = []
-        for d in range(k_heads):  # head d (0-based) at position i guesses token i + d + 2
-            shift = d + 2
-            target = seq[:, shift:]  # [B, T - shift]
-            guess = top[d, :, : t - shift]
-            ok = valid[:, shift:] & valid[:, : t - shift]
-            out.append(((guess == target[..., None]) & ok[..., None]).sum((0, 1)))
-            out.append(ok.sum())
-        return out
+    def guesses(params, used, seq, at):
+        """seq [1, W], at [n] positions -> the probe tree's tokens [n, N] drafted after
+        seq[:at + 1] with root seq[at + 1]."""
+        w = seq.shape[1]
+        _, hidden, aux, _ = step._prefill(params, cfg, seq, jnp.array([w], jnp.int32), w,
+                                          tuple(drafter.aux_layers))
+        n = at.shape[0]
+        rep = lambda x: None if x is None else jnp.broadcast_to(x, (n, *x.shape[1:]))  # noqa
+        tokens = rep(seq)
+        root = seq[0, at + 1]
+        carry = drafter.begin(params, used, rep(hidden), rep(aux), tokens, at + 1, root,
+                              w + tree.num_nodes + 1)
+        return drafter.propose(params, used, carry, root, tree).tokens
 
     for s in range(0, len(prompts), batch_size):
         chunk = prompts[s:s + batch_size]
         tokens, lengths = pad_prompts(chunk)
         gen = jax.device_get(generate(params, cfg, tokens, lengths, jax.random.key(0),
                                       max_new_tokens=max_new_tokens, eos=eos))
-        width = tokens.shape[1] + max_new_tokens
-        seq = np.zeros((len(chunk), width), np.int32)
-        valid = np.zeros((len(chunk), width), bool)
         for i, p in enumerate(chunk):
-            new = gen.tokens[i, : gen.num_new[i]]
-            seq[i, : len(p) + len(new)] = np.concatenate([p, new])
-            # score guesses made from generated positions onwards (the prompt is given)
-            valid[i, len(p) - 1: len(p) + len(new)] = True
-        res = jax.device_get(ranks(params, heads, jnp.asarray(seq), jnp.asarray(valid)))
-        for d in range(k_heads):
-            hits[d] += res[2 * d]
-            total[d] += res[2 * d + 1]
+            seq = np.concatenate([p, gen.tokens[i, : gen.num_new[i]]]).astype(np.int32)
+            # guesses made from generated positions onwards (the prompt is given), with
+            # the root and one token to check inside the sequence
+            at = np.arange(len(p) - 1, len(seq) - 2, dtype=np.int32)
+            for a in range(0, len(at), rows):
+                pos = np.resize(at[a:a + rows], rows)  # a fixed row count: one compile
+                got = np.asarray(guesses(params, used, jnp.asarray(seq[None]),
+                                         jnp.asarray(pos)))[: len(at[a:a + rows])]
+                pos = pos[: len(got)]
+                ok = np.ones(len(got), bool)  # the rank-0 path above depth d is right
+                for d in range(depth):
+                    target = np.where(pos + d + 2 < len(seq),
+                                      seq[np.minimum(pos + d + 2, len(seq) - 1)], -1)
+                    ok &= pos + d + 2 < len(seq)
+                    hits[d] += ((got[:, node[d]] == target[:, None]) & ok[:, None]).sum(0)
+                    total[d] += ok.sum()
+                    ok &= got[:, node[d, 0]] == target
     return hits / np.maximum(total, 1)[:, None]
 
 
