@@ -19,6 +19,7 @@ KINDS: dict[str, object] = {
     "eagle3": "medusa_jax.drafters.eagle3.drafter:Eagle3Drafter",
     "hydra": "medusa_jax.drafters.hydra.drafter:HydraDrafter",
     "medusa": "medusa_jax.drafters.medusa.drafter:MedusaDrafter",
+    "ngram": "medusa_jax.drafters.ngram.drafter:NgramDrafter",
 }
 
 # the kind of heads decoded with a plain head function (`drafter_for(heads, head_fn)`), and

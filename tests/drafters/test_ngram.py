@@ -130,3 +130,15 @@ def test_bad_sizes_are_one_line_errors(one_line_error, fields, needle):
 
 def test_head_fn_is_refused(one_line_error):
     one_line_error(ValueError, lambda: NgramDrafter.from_head_fn(lambda *a: None), "head_fn")
+
+
+def test_empty_heads_are_the_ngram_kind(stories, story_plain):
+    """The kind is registered: parameters with no tensors decode with the n-gram drafter."""
+    from medusa_jax.drafters import registry
+
+    assert registry.kind_of({}) == "ngram" and registry.depth_of({}) is None
+    cfg, params, _ = stories
+    tokens, lengths = pad_prompts(story_plain.prompts)
+    out = medusa_generate(params, {}, cfg, tokens, lengths, jax.random.key(0),
+                          tree=chain_tree(5), max_new_tokens=story_plain.max_new, eos=(2,))
+    assert story_plain.rows(out) == story_plain.rows_plain
