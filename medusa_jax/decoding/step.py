@@ -346,16 +346,45 @@ def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | N
     return s, chunk, n
 
 
+# The stages of a step `medusa_step` can leave out (`infer.bench --breakdown` times the step
+# without each): "candidates" the drafter's proposal, "acceptance", "commit" the accepted
+# keys/values, "heads" the drafter's advance, "bookkeeping" emitting tokens and the
+# per-row state; the backbone's verification pass always runs.
+STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
+ALL_STAGES = frozenset(STAGES)
+
+
+def _stand_in_proposal(root: jax.Array, tree, vocab: int) -> Proposal:
+    """For a step without "candidates": the tree's first T nodes (a subtree), with tokens
+    that follow the root (so the loop still depends on the proposal)."""
+    static = static_tree(tree)
+    n, t = static.num_nodes, tree.num_nodes
+    tokens = (root[:, None] + jnp.arange(n)[None]) % vocab
+    first = jnp.arange(n) < t
+    return Proposal(
+        fed=tokens[:, :t], fed_depth=jnp.asarray(static.node_depth[:t]),
+        fed_mask=jnp.asarray(static.mask[:t, :t]), tokens=tokens,
+        valid=None if t == n else jnp.broadcast_to(first, tokens.shape),
+        slot=None if t == n else jnp.broadcast_to(jnp.minimum(jnp.arange(n), t - 1),
+                                                  tokens.shape))
+
+
 def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
-                tree: Tree | DynamicTree, s: DecodeState, window: int | None = None):
+                tree: Tree | DynamicTree, s: DecodeState, window: int | None = None,
+                stages: frozenset = ALL_STAGES):
     """One Medusa step for every row, the five stages in order (attending over the first
     `window` cache slots, default all). `heads`: the drafter's prepared parameters.
+    `stages`: the ones to run (`STAGES`); each left out is replaced by the cheapest
+    stand-in that keeps shapes and loop dependences, so XLA can neither drop nor hoist the
+    stages that stay (for `--breakdown`: decoders run them all).
     Returns (state, chunk [B, D+1], n [B])."""
     static = static_tree(tree)
     rows = jnp.arange(s.root.shape[0])
     live = ~s.done
     keys, sub = next_keys(s.keys, s.rows.draws(ROOT_DRAWS))
-    if s.rows.draws(ROOT_DRAWS):  # rejection rows draw their drafts (`DraftSampler`)
+    if "candidates" not in stages:
+        prop = _stand_in_proposal(s.root, tree, cfg.vocab_size)
+    elif s.rows.draws(ROOT_DRAWS):  # rejection rows draw their drafts (`DraftSampler`)
         sub, drafting = split_rows(sub)
         sampled = jnp.broadcast_to(s.rows.follows(ROOT_DRAWS), s.root.shape)
         draw = DraftSampler(rows=s.rows, keys=drafting, sampled=sampled)
@@ -364,19 +393,36 @@ def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
         prop = drafter.propose(params, heads, s.draft, s.root, tree)  # 1
     logits, hidden, (k_new, v_new), cache, *aux = verify(
         params, cfg, prop, s.cache, window, tuple(drafter.aux_layers))  # 2
-    drafts = None if prop.draws is None else (prop.draws, prop.draft_logq)
-    best, acc_len, next_root = acceptance.accept_rows(
-        logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live, drafts)  # 3
+    if "acceptance" in stages:
+        drafts = None if prop.draws is None else (prop.draws, prop.draft_logq)
+        best, acc_len, next_root = acceptance.accept_rows(
+            logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live,
+            drafts)  # 3
+    else:
+        best, acc_len = jnp.zeros_like(s.count), jnp.ones_like(s.count)
+        next_root = (s.root + (logits[:, 0, 0] > 0)) % cfg.vocab_size
     path = jnp.asarray(static.paths)[best]  # [B, D+1] node indices, root first
     chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
-    n, count, done = emit(s, chunk, acc_len + 1)  # 4
+    advance = jnp.where(live, acc_len + 1, 0)
+    if "bookkeeping" in stages:
+        n, count, done = emit(s, chunk, acc_len + 1)  # 4
     fed_path = prop.fed_index(path)
-    cache = commit(cache, k_new, v_new, fed_path, jnp.where(live, acc_len + 1, 0))
-    along = fed_path[:, :, None]  # [B, D+1, 1]: the kept path's entries of the verify pass
-    draft = drafter.advance(params, heads, s.draft,
-                            jnp.take_along_axis(hidden, along, axis=1),
-                            jnp.take_along_axis(aux[0], along, axis=1) if aux else None,
-                            chunk, acc_len, next_root, cache.lengths, live)  # 5
+    if "commit" in stages:
+        cache = commit(cache, k_new, v_new, fed_path, advance)
+    else:
+        cache = cache.advance(advance)
+    if "heads" in stages:
+        along = fed_path[:, :, None]  # [B, D+1, 1]: the kept path's entries of the verify pass
+        draft = drafter.advance(params, heads, s.draft,
+                                jnp.take_along_axis(hidden, along, axis=1),
+                                jnp.take_along_axis(aux[0], along, axis=1) if aux else None,
+                                chunk, acc_len, next_root, cache.lengths, live)  # 5
+    else:
+        draft = jax.tree.map(lambda x: x + hidden[:, 0, :1].sum().astype(x.dtype) * 0,
+                             s.draft)
+    if "bookkeeping" not in stages:
+        return s.replace(cache=cache, root=next_root, draft=draft,
+                         count=s.count + advance), chunk, advance
     s = s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
                   draft=select_rows(live, draft, s.draft, batch_axis(drafter)), count=count,
                   steps=s.steps + live,

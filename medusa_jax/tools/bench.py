@@ -9,6 +9,7 @@ are ratios against a baseline measured in the same run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import statistics
 import time
@@ -19,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.acceptance import Sampling
-from medusa_jax.decoding.decode import generate, medusa_capacity, medusa_generate, pad_prompts
+from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
 from medusa_jax.decoding.sampling import Rows
-from medusa_jax.decoding.tree import DynamicTree, Tree
+from medusa_jax.decoding.step import STAGES, medusa_step
+from medusa_jax.decoding.tree import Tree
 from medusa_jax.drafters import registry
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params, is_decoding_layout
 from medusa_jax.model.config import ModelConfig, as_dtype
@@ -37,6 +39,7 @@ def random_backbone(shape: str, dtype: str = "bfloat16", seed: int = 0):
 
 
 from medusa_jax.text.prompt_files import read_prompt_file  # noqa: E402,F401 - re-exported
+from medusa_jax.tools.sizing import size_model  # noqa: E402,F401 - re-exported
 
 
 def _median_time(fn, reps: int, progress=None) -> tuple[float, object]:
@@ -496,126 +499,6 @@ def predicted_speedups(report: dict, tokens_per_step: dict[int, float]) -> list[
 # ----------------------------------------------------------------------------- sizing
 
 
-def _shard_bytes(x, s) -> int:
-    shape = s.shard_shape(tuple(x.shape))
-    return int(np.prod(shape)) * np.dtype(x.dtype).itemsize
-
-
-def size_model(shape: str, layers: int, mesh_spec: str, *, dtype: str = "bfloat16",
-               batch: int = 1, context: int = 2048, tree: Tree | None = None,
-               num_heads: int = 5, steps: int = 4, seed: int = 0,
-               kind: str = registry.HEAD_FN_KIND) -> dict:
-    """Per-device memory of decoding with a fresh drafter of `kind` (its `init`) on a real
-    backbone shape, measured on `layers`
-    of its layers (random weights, created directly in their shardings) and extrapolated
-    to all of them.
-
-    Compiles `medusa_generate` on the mesh (batch rows, a `context`-token KV cache), runs
-    it for `steps` new tokens, and reads each buffer's per-device bytes from its sharding
-    and the compiled step's temporaries from `compiled.memory_analysis()`. Per-layer
-    tensors (stacked on the layers axis) and the KV cache scale with the depth; the
-    embedding, output projection and heads do not; the temporaries (KV cache aside) are
-    extrapolated from their growth between a compile at `layers` and one at `layers + 1`
-    (from shapes only)."""
-    from medusa_jax import api
-    from medusa_jax.runtime import sharding
-
-    if shape not in SHAPES:
-        raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-    full = ModelConfig(**SHAPES[shape], param_dtype=dtype, compute_dtype=dtype)
-    if not 1 <= layers <= full.num_layers:
-        raise ValueError(f"--layers must be in 1..{full.num_layers} for {shape}")
-    cfg = full.replace(num_layers=layers)
-    mesh = sharding.make_mesh(mesh_spec)
-    api.check_model_axis(cfg, mesh)
-    tree = tree or Tree.load("mc_sim_7b_63")
-    bb_sh, _ = api.decode_shardings(cfg, mesh)
-    params = jax.jit(lambda k: init_params(cfg, k), out_shardings=bb_sh)(jax.random.key(seed))
-    init = registry.drafter_class(kind).init  # fresh heads of `num_heads` levels
-
-    def make_heads(p):
-        return init(cfg, p, jax.random.key(seed), num_heads)
-
-    abstract_heads = jax.eval_shape(make_heads, params)
-    _, hd_sh = api.decode_shardings(cfg, mesh, abstract_heads)
-    heads = jax.jit(make_heads, out_shardings=hd_sh)(params)
-
-    prompt = min(context // 2, 256)
-    max_new = context - prompt - tree.num_nodes - 1
-    tokens = np.ones((batch, prompt), np.int32)
-    lengths = np.full((batch,), prompt, np.int32)
-    key = jax.random.key(seed)
-
-    def compiled_at(n: int):
-        """The decoder compiled for n layers, from shapes and shardings only."""
-        c = cfg.replace(num_layers=n)
-        bb, hd = api.decode_shardings(c, mesh, abstract_heads)
-        spec = lambda tree, sh: jax.tree.map(  # noqa: E731
-            lambda x, s_: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s_), tree, sh)
-        abs_params = spec(jax.eval_shape(lambda k: init_params(c, k), key), bb)
-        return medusa_generate.lower(spec(abs_params, bb), spec(abstract_heads, hd), c,
-                                     tokens, lengths, key, tree=tree, max_new_tokens=max_new,
-                                     eos=()).compile()
-
-    with jax.set_mesh(mesh):
-        compiled = compiled_at(layers)
-        deeper = compiled_at(layers + 1) if layers < full.num_layers else None
-        # a few steps only: the same loop with a small token budget, on the random weights
-        small = medusa_generate.lower(params, heads, cfg, tokens, lengths, key, tree=tree,
-                                      max_new_tokens=steps, eos=()).compile()
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(small(params, heads, tokens, lengths, key))
-        run_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    scale = full.num_layers / layers
-
-    def by_depth(tree_, shardings):
-        per_layer = fixed = 0
-        for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(tree_)[0],
-                                jax.tree.leaves(shardings)):
-            b = _shard_bytes(x, s)
-            if any(getattr(k, "key", None) == "layers" for k in path):
-                per_layer += b
-            else:
-                fixed += b
-        return per_layer, fixed
-
-    p_layer, p_fixed = by_depth(params, bb_sh)
-    h_layer, h_fixed = by_depth(heads, hd_sh)
-    capacity = medusa_capacity(prompt, max_new, tree)
-    kv_spec = sharding.cache_spec(mesh, cfg.num_kv_heads, batch)
-    kv_shape = (layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
-    kv_local = jax.sharding.NamedSharding(mesh, kv_spec).shard_shape(kv_shape)
-    kv = 2 * int(np.prod(kv_local)) * np.dtype(as_dtype(dtype)).itemsize
-    temp = int(mem.temp_size_in_bytes)
-    other_temp = max(temp - kv, 0)
-    # what the temporaries (KV cache aside) grow by per layer, from a compile one layer deeper
-    per_layer_temp = 0 if deeper is None else max(
-        int(deeper.memory_analysis().temp_size_in_bytes) - temp - kv // layers, 0)
-    gib = 2 ** 30
-    measured = {"params": p_layer + p_fixed, "heads": h_layer + h_fixed, "kv_cache": kv,
-                "temporaries": other_temp}
-    extrapolated = {"params": p_layer * scale + p_fixed, "heads": h_layer + h_fixed,
-                    "kv_cache": kv * scale,
-                    "temporaries": other_temp + per_layer_temp * (full.num_layers - layers)}
-    return {
-        "shape": shape, "layers_measured": layers, "layers": full.num_layers,
-        "mesh": sharding.mesh_str(mesh), "devices": mesh.size, "dtype": dtype,
-        "batch": batch, "context": capacity, "tree_nodes": tree.num_nodes,
-        "heads": num_heads, "platform": jax.devices()[0].platform,
-        "compiled_argument_bytes": int(mem.argument_size_in_bytes),
-        "compiled_temp_bytes": temp, "temp_bytes_per_layer": per_layer_temp,
-        "measured_gib": {k: v / gib for k, v in measured.items()},
-        "per_device_gib": {k: v / gib for k, v in extrapolated.items()},
-        "total_per_device_gib": sum(extrapolated.values()) / gib,
-        "run_seconds": run_s, "new_tokens": int(np.asarray(out.num_new).max()),
-    }
-
-
-# ----------------------------------------------------------------------------- breakdown
-
-# What a kernel is in optimized HLO: every instruction that runs, not those that only name,
-# split or join buffers.
 _NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                 "after-all", "partition-id", "replica-id"}
 _HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+\s*=\s.*?\s([a-z][\w\-]*)\((?:%|\))")
@@ -663,75 +546,12 @@ def count_kernels(hlo_text: str) -> int:
     return count(entry) if entry else 0
 
 
-MEDUSA_STAGES = ("heads", "candidates", "acceptance", "commit", "bookkeeping")
+MEDUSA_STAGES = STAGES  # the stages `--breakdown` leaves out one at a time (`step.STAGES`)
 
 
-def _medusa_stages_step(params, heads, cfg, tree, eos, max_new_tokens, stages, drafter):
-    """`step.medusa_step` with only `stages` real (plus the backbone pass, always); the
-    others replaced by the cheapest stand-ins that keep shapes and loop dependences (so XLA
-    can neither drop nor hoist the stages that stay)."""
-    from medusa_jax.decoding import acceptance, decode
-
-    static = tree.pool if isinstance(tree, DynamicTree) else tree
-    paths = jnp.asarray(static.paths)
-    v, n, t = cfg.vocab_size, static.num_nodes, tree.num_nodes
-
-    def stand_in(root):
-        """The first T nodes of the tree (a subtree), with tokens that follow the root."""
-        tokens = (root[:, None] + jnp.arange(n)[None]) % v
-        first = jnp.arange(n) < t
-        return decode.Proposal(
-            fed=tokens[:, :t], fed_depth=jnp.asarray(static.node_depth[:t]),
-            fed_mask=jnp.asarray(static.mask[:t, :t]), tokens=tokens,
-            valid=None if t == n else jnp.broadcast_to(first, tokens.shape),
-            slot=None if t == n else jnp.broadcast_to(jnp.minimum(jnp.arange(n), t - 1),
-                                                      tokens.shape))
-
-    def step(s):
-        b = s.root.shape[0]
-        rows = jnp.arange(b)
-        live = ~s.done
-        if "candidates" in stages:
-            prop = drafter.propose(params, heads, s.draft, s.root, tree)
-        else:
-            prop = stand_in(s.root)
-        logits, hidden, (k_new, v_new), scratch, *aux = decode.verify(
-            params, cfg, prop, s.cache, None, tuple(drafter.aux_layers))
-        if "acceptance" in stages:
-            best, acc_len, next_root = acceptance.accept(
-                logits, prop.tokens, static, Sampling(), None, prop.valid, prop.slot)
-        else:
-            best = jnp.zeros((b,), jnp.int32)
-            acc_len = jnp.ones((b,), jnp.int32)
-            next_root = (s.root + (logits[:, 0, 0] > 0)) % v
-        path = paths[best]
-        fed_path = prop.fed_index(path)
-        advance = jnp.where(live, acc_len + 1, 0)
-        if "commit" in stages:
-            cache = decode.commit(scratch, k_new, v_new, fed_path, advance)
-        else:
-            cache = scratch.advance(advance)
-        chunk = jnp.take_along_axis(prop.tokens, path, axis=1)
-        if "heads" in stages:  # the drafter's advance, as the step runs it
-            along = fed_path[:, :, None]
-            new_hl = drafter.advance(params, heads, s.draft,
-                                     jnp.take_along_axis(hidden, along, axis=1),
-                                     jnp.take_along_axis(aux[0], along, axis=1) if aux else None,
-                                     chunk, acc_len, next_root, cache.lengths, live)
-        else:
-            new_hl = jax.tree.map(lambda x: x + hidden[:, 0, :1].sum().astype(x.dtype) * 0,
-                                  s.draft)
-        if "bookkeeping" in stages:
-            kept, count, done = decode.emit(s, chunk, acc_len + 1)
-            hist = s.hist.at[rows, jnp.clip(kept, 0, tree.depth + 1)].add(
-                live.astype(jnp.int32))
-            return s.replace(cache=cache, root=jnp.where(live, next_root, s.root),
-                             draft=decode.step.select_rows(live, new_hl, s.draft,
-                                                           decode.step.batch_axis(drafter)),
-                             count=count, steps=s.steps + live, hist=hist, done=done)
-        return s.replace(cache=cache, root=next_root, draft=new_hl, count=s.count + advance)
-
-    return step
+def _step_with(params, cfg, drafter, heads, tree, stages, s):
+    """The decoders' step (`step.medusa_step`) with only `stages` (the backbone pass always)."""
+    return medusa_step(params, cfg, drafter, heads, tree, s, stages=stages)[0]
 
 
 def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: list[Tree], *,
@@ -770,9 +590,8 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
         variants = [("whole step", every)] + [(f"- {stage}", every - {stage})
                                               for stage in MEDUSA_STAGES]
         variants.append(("backbone pass alone", frozenset()))
-        for label, stages in variants:
-            fn = _medusa_stages_step(params, used, cfg, tree, eos, max_new_tokens, stages,
-                                     drafter)
+        for label, stages in variants:  # the real step, with those stages
+            fn = functools.partial(_step_with, params, cfg, drafter, used, tree, stages)
             runs.append((config, label, fn, state))
     loops = [jax.jit(lambda st, fn=fn: jax.lax.fori_loop(0, iters, lambda i, s: fn(s), st),
                      compiler_options=xla_options.for_backend()) for _, _, fn, _ in runs]
