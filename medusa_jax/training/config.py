@@ -53,6 +53,7 @@ class TrainConfig:
                                       "decay (default {default})")
     weight_decay: float = option(0.0, "AdamW weight decay (default {default})")
     grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
+    adam_b2: float = option(0.999, "Adam's second-moment decay b2 (default {default})")
     loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
     shared_proj: bool = option(False, "heads share one projection: the base model's output "
                                       "layer, frozen; only their residual blocks train (K x "
@@ -146,6 +147,8 @@ class TrainConfig:
         need(self.steps is None or self.epochs is None, "give --steps or --epochs, not both")
         need(self.lr is None or self.lr > 0, "--lr must be > 0")
         need(0 <= self.warmup_ratio < 1, "--warmup-ratio must be in [0, 1)")
+        need(0 <= self.adam_b2 < 1, f"--adam-b2 must be in [0, 1), got {self.adam_b2}")
+        need(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         need(0 < self.loss_decay <= 1, "--loss-decay must be in (0, 1]")
         need(self.distill_temperature >= 0, "--distill-temperature must be >= 0")
         need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
@@ -298,6 +301,12 @@ class EagleConfig(TrainConfig):
     num_layers: int = 1
     shared_proj: bool = False
     loss_chunk: int = 0
+    # the reference trainer's optimiser (SafeAILab/EAGLE traineagle3: AdamW betas (0.9, 0.95),
+    # gradients clipped to norm 0.5)
+    grad_clip: float = option(0.5, "global gradient-norm clip, 0 = off (default {default}, "
+                                   "the reference's)")
+    adam_b2: float = option(0.95, "Adam's second-moment decay b2 (default {default}, the "
+                                  "reference's)")
     # the default job's budget (under 10 minutes on 2 cores, report included): a step of the
     # training-time test costs about 7 drafter layers forward and back, so fewer rows
     batch_size: int = option(8, "rows (one example each) per optimizer step (default "

@@ -42,6 +42,41 @@ BACKBONE = ModelConfig(model_type="llama", vocab_size=V, hidden_size=H, intermed
 CFG = eagle3.default_config(BACKBONE, VD).replace(rope_theta=10000.0)  # the reference's base
 
 
+def reference_ttt_loss(heads, c: eagle3.Eagle3Config, embed_table: jax.Array,
+                       aux: jax.Array, tokens: jax.Array, target_logits: jax.Array,
+                       loss_mask: jax.Array, attention_mask: jax.Array | None = None,
+                       steps: int = eagle3.TTT_STEPS, decay: float = eagle3.TTT_DECAY
+                       ) -> tuple[jax.Array, dict]:
+    """The reference trainer's loss in its own form, the oracle of the recipe's
+    (`training.recipes.eagle3.ttt_loss`), checked against the PyTorch transcription below:
+    sum_i decay**i * loss_i, where loss_i is the cross-entropy of step i's draft
+    distribution against the backbone's softmax restricted to the draft vocabulary, summed
+    over it and averaged over all B*T positions, counting only positions with loss_mask
+    that the backbone's argmax is in the draft vocabulary.
+
+    target_logits [B, T, V] the backbone's logits at every position (its guess of token
+    t+1), loss_mask [B, T]. Returns (loss, {"losses": [steps], "accuracies": [steps]}): the
+    per-step losses, and the reference's accuracy (draft argmax == restricted target argmax,
+    over loss-masked positions, divided by the step's loss_mask sum + 1e-6)."""
+    logits = eagle3.ttt_logits(heads, c, embed_table, aux, tokens, attention_mask, steps)
+    t2d = jnp.asarray(heads["t2d"], bool)
+    keep = eagle3.target_ids(heads)
+    lm = loss_mask.astype(jnp.float32)
+    losses, accs = [], []
+    for i in range(steps):
+        tgt = jax.lax.stop_gradient(eagle3.shift(target_logits.astype(jnp.float32), i + 1))
+        mask_i = eagle3.shift(lm, i)
+        pos = t2d[jnp.argmax(tgt, axis=-1)].astype(jnp.float32) * mask_i  # [B, T]
+        target_p = jax.nn.softmax(tgt[..., keep], axis=-1)  # [B, T, Vd]
+        logp = jax.nn.log_softmax(logits[i], axis=-1)
+        losses.append(-jnp.mean(jnp.sum(pos[..., None] * target_p * logp, axis=-1)))
+        hit = (jnp.argmax(logits[i], -1) == jnp.argmax(target_p, -1)).astype(jnp.float32)
+        accs.append(jnp.sum(hit * pos) / (jnp.sum(mask_i) + 1e-6))
+    losses = jnp.stack(losses)
+    total = jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses)
+    return total, {"losses": losses, "accuracies": jnp.stack(accs)}
+
+
 # ----------------------------------------------------------------------------- PyTorch reference
 # Transcribed from SafeAILab/EAGLE (Apache-2.0): only what the drafter computes, no
 # pretraining_tp, rope scaling or gradient checkpointing. `forward_kv` is eagle/model/cnets.py's
@@ -345,7 +380,7 @@ def test_training_time_test_losses_accuracies_and_gradients_match_the_reference(
     maps = {n: jnp.asarray(heads[n]) for n in ("d2t", "t2d")}
 
     def loss(w):
-        return eagle3.ttt_loss({**w, **maps}, CFG, jnp.asarray(embed), aux, tokens, target,
+        return reference_ttt_loss({**w, **maps}, CFG, jnp.asarray(embed), aux, tokens, target,
                                loss_mask, attn)
 
     (ours, parts), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(weights)
@@ -362,6 +397,56 @@ def test_training_time_test_losses_accuracies_and_gradients_match_the_reference(
         scale = float(np.max(np.abs(torch_grads[n])))
         assert scale > 0, n
         assert max_diff(grads[n], torch_grads[n]) < 1e-4 * scale + 1e-7, n
+
+
+@pytest.mark.parametrize("draft_vocab", [VD, V])
+def test_the_training_recipes_loss_is_the_references(draft_vocab):
+    """The recipe's loss (`training.recipes.eagle3.ttt_loss`: the backbone's side computed
+    once for every step, the steps' masks from the batch) gives `reference_ttt_loss`'s
+    loss, per-step losses and gradients on rows of one example each (padded at the end),
+    over a reduced and over the whole vocabulary."""
+    from medusa_jax.training.recipes import eagle3 as recipe
+
+    c = eagle3.default_config(BACKBONE, draft_vocab)
+    counts = np.arange(V)[::-1]  # a draft vocabulary that is not 0..Vd-1
+    heads = eagle3.init_eagle3(jax.random.key(0), c, counts, std=0.3)
+    aux, tokens, target, _, attn, embed = ttt_inputs()
+    t = tokens.shape[1]
+    segments = jnp.asarray(attn, jnp.int32)
+    batch = {"tokens": tokens, "segments": segments,
+             "loss_mask": (segments > 0) & (jnp.arange(t)[None] > 2)}
+    steps = 4
+    # the reference counts step i at t by the label-ness of token t+i; the recipe by that of
+    # its target t+i+2: the same positions for the reference's mask moved two left
+    labels = eagle3.shift(batch["loss_mask"], 2)
+    maps = {n: heads[n] for n in ("d2t", "t2d")}
+    w = {n: heads[n] for n in eagle3.WEIGHTS}
+    valid = segments > 0
+
+    def theirs(w):
+        return reference_ttt_loss({**w, **maps}, c, embed, aux, tokens, target, labels,
+                                  valid, steps, 0.8)
+
+    def ours(w):
+        h = {**w, **maps}
+        logits = eagle3.ttt_logits(h, c, embed, aux, tokens, valid, steps, segments=segments)
+        return recipe.ttt_loss(h, c, logits, target, recipe.step_masks(batch, steps), 0.8)
+
+    @jax.jit
+    def run(w):
+        return (jax.value_and_grad(theirs, has_aux=True)(w),
+                jax.value_and_grad(ours, has_aux=True)(w))
+
+    ((want, parts), g_want), ((got, losses), g_got) = run(w)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(parts["losses"]), rtol=1e-5,
+                               atol=1e-7)
+    assert len(set(np.round(np.asarray(losses), 4))) > 1  # the steps differ
+    for n in eagle3.WEIGHTS:
+        scale = float(jnp.max(jnp.abs(g_want[n])))
+        assert scale > 0, n
+        np.testing.assert_allclose(np.asarray(g_got[n]), np.asarray(g_want[n]),
+                                   atol=1e-5 * scale, err_msg=n)
 
 
 # ----------------------------------------------------------------------------- the layout
@@ -756,7 +841,7 @@ def test_training_time_test_learns_on_the_backbones_own_features(stories):
 
     @jax.jit
     def step(w, state):
-        (loss, parts), g = jax.value_and_grad(lambda w: eagle3.ttt_loss(
+        (loss, parts), g = jax.value_and_grad(lambda w: reference_ttt_loss(
             {**w, **maps}, c, params["embed"], aux, tokens, logits, mask, steps=3),
             has_aux=True)(w)
         updates, state = opt.update(g, state, w)

@@ -24,8 +24,8 @@ and key-value heads of size D, F intermediate, V the backbone's vocabulary):
 
 `layer` is the one decoder layer with its own KV cache over drafted positions; the caller
 passes the attention mask (a causal mask, the training-time-test mask, or a tree mask: just
-another mask). `ttt_logits` / `ttt_loss` are the reference trainer's training-time test: the
-drafter run on its own outputs for 7 steps, step i's loss weighted 0.8**i.
+another mask). `ttt_logits` is the reference trainer's training-time test: the drafter run
+on its own outputs for 7 steps (its loss, step i's weighted 0.8**i: `training.recipes.eagle3`).
 """
 
 from __future__ import annotations
@@ -145,13 +145,27 @@ def vocab_maps(counts, draft_vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     return (used - np.arange(draft_vocab_size)).astype(np.int32), t2d
 
 
-def init_eagle3(key: jax.Array, c: Eagle3Config, counts=None, std: float = 0.02) -> Params:
-    """A fresh drafter: linear weights normal(0, std), norms at one, the draft vocabulary
-    from token `counts` [V] (`vocab_maps`; None: the first Vd ids)."""
+# The fan-in of each linear weight (ours are [in, ...]; wo's input is NH x D).
+_FAN_IN_DIMS = {"wo": 2}
+
+
+def init_eagle3(key: jax.Array, c: Eagle3Config, counts=None,
+                std: float | None = None) -> Params:
+    """A fresh drafter: norms at one, the draft vocabulary from token `counts` [V]
+    (`vocab_maps`; None: the first Vd ids), linear weights as the reference's: torch's
+    default `nn.Linear` initialisation, uniform in +-1/sqrt(fan_in) (kaiming-uniform with
+    a = sqrt(5)); at this width it trains to a better drafter than a small normal. `std`:
+    normal(0, std) instead (tests that want drafts of a given spread)."""
     shapes = param_shapes(c)
     linear = [n for n in WEIGHTS if "norm" not in n]
     keys = dict(zip(linear, jax.random.split(key, len(linear))))
-    out = {n: std * jax.random.normal(keys[n], shapes[n], jnp.float32) for n in linear}
+    out = {}
+    for n in linear:
+        if std is not None:
+            out[n] = std * jax.random.normal(keys[n], shapes[n], jnp.float32)
+            continue
+        bound = 1.0 / math.sqrt(math.prod(shapes[n][:_FAN_IN_DIMS.get(n, 1)]))
+        out[n] = jax.random.uniform(keys[n], shapes[n], jnp.float32, -bound, bound)
     out.update({n: jnp.ones(shapes[n], jnp.float32) for n in WEIGHTS if "norm" in n})
     d2t, t2d = vocab_maps(np.zeros(c.vocab_size) if counts is None else counts,
                           c.draft_vocab_size)
@@ -480,7 +494,8 @@ def _ttt_layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.
 
 def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
                tokens: jax.Array, attention_mask: jax.Array | None = None,
-               steps: int = TTT_STEPS) -> jax.Array:
+               steps: int = TTT_STEPS, segments: jax.Array | None = None,
+               positions: jax.Array | None = None) -> jax.Array:
     """Training-time test (eagle/traineagle3/cnets.py `Model.forward`): the drafter over a
     whole sequence, `steps` times, each step on the previous step's outputs.
 
@@ -490,13 +505,22 @@ def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.
     tokens. Step i at position t reads token t+1+i and (i = 0) fc(aux_t) or (i > 0) step
     i-1's output at t, at rotary position t+i, and guesses token t+2+i; it attends step 0's
     keys causally and each later step's key at t only (`ttt_mask`), which `_ttt_layer`
-    computes as T + i keys per query rather than (i + 1) T masked ones. Returns logits
+    computes as T + i keys per query rather than (i + 1) T masked ones.
+
+    Packed rows: `segments` [B, T] (the examples' ids, 0 padding) confine step 0's keys to
+    the query's own example, and `positions` [B, T] (each example's from 0; default
+    0..T-1) are step 0's rotary positions. A later step's input at t may then read a token
+    of the next example, but only where its target lies past t's example too, which the
+    caller never counts; so the drafter never attends across examples. Returns logits
     [steps, B, T, Vd] float32."""
     b, t = tokens.shape
     hidden = features(heads, aux)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     table = jax.lax.stop_gradient(embed_table)
     causal = ttt_mask(t, 0, attention_mask)  # [B or 1, T, T]
+    if segments is not None:
+        causal = causal & (segments[:, :, None] == segments[:, None, :])
     k0 = v0 = None
     dk, dv, out = [], [], []
     for i in range(steps):  # static and short: unrolled
@@ -510,36 +534,3 @@ def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.
             dv.append(v_new)
         out.append(draft_logits(heads, c, hidden))
     return jnp.stack(out)
-
-
-def ttt_loss(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
-             tokens: jax.Array, target_logits: jax.Array, loss_mask: jax.Array,
-             attention_mask: jax.Array | None = None, steps: int = TTT_STEPS,
-             decay: float = TTT_DECAY) -> tuple[jax.Array, dict]:
-    """The reference trainer's loss: sum_i decay**i * loss_i, where loss_i is the
-    cross-entropy of step i's draft distribution against the backbone's softmax restricted to
-    the draft vocabulary, summed over it and averaged over all B*T positions, counting only
-    positions with loss_mask that the backbone's argmax is in the draft vocabulary.
-
-    target_logits [B, T, V] the backbone's logits at every position (its guess of token
-    t+1), loss_mask [B, T]. Returns (loss, {"losses": [steps], "accuracies": [steps]}): the
-    per-step losses, and the reference's accuracy (draft argmax == restricted target argmax,
-    over loss-masked positions, divided by the step's loss_mask sum + 1e-6)."""
-    logits = ttt_logits(heads, c, embed_table, aux, tokens, attention_mask, steps)
-    t2d = jnp.asarray(heads["t2d"], bool)
-    keep = target_ids(heads)
-    lm = loss_mask.astype(jnp.float32)
-    losses, accs = [], []
-    for i in range(steps):
-        tgt = jax.lax.stop_gradient(shift(target_logits.astype(jnp.float32), i + 1))
-        mask_i = shift(lm, i)
-        pos = t2d[jnp.argmax(tgt, axis=-1)].astype(jnp.float32) * mask_i  # [B, T]
-        target_p = jax.nn.softmax(tgt[..., keep], axis=-1)  # [B, T, Vd]
-        logp = jax.nn.log_softmax(logits[i], axis=-1)
-        losses.append(-jnp.mean(jnp.sum(pos[..., None] * target_p * logp, axis=-1)))
-        hit = (jnp.argmax(logits[i], -1) == jnp.argmax(target_p, -1)).astype(jnp.float32)
-        accs.append(jnp.sum(hit * pos) / (jnp.sum(mask_i) + 1e-6))
-    losses = jnp.stack(losses)
-    total = jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses)
-    return total, {"losses": losses, "accuracies": jnp.stack(accs)}
-

@@ -2,23 +2,23 @@
 
 The drafter (`drafters.eagle3.heads`: one decoder layer of its own over the residual stream
 entering three backbone layers, `--aux-layers`) is trained with the reference's
-training-time test (`eagle3.ttt_loss`, SafeAILab/EAGLE's traineagle3): the frozen backbone
+training-time test (`ttt_loss`, SafeAILab/EAGLE's traineagle3): the frozen backbone
 runs once over the batch and gives the aux features [B, T, 3H] and its logits at every
 position; the drafter then runs `--ttt-steps` times over the whole sequence, each time on
 its own previous outputs, step i at position t reading token t+i+1 and guessing token t+i+2
 against the backbone's distribution (restricted to the draft vocabulary), step i's loss
 weighted `--loss-decay`**i.
 
-- The logits are `eagle3.ttt_logits`'; the loss (`ttt_loss`) is `eagle3.ttt_loss`'s with
-  the backbone's side computed once for every step (the same values and gradients:
-  tests/training/test_eagle_train.py).
-- Packed rows: the training-time test attends causally within a row, so the recipe gives it
-  one example per row (`unpack`, for the training and the held-out rows): the backbone's
-  pass still follows the segments and positions, and the drafter never attends across
-  examples nor guesses a token of the next example.
-- Loss mask: step i at t counts when its target, token t+i+2, is a label (`labels_for`:
-  the batch's label mask moved two positions left). The reference counts the label-ness of
-  token t+i instead; the two agree inside an answer.
+- The logits are `eagle3.ttt_logits`'; the loss (`ttt_loss`) is the reference's with the
+  backbone's side computed once for every step (the same values and gradients as the
+  reference's form, which tests/training/test_eagle_train.py keeps as its oracle).
+- Packed rows, as the other recipes train on: the backbone's pass follows the segments and
+  positions, and so does the training-time test: step 0's attention stays inside the
+  query's example (`ttt_logits(segments=...)`), rotary positions restart with each
+  example, and step i at t counts only when its target, token t+i+2, is a label of t's own
+  example (`step_masks`): the drafter never attends across examples nor is scored on a
+  guess of the next one. (The reference counts the label-ness of token t+i instead; the
+  two agree inside an answer.)
 - The draft vocabulary (`--draft-vocab`, default min(V, 32000)) is the most frequent label
   tokens of the training rows (`eagle3.vocab_maps`, as the reference's `scandata`), so a
   resumed run, which reads the same rows, rebuilds the same one.
@@ -53,29 +53,6 @@ TOP_K = 5
 # ----------------------------------------------------------------------------- data
 
 
-def unpack(rows: data.Packed) -> data.Packed:
-    """One example per row: each segment of a packed row moved to the start of a row of its
-    own (positions from 0, segment 1, padding after), rows and segments in order."""
-    n, t = rows.tokens.shape
-    picks = [(r, s) for r in range(n) for s in np.unique(rows.segments[r]) if s > 0]
-    if len(picks) == n and np.all(rows.segments.max(axis=1) == 1):
-        return rows  # already one example per row
-    m = len(picks)
-    out = data.Packed(tokens=np.zeros((m, t), np.int32), positions=np.zeros((m, t), np.int32),
-                      segments=np.zeros((m, t), np.int32), loss_mask=np.zeros((m, t), bool),
-                      lm_only=None if rows.lm_only is None else np.zeros(m, bool))
-    for i, (r, s) in enumerate(picks):
-        at = np.flatnonzero(rows.segments[r] == s)
-        k = at.size
-        out.tokens[i, :k] = rows.tokens[r, at]
-        out.positions[i, :k] = np.arange(k)
-        out.segments[i, :k] = 1
-        out.loss_mask[i, :k] = rows.loss_mask[r, at]
-        if rows.lm_only is not None:
-            out.lm_only[i] = rows.lm_only[r]
-    return out
-
-
 def label_counts(rows: data.Packed, vocab: int) -> np.ndarray:
     """[V] how often each token is a label (an assistant token) of the rows."""
     tokens = rows.tokens[rows.loss_mask & (rows.segments > 0)]
@@ -86,25 +63,26 @@ def label_counts(rows: data.Packed, vocab: int) -> np.ndarray:
 
 
 def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
-             target_logits: jax.Array, loss_mask: jax.Array,
+             target_logits: jax.Array, masks: jax.Array,
              decay: float = eagle3.TTT_DECAY) -> tuple[jax.Array, jax.Array]:
-    """`eagle3.ttt_loss` from the training-time test's logits [S, B, T, Vd]
-    (`eagle3.ttt_logits`) -> (the loss, the per-step losses [S]), with the backbone's side
-    (its argmax, whether that is in the draft vocabulary, its softmax over the draft
-    vocabulary) computed once and moved i + 1 positions for step i instead of recomputed per
-    step. The same values (tests/training/test_eagle_train.py), except at a position whose
-    target lies past the row's end, which is never counted here (`eagle3.ttt_loss` scores it
-    against a uniform target where the loss mask is set there; `labels_for`'s never is)."""
+    """The reference trainer's loss from the training-time test's logits [S, B, T, Vd]
+    (`eagle3.ttt_logits`) -> (the loss, the per-step losses [S]): sum_i decay**i * loss_i,
+    loss_i the soft cross-entropy of step i's draft distribution against the backbone's
+    softmax restricted to the draft vocabulary, averaged over all B*T positions, counting
+    the positions of `masks` [S, B, T] (`step_masks`) where the backbone's argmax is in the
+    draft vocabulary. The backbone's side (its argmax, whether that is in the draft
+    vocabulary, its softmax over the draft vocabulary) is computed once and moved i + 1
+    positions for step i. Equal to SafeAILab/EAGLE's loss on rows of one example each
+    (tests/training/test_eagle_train.py against the reference's form kept there)."""
     steps = logits.shape[0]
     tgt = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
     in_draft = jnp.asarray(heads["t2d"], bool)[jnp.argmax(tgt, axis=-1)]  # [B, T]
     if c.draft_vocab_size != c.vocab_size:  # (the whole vocabulary: d2t is all zeros)
         tgt = tgt[..., eagle3.target_ids(heads)]
     target_p = jax.nn.softmax(tgt, axis=-1)  # [B, T, Vd]
-    lm = loss_mask.astype(jnp.float32)
     losses = []
     for i in range(steps):
-        pos = eagle3.shift(in_draft.astype(jnp.float32), i + 1) * eagle3.shift(lm, i)
+        pos = eagle3.shift(in_draft.astype(jnp.float32), i + 1) * masks[i]
         logp = jax.nn.log_softmax(logits[i], axis=-1)
         ce = -jnp.sum(eagle3.shift(target_p, i + 1) * logp, axis=-1)  # [B, T]
         losses.append(jnp.mean(pos * ce))
@@ -153,17 +131,13 @@ def embed_table(cfg: ModelConfig, params: Params) -> jax.Array:
     return jax.lax.stop_gradient(backbone_lib.embed_tokens(cfg, params, ids)[0])
 
 
-def labels_for(batch: dict) -> jax.Array:
-    """[B, T] the loss mask handed to `ttt_loss` (which counts step i at t by entry t+i):
-    token t+2 is a label of a real example, so step i at t counts when its target t+i+2
-    is one."""
-    return eagle3.shift(batch["loss_mask"] & (batch["segments"] > 0), 2)
-
-
-def step_masks(labels: jax.Array, steps: int) -> jax.Array:
-    """[steps, B, T] float32: the positions step i is scored at."""
-    lm = labels.astype(jnp.float32)
-    return jnp.stack([eagle3.shift(lm, i) for i in range(steps)])
+def step_masks(batch: dict, steps: int) -> jax.Array:
+    """[steps, B, T] float32: where step i at t is scored: its target, token t+i+2, is a
+    label of t's own example (packed rows hold several)."""
+    seg = batch["segments"]
+    label = batch["loss_mask"] & (seg > 0)
+    return jnp.stack([(eagle3.shift(label, i + 2) & (eagle3.shift(seg, i + 2) == seg))
+                      .astype(jnp.float32) for i in range(steps)])
 
 
 def ttt_hits(heads: Params, logits: jax.Array, target_logits: jax.Array, k: int = TOP_K
@@ -190,7 +164,8 @@ def drafter_of(heads: Params) -> Params:
 def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, decay: float,
                    batch_ways: int = 1):
     """(params {"backbone", "heads"}, batch) -> (loss, metrics): the training-time test of
-    an EAGLE-3 drafter on a frozen backbone (rows of one example each: `unpack`).
+    an EAGLE-3 drafter on a frozen backbone (packed rows: `ttt_logits` and `step_masks`
+    follow the segments).
 
     With gradient accumulation (batch["totals"]: `eagle3_totals` of the whole batch) the
     micro-batches' losses and metrics add up to the whole batch's."""
@@ -202,12 +177,12 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
         heads = drafter_of(params["heads"])
         table = embed_table(model_cfg, backbone)
         aux = aux.astype(jnp.float32)
-        tokens, valid = batch["tokens"], batch["segments"] > 0
-        labels = labels_for(batch)
-        logits = eagle3.ttt_logits(heads, c, table, aux, tokens, valid, steps)
-        loss, losses = ttt_loss(heads, c, logits, target, labels, decay)
+        tokens, seg = batch["tokens"], batch["segments"]
+        masks = step_masks(batch, steps)
+        logits = eagle3.ttt_logits(heads, c, table, aux, tokens, seg > 0, steps,
+                                   segments=seg, positions=batch["positions"])
+        loss, losses = ttt_loss(heads, c, logits, target, masks, decay)
         top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), target)
-        masks = step_masks(labels, steps)
         own = jnp.sum(masks, axis=(1, 2))  # [S]
         b, t = tokens.shape
         totals = batch.get("totals", {})
@@ -231,7 +206,7 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
 def eagle3_totals(batch: dict, steps: int) -> dict:
     """The whole batch's denominators (gradient accumulation): its rows (ttt_loss's means
     are over every position) and each step's counted positions."""
-    masks = step_masks(labels_for(batch), steps)
+    masks = step_masks(batch, steps)
     return {"rows": jnp.float32(batch["tokens"].shape[0]),
             "steps": jnp.sum(masks, axis=(1, 2))}
 
@@ -254,10 +229,7 @@ class Eagle3(Recipe):
               f"steps", flush=True)
 
     def training_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
-        out = unpack(rows)
-        if len(out) != len(rows):
-            print(f"one example per row: {len(rows)} packed rows -> {len(out)} rows",
-                  flush=True)
+        out = rows  # packed: the training-time test follows the segments (`step_masks`)
         # from the training rows alone, so a resumed run rebuilds the same vocabulary
         self.counts = label_counts(out, ctx.model_cfg.vocab_size)
         vd = self.config.draft_vocab_size
@@ -267,9 +239,6 @@ class Eagle3(Recipe):
             print(f"draft vocabulary: the {vd} most frequent of {ctx.model_cfg.vocab_size} "
                   f"tokens cover {covered:.1%} of the training labels", flush=True)
         return out
-
-    def heldout_rows(self, ctx: Context, rows: data.Packed) -> data.Packed:
-        return unpack(rows)
 
     def build(self, ctx: Context, total_steps: int) -> Method:
         params = self.params(ctx.cfg, ctx.model_cfg, ctx.backbone, self.config, self.counts)
@@ -302,7 +271,8 @@ class Eagle3(Recipe):
         labels = cls.labels(params)
         tx, schedule = ts.make_optimizer(
             ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           b2=cfg.adam_b2),
             total_steps, labels)
         steps = cfg.ttt_steps
         return Method(params, labels, tx, schedule,
