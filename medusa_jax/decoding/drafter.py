@@ -40,9 +40,23 @@ class Drafter(Protocol):
     # a drafter cannot start after a cached prefix, nor be carried along by plain steps
     keeps_context: bool
 
+    # the kind's file formats: an object or "module:class" with `layouts`, `save`, `load`,
+    # `sizes` (`drafters.formats` loops over every kind's)
+    formats: object
+
     @classmethod
     def matches(cls, heads: Params) -> bool:
         """Whether `heads` (arrays, numpy or shapes) are this kind's parameters."""
+
+    @classmethod
+    def from_head_fn(cls, head_fn) -> "Drafter":
+        """The drafter of plain parameters of this kind (`head_fn`: a head function, for
+        the kinds that take one; others refuse it in one line)."""
+
+    @staticmethod
+    def enlarge(heads: Params, src, dst, grow) -> Params:
+        """The same drafter for a backbone grown from config `src` to `dst` by
+        `tools.enlarge` (`grow`: that module, whose `plan` and `place` grow a layer)."""
 
     def depth(self, heads: Params) -> int | None:
         """How many levels of a tree this drafter can fill with `heads` (None: any): the

@@ -180,7 +180,7 @@ def teacher_forced_logits(heads: Params, hidden: jax.Array, emb: jax.Array) -> j
     hidden [B, T, H] (the backbone's last hidden states), emb [B, T, H] (the embeddings of
     the same tokens) -> logits [K, B, T, V]; head i at position t reads h_t and the
     embeddings of tokens t+1 .. t+i+1 (wrapped at the end of a row: those positions have no
-    valid target, see `training.step.medusa_targets`)."""
+    valid target, see `training.recipes.medusa_loss.medusa_targets`)."""
     k = heads["in_w"].shape[0]
     path = [jnp.roll(emb, -(j + 1), axis=1) for j in range(k)]  # path[j]: token t+j+1
     out = []

@@ -304,7 +304,7 @@ def write_reference(heads: Params, out_dir: str | Path, *, base_model: str | Non
         warnings.warn(f"{lyr} different blocks per head: the reference's own MedusaModel "
                       f"repeats one block object ([ResBlock] * medusa_num_layers) and will load "
                       f"only the last; vLLM and TensorRT-LLM read the blocks separately",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=3)
     out = Path(out_dir)
     written = write_tensors(out, REFERENCE_ST, REFERENCE_PT, tensors, pickle)
     conf = {"medusa_num_heads": int(k), "medusa_num_layers": int(lyr)}
