@@ -8,11 +8,14 @@ from pathlib import Path
 
 import pytest
 
+from medusa_jax.drafters import registry, shipped
+
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = ["medusa_jax/decoding", "medusa_jax/serving", "medusa_jax/api.py",
            "medusa_jax/tools", "medusa_jax/kernels", "infer"]
-KINDS = {"medusa", "hydra", "eagle3", "eagle"}  # the shipped kinds and shipped names
-KIND_MODULES = tuple(f"medusa_jax.drafters.{k}" for k in ("medusa", "hydra", "eagle3"))
+# the registered kinds and the shipped drafters' names ("default" aside: a plain word)
+KINDS = set(registry.kinds()) | set(shipped.NAMES) - {shipped.MEDUSA}
+KIND_MODULES = tuple(t.rsplit(".", 1)[0] for t in registry.KINDS.values() if isinstance(t, str))
 
 
 def files():
