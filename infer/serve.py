@@ -33,6 +33,7 @@ localhost, 127.0.0.1 and [::1] (a web page cannot reach it through DNS rebinding
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -44,13 +45,12 @@ from medusa_jax import cli
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import assets, compile_cache, hub, options
+from medusa_jax.serving.config import WARMUPS, EngineConfig
 
 DEFAULT_MAX_CONTEXT = 4096  # served when a model declares more (--max-context)
 API_KEY_ENV = "MEDUSA_JAX_API_KEY"
 MAX_CONNECTIONS = 1024
 DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answered 503
-WARMUPS = ("background", "lazy", "all")  # as engine.WARMUPS (not imported: it imports JAX)
-ACCEPTANCE = ("rejection", "typical")  # as engine.ACCEPTANCE
 
 
 def _buckets(text: str) -> tuple[int, ...]:
@@ -97,15 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "model's shipped ones (omit for plain decoding)")
     p.add_argument("--tree", help="tree name or JSON file of paths, or dynamic:N (default: the "
                                   "model's tree)")
-    p.add_argument("--acceptance", choices=ACCEPTANCE, default="rejection",
-                   help="how sampled requests (temperature > 0) accept the tree: rejection "
-                        "(default: lossless, plain sampling's distribution) or typical (the "
-                        "Medusa paper's typical acceptance: longer accepted spans, lossy)")
-    p.add_argument("--slots", type=options.positive_int, default=8,
-                   help="requests decoded at once (the static batch)")
-    p.add_argument("--steps-per-call", type=options.positive_int, default=4,
-                   help="decoding steps per engine call (tokens reach clients per call; a "
-                        "larger value compiles a larger step program)")
+    # the engine's options as `EngineConfig` declares them (help and checks written once)
+    options.add_config_flags(p, EngineConfig)
     p.add_argument("--max-context", type=options.positive_int, default=None,
                    help=f"KV cache length per slot, at most the model's context (default: "
                         f"the model's context up to {DEFAULT_MAX_CONTEXT} tokens; the "
@@ -130,9 +123,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "while calls take less than MS milliseconds; a longer call is read "
                         "first, so a new request waits behind one call, not two (0: always "
                         "overlap)")
-    p.add_argument("--prefill-batch", type=options.positive_int, default=4, metavar="N",
-                   help="at most N waiting requests prefilled in one call (batches of 1, 2, "
-                        "4 ... N; 1: one at a time, fewer programs)")
     p.add_argument("--plain-above-slots", type=_plain_above, default="auto", metavar="N",
                    help="with heads: plain steps while more than N slots are live (where a "
                         "batch of trees costs more than it gains); 'never': always Medusa "
@@ -142,17 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill every prompt whole (default: a prompt whose beginning a "
                         "slot's cache holds, from a live request or a finished one, is "
                         "prefilled only after it; not with EAGLE-3 heads)")
-    p.add_argument("--window-block", type=options.positive_int, default=128,
-                   help="attention windows are compiled in multiples of this (larger: fewer "
-                        "step programs, more attention work per step)")
     p.add_argument("--warmup", choices=WARMUPS, default="background",
                    help="when the programs compile: background (default: the first "
                         "request's programs first, /health 'starting' until then, the rest "
                         "while serving), lazy (each when a request first needs it: the "
                         "fastest start, a pause on each new length), all (everything before "
                         "the port opens: the slowest start, no pause later)")
-    p.add_argument("--max-queue", type=int, default=64,
-                   help="waiting requests past which new ones get 429")
     p.add_argument("--max-request-bytes", type=options.positive_int, default=1 << 20,
                    help="request bodies past this size get 413 (default: 1 MiB)")
     p.add_argument("--request-timeout", type=_seconds, default=30.0, metavar="SECONDS",
@@ -202,13 +187,26 @@ def _descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def engine_config(args) -> EngineConfig:
+    """The engine's options from the flags `add_config_flags` made (the defaults for those
+    not given); ValueError names a bad one."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
+             if f.metadata and getattr(args, f.name) is not None}
+    return EngineConfig(**given)
+
+
 def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     """Everything that can be checked before JAX is imported; returns the bound socket
     (so a taken port or a foreign address fails now, not after the model is loaded)."""
     if args.tree and not args.heads:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
-    if args.max_queue < 0:
+    if args.max_queue is not None and args.max_queue < 0:
         ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    try:  # validated once, here (`Engine` takes it as it is)
+        args.engine = engine_config(args)
+    except ValueError as e:
+        ap.error(str(e))
+    slots = args.engine.slots
     try:  # folders or hub ids (found in huggingface_hub's cache), as every command takes them
         check_model_paths(args.model, args.heads, tokenizer=False)
     except (ValueError, OSError) as e:
@@ -223,14 +221,13 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
         ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
                  f"({limit} tokens)")
-    if isinstance(args.plain_above_slots, int) and not 0 <= args.plain_above_slots < args.slots:
-        ap.error(f"--plain-above-slots {args.plain_above_slots} must be in 0..{args.slots - 1} "
+    if isinstance(args.plain_above_slots, int) and not 0 <= args.plain_above_slots < slots:
+        ap.error(f"--plain-above-slots {args.plain_above_slots} must be in 0..{slots - 1} "
                  f"(below --slots)")
     if isinstance(args.plain_above_slots, int) and args.heads is None:
         ap.error("--plain-above-slots needs --heads (a plain server's steps are plain already)")
-    if args.slot_buckets and max(args.slot_buckets) > args.slots:
-        ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots "
-                 f"({args.slots})")
+    if args.slot_buckets and max(args.slot_buckets) > slots:
+        ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots ({slots})")
     soft = _descriptor_limit()
     if args.max_connections is None:
         args.max_connections = min(MAX_CONNECTIONS, max(1, soft // 2)) if soft else \
@@ -284,7 +281,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
     from medusa_jax.api import Medusa
     from medusa_jax.serving.engine import Engine
-    from medusa_jax.serving.server import create_app, guarded_protocol, loopback_hosts
+    from medusa_jax.serving.guards import guarded_protocol, loopback_hosts
+    from medusa_jax.serving.server import create_app
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
@@ -294,15 +292,12 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         if max_context < own:
             log(f"serving a context of {max_context} tokens of the model's {own} "
                 f"(--max-context; each longer window adds programs to compile)")
-        engine = Engine(model, slots=args.slots, tree=args.tree,
-                        steps_per_call=args.steps_per_call, max_context=max_context,
-                        window_block=args.window_block, max_queue=args.max_queue,
+        engine = Engine(model, args.engine, tree=args.tree, max_context=max_context,
                         buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
-                        plain_above=args.plain_above_slots, prefill_batch=args.prefill_batch,
+                        plain_above=args.plain_above_slots,
                         short_call_ms=args.short_call_ms or None,
                         overlap_ms=args.overlap_ms or None,
-                        prefix_cache=not args.no_prefix_cache,
-                        acceptance=args.acceptance, log=log)
+                        prefix_cache=not args.no_prefix_cache, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -313,18 +308,18 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     if engine.prefix_cache:
         decoding += ", prefix cache"
     port = sock.getsockname()[1]
-    n = len(engine.programs())
-    log(f"loaded {name} ({decoding}, {args.slots} slots, context {engine.capacity}) in "
+    n = len(engine.programs.keys)
+    log(f"loaded {name} ({decoding}, {engine.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
         f"{args.warmup}; --prefill-buckets, --prefill-batch, --slot-buckets, --window-block and "
         f"--max-context set how many)")
 
     def ready_note():
-        engine._ready.wait()
-        if engine._stop_reason is None:
+        engine.wait_ready()
+        if engine.stop_reason is None:
             log(f"ready for requests {time.perf_counter() - t_launch:.1f} s after launch")
-        engine._all_compiled.wait()
-        if engine._stop_reason is None:
+        engine.wait_compiled()
+        if engine.stop_reason is None:
             log(f"all {n} programs compiled ({engine.compile_seconds:.1f} s compiling)")
 
     if args.warmup == "all":

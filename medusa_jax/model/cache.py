@@ -82,6 +82,50 @@ class KVCache:
             k, v = at(self.k, sub.k), at(self.v, sub.v)
         return KVCache(k=k, v=v, lengths=at(self.lengths, sub.lengths))
 
+    def row(self, row: jax.Array) -> "KVCache":
+        """Row `row` (int32 scalar) as a one-row cache (a copy)."""
+        if isinstance(self.k, tuple):  # per layer [B*KVH, C, D]: row b's heads at b*KVH ..
+            kvh = self.k[0].shape[0] // self.lengths.shape[0]
+            heads = lambda a: jax.lax.dynamic_slice_in_dim(a, row * kvh, kvh, 0)  # noqa: E731
+            k, v = tuple(map(heads, self.k)), tuple(map(heads, self.v))
+        else:  # [L, B, KVH, C, D]
+            k, v = (jax.lax.dynamic_slice_in_dim(a, row, 1, 1) for a in (self.k, self.v))
+        return self.replace(k=k, v=v,
+                            lengths=jax.lax.dynamic_slice_in_dim(self.lengths, row, 1, 0))
+
+    def put_row(self, one: "KVCache", row: jax.Array) -> "KVCache":
+        """Row `row` (int32 scalar) overwritten by the one-row cache `one`'s keys/values,
+        over its first `one.capacity` slots (the row's length is left as it was)."""
+        if isinstance(self.k, tuple):  # per layer [B*KVH, C, D]
+            at = (row * one.k[0].shape[0], jnp.int32(0), jnp.int32(0))
+            k = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(self.k, one.k))
+            v = tuple(jax.lax.dynamic_update_slice(a, b, at) for a, b in zip(self.v, one.v))
+        else:  # [L, B, KVH, C, D]
+            z = jnp.int32(0)
+            k = jax.lax.dynamic_update_slice(self.k, one.k, (z, row, z, z, z))
+            v = jax.lax.dynamic_update_slice(self.v, one.v, (z, row, z, z, z))
+        return self.replace(k=k, v=v)
+
+    def copy_row(self, src: jax.Array, dst: jax.Array) -> "KVCache":
+        """Row `src`'s keys/values and length copied over row `dst` (int32 scalars)."""
+        c = self.put_row(self.row(src), dst)
+        return c.replace(lengths=c.lengths.at[dst].set(c.lengths[src]))
+
+    def resized(self, capacity: int) -> "KVCache":
+        """Each row `capacity` slots long: cut, or zero-padded at the end (only a row's
+        first `lengths` slots hold anything)."""
+        def fit(a, axis):
+            if capacity <= a.shape[axis]:
+                return jax.lax.slice_in_dim(a, 0, capacity, axis=axis)
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, capacity - a.shape[axis])
+            return jnp.pad(a, pad)
+
+        if isinstance(self.k, tuple):  # per layer [B*KVH, C, D]
+            return self.replace(k=tuple(fit(a, 1) for a in self.k),
+                                v=tuple(fit(a, 1) for a in self.v))
+        return self.replace(k=fit(self.k, 3), v=fit(self.v, 3))  # [L, B, KVH, C, D]
+
 
 # Batch rows written one in-place update each (up to this many; see `write_rows`).
 MAX_UNROLLED_ROWS = 16

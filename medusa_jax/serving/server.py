@@ -32,11 +32,9 @@ a stop string.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import json
 import logging
-import re
 import time
 import uuid
 
@@ -46,33 +44,31 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from medusa_jax.serving.engine import Engine, QueueFull, Request
+from medusa_jax.serving.errors import APIError, error_body
+from medusa_jax.serving.guards import AccessGuard, guarded_protocol, loopback_hosts
+from medusa_jax.serving.metrics import FINISH_REASONS, ServerMetrics
 from medusa_jax.serving.requests import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     describe,
 )
+from medusa_jax.serving.text import (
+    Detokenizer,
+    chat_template_of,
+    template_prompt,
+    vicuna_prompt,
+)
 from medusa_jax.text.encoder import TextEncoder
-from medusa_jax.text.templates import vicuna_pieces
+
+# what callers import from here (the server's pieces live in their own modules)
+__all__ = ["APIError", "AccessGuard", "Detokenizer", "FINISH_REASONS", "Server",
+           "ServerMetrics", "TextEncoder", "create_app", "error_body", "guarded_protocol",
+           "loopback_hosts", "template_prompt", "vicuna_prompt"]
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 type_: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.type, self.code = (
-            status, message, param, type_, code)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code),
-                            status_code=self.status)
-
-
-def error_body(message, type_="invalid_request_error", param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 def _validate(model: type[GenerationRequest], data: bytes) -> GenerationRequest:
@@ -82,234 +78,6 @@ def _validate(model: type[GenerationRequest], data: bytes) -> GenerationRequest:
     except ValidationError as e:
         message, param = describe(e, model)
         raise APIError(400, message, param) from None
-
-
-# ----------------------------------------------------------------------------- text
-
-
-class Detokenizer:
-    """Incremental text of new tokens after a prompt: `add(token)` -> (new text, stopped).
-
-    Each token decodes a short window, not the whole text (prefix and read offsets, as vLLM
-    and TGI do): the tokens since the last point where the text was whole, after a few
-    tokens of context, so that a tokenizer that drops a word's leading space at the start of
-    a decode (SentencePiece) decodes every new token as it would inside the whole text. A
-    window that ends inside a UTF-8 character waits for the next token."""
-
-    CONTEXT = 5  # prompt tokens decoded before the first new one
-
-    def __init__(self, tokenizer, prompt_ids: list[int], stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
-        self.ids = list(prompt_ids[-self.CONTEXT:])  # context, then the new tokens
-        self.prefix = 0  # the window's start in `ids`
-        self.read = len(self.ids)  # `ids[:read]` are in `text` (the context as nothing)
-        self.prefix_text = self._dec(self.ids)  # what the window's start decodes to
-        self.sent = 0  # characters of the text already handed out
-        self.text = ""
-        self.longest_stop = max((len(s) for s in stops), default=0)
-
-    def _dec(self, ids):
-        return self.tok.decode(ids, skip_special_tokens=True)
-
-    def _extend(self, whole_only: bool) -> None:
-        """Append the window's new text; move the window on when it ends on a whole text."""
-        window = self._dec(self.ids[self.prefix:])
-        if len(window) <= len(self.prefix_text) or (whole_only and window.endswith("\ufffd")):
-            return
-        self.text += window[len(self.prefix_text):]
-        self.prefix, self.read = self.read, len(self.ids)
-        self.prefix_text = self._dec(self.ids[self.prefix:self.read])
-
-    def _stop_at(self) -> int | None:
-        start = max(0, self.sent - self.longest_stop)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def add(self, token: int) -> tuple[str, bool]:
-        self.ids.append(token)
-        self._extend(whole_only=True)
-        cut = self._stop_at()
-        if cut is not None:  # the text ends before the stop string
-            self.text = self.text[:cut]
-            return self._take(cut), True
-        safe, hold = len(self.text), 0
-        for s in self.stops:  # a tail that may still grow into a stop string
-            for k in range(min(len(s) - 1, safe), hold, -1):
-                if self.text[safe - k:safe] == s[:k]:
-                    hold = k
-                    break
-        return self._take(safe - hold), False
-
-    def flush(self) -> str:
-        """The rest of the text (an unfinished character too), up to a stop string."""
-        self._extend(whole_only=False)
-        cut = self._stop_at()
-        if cut is not None:
-            self.text = self.text[:cut]
-        return self._take(len(self.text))
-
-    def _take(self, upto: int) -> str:
-        if upto <= self.sent:
-            return ""
-        out = self.text[self.sent:upto]
-        self.sent = upto
-        return out
-
-
-def _chat_template(tokenizer) -> str | None:
-    """The tokenizer's chat template, if any. The embedded model's tokenizer
-    (`startup.EmbeddedTokenizer`) is asked through its tokenizer_config.json: asking the
-    object would load transformers (a second of start-up) to say it has none."""
-    if tokenizer is None:
-        return None
-    from medusa_jax.text.tokenizer import EmbeddedTokenizer
-
-    if isinstance(tokenizer, EmbeddedTokenizer):
-        try:
-            config = json.loads((tokenizer.path / "tokenizer_config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-        if not (isinstance(config, dict) and config.get("chat_template")) and \
-                not (tokenizer.path / "chat_template.jinja").is_file():
-            return None
-    return getattr(tokenizer, "chat_template", None)
-
-
-def vicuna_prompt(messages: list[tuple[str, str]], tokenizer,
-                  encoder: TextEncoder | None = None) -> list[int]:
-    """Token ids of a conversation in the Vicuna template, as training renders it
-    (`data`), ending with "ASSISTANT:" for the answer to come. The template has no control
-    tokens but BOS and the EOS after each answer; the text is tokenized as text."""
-    enc = (encoder or TextEncoder(tokenizer)).text
-    ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for text, answer in vicuna_pieces(messages):
-        ids += enc(text) + (eos if answer else [])
-    return ids
-
-
-_MARK = re.compile("\ue000(\\d+)\ue001")
-
-
-def template_prompt(messages: list[tuple[str, str]], tokenizer, encoder: TextEncoder,
-                    ) -> list[int]:
-    """Token ids of a conversation in the tokenizer's chat template. When a message holds
-    the text of a control token, the template is rendered with a marker in place of each
-    message's content, so the template's text and the users' text are told apart
-    (`TextEncoder.template`: the user's "</s>" stays text); otherwise the rendered text is
-    tokenized whole, exactly as the tokenizer does."""
-    render = lambda contents: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": r, "content": c} for (r, _), c in zip(messages, contents)], tokenize=False,
-        add_generation_prompt=True)
-    find = encoder._special_re
-    if find is None or not any(find.search(c) for _, c in messages):
-        return list(tokenizer(render([c for _, c in messages]),
-                              add_special_tokens=False)["input_ids"])
-    text = render([f"\ue000{i}\ue001" for i in range(len(messages))])
-    found = [int(m.group(1)) for m in _MARK.finditer(text)]
-    if sorted(found) == list(range(len(messages))):
-        parts, pos = [], 0
-        for m in _MARK.finditer(text):
-            parts += [(text[pos:m.start()], True), (messages[int(m.group(1))][1], False)]
-            pos = m.end()
-        return encoder.template(parts + [(text[pos:], True)])
-    # a template that rewrites its contents: the whole text, refused if a message holds a
-    # control token (it could not be told from the template's own)
-    for i, (_, content) in enumerate(messages):
-        hit = encoder._special_re.search(content) if encoder._special_re else None
-        if hit:
-            raise APIError(400, f"messages[{i}].content holds the control token "
-                                f"{hit.group()!r}, which this model's chat template cannot "
-                                f"keep apart from its own", f"messages[{i}].content")
-    return encoder.template([(render([c for _, c in messages]), True)])
-
-
-# ----------------------------------------------------------------------------- metrics
-
-
-class ServerMetrics:
-    """/metrics, with prometheus_client's Counter, Gauge and Histogram objects in a registry
-    of this server's own. Each finished request is counted once under the finish_reason
-    its response reported ("cancelled": its client left first, which also counts as a
-    disconnect); the engine's step counters are brought up to date at each scrape."""
-
-    def __init__(self, engine: Engine):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.engine = e = engine
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("medusa_requests", "Finished requests by the finish_reason "
-                                "their response reported (cancelled: the client left first)",
-                                ["finish"], registry=r)
-        for reason in FINISH_REASONS:
-            self.requests.labels(finish=reason)
-        self.disconnects = Counter("medusa_disconnects", "Clients that left before their "
-                                   "request finished", registry=r)
-        self.prompt_tokens = Counter("medusa_prompt_tokens", "Prompt tokens of the requests "
-                                     "queued", registry=r)
-        self.generation_tokens = Counter("medusa_generation_tokens", "Tokens generated for "
-                                         "the requests", registry=r)
-        self._engine_counters = {
-            "slot_steps": Counter("medusa_slot_steps", "Decoding steps of live slots",
-                                  registry=r),
-            "step_tokens": Counter("medusa_step_tokens", "Tokens those steps emitted",
-                                   registry=r),
-            "calls": Counter("medusa_step_calls", "Engine step calls", registry=r),
-            "plain_calls": Counter("medusa_plain_step_calls", "Engine step calls of plain "
-                                   "steps under load (--plain-above-slots)", registry=r),
-            "resizes": Counter("medusa_cache_resizes", "Times the slots' KV cache was "
-                               "resized to the next attention window", registry=r),
-            "prefix_hits": Counter("medusa_prefix_cache_hits", "Prompts prefilled after a "
-                                   "prefix a slot's cache held", registry=r),
-            "prefix_tokens": Counter("medusa_prefix_cache_tokens", "Prompt tokens taken "
-                                     "from the prefix cache", registry=r)}
-        self._synced = dict.fromkeys(self._engine_counters, 0)
-        self.calls_by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by "
-                                      "the slot bucket they computed (the rows a call "
-                                      "pays for)", ["slots"], registry=r)
-        for n in e.slot_buckets:
-            self.calls_by_slots.labels(slots=str(n))
-        self._synced_by_slots = collections.Counter()
-        self.prefills_by_batch = Counter("medusa_prefill_calls_by_batch", "Prefill calls by "
-                                         "the prompts they prefilled together", ["prompts"],
-                                         registry=r)
-        for n in e.prefill_batches:
-            self.prefills_by_batch.labels(prompts=str(n))
-        self._synced_by_batch = collections.Counter()
-        m = e.metrics
-        Gauge("medusa_tokens_per_step", "Tokens per live slot step (accepted length + 1)",
-              registry=r).set_function(lambda: m.step_tokens / max(m.slot_steps, 1))
-        Gauge("medusa_queue_depth", "Waiting requests", registry=r).set_function(
-            e.queue_depth)
-        Gauge("medusa_slots_in_use", "Slots holding a request", registry=r).set_function(
-            e.slots_in_use)
-        Gauge("medusa_slots", "Slots", registry=r).set(e.slots)
-        Gauge("medusa_compiled_programs", "Engine programs compiled so far",
-              registry=r).set_function(lambda: e.status()["compiled"])
-        latency = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-        self.ttft = Histogram("medusa_time_to_first_token_seconds", "From the request's "
-                              "arrival to its first token", buckets=latency, registry=r)
-        self.latency = Histogram("medusa_request_seconds", "From the request's arrival to "
-                                 "its end", buckets=latency, registry=r)
-
-    def text(self) -> str:
-        from prometheus_client import generate_latest
-
-        m = self.engine.metrics
-        for name, counter in self._engine_counters.items():
-            now = getattr(m, name)
-            if now > self._synced[name]:
-                counter.inc(now - self._synced[name])
-                self._synced[name] = now
-        for n, now in list(m.calls_by_slots.items()):
-            if now > self._synced_by_slots[n]:
-                self.calls_by_slots.labels(slots=str(n)).inc(now - self._synced_by_slots[n])
-                self._synced_by_slots[n] = now
-        for n, now in list(m.prefills_by_batch.items()):
-            if now > self._synced_by_batch[n]:
-                self.prefills_by_batch.labels(prompts=str(n)).inc(now - self._synced_by_batch[n])
-                self._synced_by_batch[n] = now
-        return generate_latest(self.registry).decode()
 
 
 # ----------------------------------------------------------------------------- app
@@ -325,7 +93,7 @@ class Server:
         self.tokenizer = self.model.tokenizer
         self.created = int(time.time())
         self.max_request_bytes = max_request_bytes
-        self.chat_template = _chat_template(self.tokenizer)
+        self.chat_template = chat_template_of(self.tokenizer)
         self.encoder = TextEncoder(self.tokenizer) if self.tokenizer is not None else None
         tree = engine.fed if engine.medusa else 0
         # the longest prompt any request can have, and (x2 for normalizers that shrink
@@ -621,191 +389,6 @@ class Server:
             self.engine.release()
 
 
-# ----------------------------------------------------------------------------- connections
-
-
-def _raw_error(status: int, reason: str, message: str, type_: str, code: str) -> bytes:
-    """A whole HTTP/1.1 error response that closes the connection, for a connection whose
-    request never reached the app (so h11's state machine cannot answer it)."""
-    body = json.dumps(error_body(message, type_, None, code)).encode()
-    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
-
-
-def guarded_protocol(request_timeout: float, max_connections: int):
-    """uvicorn's h11 protocol with a deadline on each request's arrival and a cap on open
-    connections (uvicorn has neither: a connection that never finishes its headers holds
-    its descriptor for ever, and `limit_concurrency` only answers 503 once headers are in).
-
-    - A request's headers and body must have arrived `request_timeout` seconds after the
-      connection opened or its previous answer was sent; else a 408 (nothing if it sent
-      nothing) and the connection closes.
-    - Past `max_connections` open connections, a new one closes the oldest connection
-      that is not running a request (one idle, or still sending its request: that one
-      gets a 503), so a new client (a /health probe) always gets in while the descriptors
-      last; when every connection runs a request, the new one gets the 503 instead."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    waiting = (h11.IDLE, h11.SEND_BODY)  # a request's headers or body still to come
-    busy = _raw_error(503, "Service Unavailable", f"too many open connections (the limit is "
-                      f"{max_connections}, --max-connections)", "server_error",
-                      "too_many_connections")
-    late = _raw_error(408, "Request Timeout", f"the request did not arrive within "
-                      f"{request_timeout:g} s (--request-timeout)", "invalid_request_error",
-                      "request_timeout")
-    opened: dict[H11Protocol, None] = {}  # open connections, oldest first
-
-    class Guarded(H11Protocol):
-        _deadline = None
-        _got = False  # bytes of the awaited request have arrived
-
-        def connection_made(self, transport):
-            super().connection_made(transport)
-            opened[self] = None
-            if len(opened) > max_connections:
-                idle = next((c for c in opened if c is not self and c._idle()), None)
-                if idle is None:
-                    self._close(busy)
-                    return
-                # an idle kept-alive connection closes silently: its client would read a
-                # 503 written there as the answer to its next request
-                idle._close(busy if idle._got else b"")
-            self._watch()
-
-        def connection_lost(self, exc):
-            opened.pop(self, None)
-            self._unarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data):
-            self._got = True
-            super().data_received(data)
-            self._watch()
-
-        def on_response_complete(self):
-            super().on_response_complete()
-            self._got = False
-            self._unarm()  # the next request's time starts now
-            self._watch()
-
-        def _idle(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
-
-        def _watch(self):
-            """The deadline runs while a request is awaited, and stops once it is in."""
-            if self.transport.is_closing() or self.conn.their_state not in waiting:
-                self._unarm()
-            elif self._deadline is None:
-                self._deadline = self.loop.call_later(request_timeout, self._expire)
-
-        def _unarm(self):
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
-
-        def _expire(self):
-            self._deadline = None
-            if self.transport.is_closing() or self.conn.their_state not in waiting:
-                return
-            answered = self.cycle is not None and not self.cycle.response_complete and \
-                self.cycle.response_started
-            self._close(late if self._got and not answered else b"")
-
-        def _close(self, response: bytes):
-            """Answer `response` (if any) and close; a request the app is reading hears
-            that its client is gone."""
-            if self.cycle is not None and not self.cycle.response_complete:
-                if response:
-                    self.cycle.response_started = self.cycle.response_complete = True
-                self.cycle.disconnected = True
-                self.cycle.message_event.set()
-            if response and not self.transport.is_closing():
-                self.transport.write(response)
-            self.transport.close()
-            opened.pop(self, None)
-            self._unarm()
-
-    return Guarded
-
-
-# ----------------------------------------------------------------------------- access
-
-
-def loopback_hosts(host: str) -> frozenset[str] | None:
-    """The Host header names a server bound to `host` answers to when `host` is a loopback
-    address (a page on another site can reach a local server through DNS rebinding, but
-    its requests carry that site's name); None when `host` is not loopback (no check)."""
-    import ipaddress
-
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        return None
-    return frozenset({"localhost", "127.0.0.1", "[::1]", host if ":" not in host
-                      else f"[{host}]"})
-
-
-def _host_name(value: str) -> str:
-    """A Host header's name without its port ("[::1]:8000" -> "[::1]")."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[:value.find("]") + 1]
-    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
-
-
-class AccessGuard:
-    """ASGI middleware in front of the app: a Host check on a loopback-bound server, the
-    API key on /v1/ (`Authorization: Bearer KEY`, as OpenAI's clients send it; /health and
-    /metrics stay open to probes and scrapers), and JSON bodies only on POST (a browser
-    page may send text/plain, form and multipart bodies to any site without asking first,
-    JSON only after a CORS preflight this server never grants)."""
-
-    def __init__(self, app, api_key: str | None = None,
-                 allowed_hosts: frozenset[str] | None = None):
-        self.app, self.allowed_hosts = app, allowed_hosts
-        self.api_key = api_key.encode() if api_key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            refusal = self._refusal(scope)
-            if refusal is not None:
-                return await refusal.response()(scope, receive, send)
-        return await self.app(scope, receive, send)
-
-    def _refusal(self, scope) -> APIError | None:
-        import hmac
-
-        headers = dict(scope["headers"])  # names arrive lower-cased
-        if self.allowed_hosts is not None:
-            host = headers.get(b"host", b"").decode("latin-1")
-            if host and _host_name(host) not in self.allowed_hosts:
-                return APIError(403, f"Host {host[:100]!r} is not this server's: bound to a "
-                                     f"loopback address, it answers only to "
-                                     f"{', '.join(sorted(self.allowed_hosts))}",
-                                type_="permission_error", code="invalid_host")
-        if not scope["path"].startswith("/v1/"):
-            return None
-        if self.api_key is not None:
-            given = headers.get(b"authorization", b"")
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(),
-                                                                      self.api_key):
-                return APIError(401, "Incorrect or missing API key: send it as "
-                                     "'Authorization: Bearer KEY' (--api-key)",
-                                type_="invalid_request_error", code="invalid_api_key")
-        if scope["method"] == "POST":
-            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-            if kind != b"application/json":
-                shown = kind.decode("latin-1")[:100] or "none"
-                return APIError(415, f"the body must be JSON with Content-Type "
-                                     f"application/json (got {shown})",
-                                code="unsupported_media_type")
-        return None
-
-
 def create_app(engine: Engine, model_name: str,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, *,
                api_key: str | None = None,
@@ -861,7 +444,7 @@ def create_app(engine: Engine, model_name: str,
 
     @app.get("/health")
     async def health():
-        if engine._stop_reason is not None:
+        if engine.stop_reason is not None:
             return JSONResponse({"status": "stopped"}, status_code=503)
         st = engine.status()
         compiled = {"compiled": st["compiled"], "programs": st["programs"],

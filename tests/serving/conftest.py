@@ -82,7 +82,7 @@ class StubEngine:
     def __init__(self, *, slots=4, bucket=64, capacity=128, max_queue=2, chunk=3):
         from types import SimpleNamespace
 
-        from medusa_jax.serving.engine import Metrics
+        from medusa_jax.serving.metrics import Metrics
 
         self.tokenizer = ByteTokenizer()
         self.model = SimpleNamespace(tokenizer=self.tokenizer, eos=(2,),
@@ -90,10 +90,10 @@ class StubEngine:
         self.medusa, self.fed, self.drafter, self.tree = False, 0, None, None
         self.slots, self.buckets, self.capacity = slots, (bucket,), capacity
         self.slot_buckets, self.prefill_batches = (1, slots), (1,)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.slot_buckets, self.prefill_batches)
         self.max_queue, self.chunk = max_queue, chunk
         self.ready, self.programs = True, 3
-        self._stop_reason = None
+        self.stop_reason = None
         self.submitted, self.waiting, self.held = [], [], 0
         self.paused = False
 
@@ -136,8 +136,8 @@ class StubEngine:
             if value is not None:  # Engine.submit's rule for a plain engine
                 raise ValueError(f"{name} applies to typical acceptance (infer.serve "
                                  f"--acceptance typical); this server runs plain decoding")
-        if self._stop_reason is not None:
-            raise RuntimeError(f"the engine has stopped: {self._stop_reason}")
+        if self.stop_reason is not None:
+            raise RuntimeError(f"the engine has stopped: {self.stop_reason}")
         if self.paused and len(self.waiting) >= self.max_queue:
             raise QueueFull(f"the request queue is full ({self.max_queue} waiting)")
         self.submitted.append(req)
@@ -166,7 +166,6 @@ class StubEngine:
         if req.finished:
             return
         req.finished = True
-        self.metrics.requests[reason] += 1
         req.on_event(list(tokens), reason, error)
 
     def cancel(self, req):
@@ -182,7 +181,7 @@ class StubEngine:
             self._run(req)
 
     def stop(self, reason="the server is shutting down"):
-        self._stop_reason = reason
+        self.stop_reason = reason
         waiting, self.waiting = self.waiting, []
         for req in waiting:
             self._finish(req, "error", error=reason)

@@ -23,6 +23,9 @@ from medusa_jax.serving.engine import (
     auto_plain_above,
     generate_offline,
 )
+from medusa_jax.serving.layout import InsertKey, PrefillKey, StepKey
+from medusa_jax.serving.programs import key_data, stack_rows
+from medusa_jax.serving.scheduler import Step
 
 # the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
@@ -91,7 +94,7 @@ def test_staggered_greedy_requests_match_offline_decoding(which, request, prompt
 
 
 def _cache_width(e) -> int:
-    return e._state.cache.capacity
+    return e.state.cache.capacity
 
 
 def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts,
@@ -104,10 +107,10 @@ def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_eng
     assert all(len(t) == 90 for t in long)
     for e in (medusa_engine, plain_engine):
         assert len(prompts[0]) + 4 + e.fed <= 64  # a request that fits the narrow window
-        assert _cache_width(e) == e._width == 128 and e.metrics.resizes >= 1
+        assert _cache_width(e) == e.cache_window == 128 and e.metrics.resizes >= 1
         resizes = e.metrics.resizes
         assert generate_offline(e, [prompts[0]], 4) == [reference[0][:4]]
-        assert _cache_width(e) == e._width == 64 and e.metrics.resizes == resizes + 1
+        assert _cache_width(e) == e.cache_window == 64 and e.metrics.resizes == resizes + 1
 
 
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, prompts,
@@ -177,10 +180,10 @@ def test_a_step_at_every_window_copies_no_cache(which, request):
     and a narrower read inside the loop would copy the cache at every step."""
     e = request.getfixturevalue(f"{which}_engine")
     for window in e.windows:
-        k = e._jits["states"][window].cache.k
+        k = e.state_shapes(window).cache.k
         shape = k[0].shape if isinstance(k, tuple) else k.shape
         assert shape[-2] == window
-        text = e._program("step", (window, e.slots)).as_text()
+        text = e.program(StepKey(window, e.slots)).as_text()
         f32 = "f32[" + ",".join(map(str, shape)) + "]"
         copies = [line for line in text.splitlines() if f"= {f32}" in line and " copy(" in line]
         assert copies == [], copies[:2]
@@ -235,6 +238,7 @@ def test_auto_plain_above_is_plain_steps_above_four_live_slots_on_cpu(model):
     assert auto_plain_above(drafter, 8, "cpu") == 4
     assert auto_plain_above(drafter, 8, "gpu") is None
     assert auto_plain_above(drafter, 8, "tpu") is None
+    assert auto_plain_above(None, 8, "cpu") is None
     assert Engine(Medusa.load(heads="eagle"), slots=8, **auto).plain_above is None
 
 
@@ -250,7 +254,7 @@ def _burst(engine, prompts, max_tokens, **kw):
     """Submit every prompt before the engine thread looks (it waits on the lock we hold), so
     they are admitted together; each one's tokens. max_tokens: one for all, or a list."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
-    with engine._cv:
+    with engine.scheduler.lock:
         runs = [_submit(engine, p, n, **kw) for p, n in zip(prompts, limits)]
     for _, _, done, _ in runs:
         assert done.wait(120)
@@ -299,7 +303,7 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
     e = request.getfixturevalue(f"{which}_engine")
     assert e.k == 4
     before = collections.Counter(e.metrics.calls_by_steps)
-    compiled = len(e._programs)
+    compiled = e.status()["compiled"]
     e.short_call_ms = 1e-9  # shorter than any step: one step a call while a slot is free
     long = 3 * NEW  # every slot busy at first, then one alone
     try:
@@ -311,36 +315,7 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
     used = collections.Counter(e.metrics.calls_by_steps)
     used.subtract(before)
     assert used[1] > 0 and used[e.k] > 0 and set(+used) <= {1, e.k}, used
-    assert len(e._programs) == compiled
-
-
-def test_a_step_time_sets_the_steps_of_a_call(model):
-    e = Engine(model, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               steps_per_call=8, short_call_ms=20.0)
-    assert e._call_steps("step", 1) == 1  # not measured yet: one step
-    e._timed(("step", 1, 2, 0.0, False), 0.012)  # 2 steps in 12 ms
-    assert e._step_ms[("step", 1)] == pytest.approx(6.0)
-    assert e._call_steps("step", 1) == 3
-    e._timed(("step", 1, 8, 0.0, True), 1.0)  # behind a prefill: not timed
-    assert e._step_ms[("step", 1)] == pytest.approx(6.0)
-    e._slots = [eng_slot(), eng_slot()]  # every slot busy, nobody waiting: all K
-    assert e._call_steps("step", 1) == 8
-    with pytest.raises(ValueError, match="short_call_ms must be > 0"):
-        Engine(model, slots=2, max_context=CONTEXT, short_call_ms=0)
-
-
-def test_a_call_is_read_before_the_next_only_when_long(model):
-    e = Engine(model, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               steps_per_call=8, overlap_ms=20.0)
-    assert not e._long(("step", 1, 8, 0.0, False))  # not measured yet: overlapped
-    e._timed(("step", 1, 2, 0.0, False), 0.012)  # 6 ms a step
-    assert e._long(("step", 1, 4, 0.0, False))  # 24 ms: read first
-    assert not e._long(("step", 1, 3, 0.0, False))  # 18 ms: overlapped
-    assert not e._long(("step", 2, 8, 0.0, False))  # another slot bucket: not measured
-    e.overlap_ms = None
-    assert not e._long(("step", 1, 8, 0.0, False))  # None: always overlapped
-    with pytest.raises(ValueError, match="overlap_ms must be > 0"):
-        Engine(model, slots=2, max_context=CONTEXT, overlap_ms=0)
+    assert e.status()["compiled"] == compiled
 
 
 @pytest.mark.parametrize("which", ["medusa", "plain"])
@@ -352,15 +327,10 @@ def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, r
     e.overlap_ms = 1e-9
     try:
         assert _burst(e, prompts[:SLOTS + 1], NEW) == reference[:SLOTS + 1]
-        assert any(e._long(("step", r, 1, 0.0, False)) for r in e.slot_buckets)
+        assert any(e.scheduler.long(Step(StepKey(e.windows[0], r), 1, [], False))
+                   for r in e.slot_buckets)
     finally:
         e.overlap_ms = old
-
-
-def eng_slot():
-    from medusa_jax.serving.engine import _Slot
-
-    return _Slot(req=Request(prompt=[1], max_tokens=1, on_event=lambda *a: None))
 
 
 @pytest.mark.parametrize("layout", ["decoding", "standard"])
@@ -370,33 +340,33 @@ def test_insert_puts_each_row_of_a_batched_prefill_as_its_own_prefill(model, pro
     layouts (the decoding layout's per-layer buffers, the stacked one of meshes)."""
     from medusa_jax.decoding.step import batch_axis
     from medusa_jax.model.backbone import standard_layout
-    from medusa_jax.serving import engine as eng
+    from medusa_jax.serving import programs
 
     e = Engine(model, slots=3, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW)
     cfg, tree, drafter = model.cfg, e.tree, e.drafter
     params = model.params if layout == "decoding" else standard_layout(cfg, model.params)
     heads = drafter.prepare(model.heads, tree, cpu_kernels=False)
-    pre = jax.jit(functools.partial(eng.prefill, cfg=cfg, drafter=drafter, tree=tree,
+    pre = jax.jit(functools.partial(programs.prefill, cfg=cfg, drafter=drafter, tree=tree,
                                     capacity=CONTEXT))
-    ins = jax.jit(functools.partial(eng.insert, axis=batch_axis(drafter)))
+    ins = jax.jit(functools.partial(programs.insert, axis=batch_axis(drafter)))
     ps = prompts[:3]
-    rows = [e._rows(0.9 if j == 1 else 0.0, 0, 1.0, NEW, tuple(e.eos)) for j in range(3)]
-    keys = [e._key_data(7 + j) for j in range(3)]
+    rows = [e.sampling_rows(0.9 if j == 1 else 0.0, 0, 1.0, NEW, tuple(e.eos)) for j in range(3)]
+    keys = [key_data(7 + j) for j in range(3)]
 
     def prefilled(js):
         tokens = np.zeros((len(js), 64), np.int32)
         for i, j in enumerate(js):
             tokens[i, :len(ps[j])] = ps[j]
         return pre(params, heads, tokens, np.array([len(ps[j]) for j in js], np.int32),
-                   np.concatenate([keys[j] for j in js]), e._stack_rows([rows[j] for j in js]))
+                   np.concatenate([keys[j] for j in js]), stack_rows([rows[j] for j in js]))
 
-    row1 = e._rows()
+    row1 = e.sampling_rows()
     draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          prefilled([0]).draft)
     axis = batch_axis(drafter)
     draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape[:axis] + (3,) + x.shape[axis + 1:], x.dtype), draft)
-    empty = lambda: eng.init_state(cfg, params, 3, CONTEXT, e.width, row1, draft)  # noqa: E731
+    empty = lambda: programs.init_state(cfg, params, 3, CONTEXT, e.width, row1, draft)  # noqa: E731
     together, alone = empty(), empty()
     batch = prefilled([0, 1, 2])
     for slot, j in ((2, 0), (0, 1), (1, 2)):  # rows into other slots, out of order
@@ -491,22 +461,21 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
 
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=(16, 64),
                window_block=WINDOW, max_queue=64)
-    assert e.programs()[:3] == e.first_programs() == [("prefill", (16, 1)),
-                                                      ("insert", (16, 1, 64)),
-                                                      ("step", (64, 1))]
+    assert e.programs.keys[:3] == e.first_programs() == [
+        PrefillKey(16, 1), InsertKey(16, 1, 64), StepKey(64, 1)]
     e.start(warmup)
     try:
         if warmup == "lazy":
-            assert e._ready.wait(60) and e.status()["compiled"] == 0
+            assert e.wait_ready(60) and e.status()["compiled"] == 0
         assert generate_offline(e, prompts, NEW) == reference
         if warmup == "background":
-            assert e._all_compiled.wait(180)
+            assert e.wait_compiled(180)
         else:
             e.compile()  # the rest, now
         # prefill for 2 buckets x 3 prefill batches (1, 2, 4), insert for those at
         # 2 windows, a step for 2 windows x 3 slot buckets (1, 2, 4), a resize each way,
         # and the prefix cache's move, extend (buckets 1, 4, 16) at each window
-        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs()) == 34
+        assert e.status()["compiled"] == e.status()["programs"] == len(e.programs.keys) == 34
         traced = []
         listener = lambda event, *a, **k: traced.append(event) \
             if "compile" in event else None  # noqa: E731

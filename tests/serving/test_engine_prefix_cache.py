@@ -9,7 +9,8 @@ import pytest
 
 from medusa_jax.api import Medusa, default_eagle_heads_dir
 from medusa_jax.runtime import assets
-from medusa_jax.serving.engine import Engine, Request, common_prefix
+from medusa_jax.serving.engine import Engine, Request
+from medusa_jax.serving.scheduler import common_prefix
 
 # prompts of 15-30 tokens take the 64-token bucket; after a cached prefix the rest takes 1,
 # 4 or 16 (the 96-token bucket holds a prompt longer than the narrow window)
@@ -129,11 +130,11 @@ def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, 
 def test_a_narrower_cache_keeps_only_what_it_holds(engine, model, prompts):
     p = prompts[6]
     _, long = run(engine, p, 90)  # the cache grows to the 128-slot window
-    assert engine._width == 128
+    assert engine.cache_window == 128
     run(engine, prompts[7], 2)  # alone and short: the cache shrinks to 64 slots
-    assert engine._width == 64
+    assert engine.cache_window == 64
     # a free slot's steps may write the last `fed` slots of the narrower cache
-    assert all(len(kept) <= 64 - engine.fed for kept in engine._kept)
+    assert all(len(kept) <= 64 - engine.fed for kept in engine.scheduler.kept)
     follow = p + long[:50]  # its slot held all of these tokens before the cut
     req, out = run(engine, follow, 20)
     assert req.cached == 64 - engine.fed and out == offline(model, follow, 20)
@@ -151,4 +152,4 @@ def test_an_eagle3_engine_keeps_no_prefix_cache():
     """EAGLE-3 keeps its own cache of every token's features, which a cached prefix skips."""
     e = Engine(Medusa.load(heads=default_eagle_heads_dir()), slots=2)
     assert not e.prefix_cache
-    assert not [p for p in e.programs() if p[0] == "extend"]
+    assert not [p for p in e.programs.keys if p.kind == "extend"]

@@ -205,7 +205,8 @@ def test_greedy_offline_programs_hold_no_sampling(medusa):
 
 
 def test_serve_takes_the_acceptance_setting():
-    from infer.serve import build_parser
+    from infer.serve import build_parser, engine_config
 
-    assert build_parser().parse_args([]).acceptance == "rejection"
-    assert build_parser().parse_args(["--acceptance", "typical"]).acceptance == "typical"
+    assert engine_config(build_parser().parse_args([])).acceptance == "rejection"
+    typical = build_parser().parse_args(["--acceptance", "typical"])
+    assert engine_config(typical).acceptance == "typical"

@@ -1,0 +1,90 @@
+"""The serving engine's options: one frozen, JAX-free dataclass, validated once.
+
+`EngineConfig` holds what a user chooses (`Engine(model, **options)` builds one);
+`layout.Layout` derives the sizes the engine runs with from it and the model. The
+constants here are the one copy `infer.serve`'s flags read (this module imports no JAX, so
+`--help` stays fast).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from medusa_jax.runtime.options import option, positive_int
+
+ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
+WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
+MAX_STOP = 8  # stop token ids per request (EOS included), padded with -1
+# the rest of a prompt after a cached prefix is padded to these or a shorter prefill bucket:
+# a repeated prompt feeds one token
+EXTEND_BUCKETS = (1, 4)
+# On CPU a tree step over many slots is compute-bound (S slots verify S x tree rows) and
+# costs more than the tokens it accepts; around this many slots plain and tree steps give
+# the same throughput (docs/serving.md, "Against llama-server").
+AUTO_PLAIN_ABOVE = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """What `serving.engine.Engine` takes (see its docstring for each option).
+
+    slots: requests decoded at once; medusa: use the model's heads (None: when it has
+    them); tree: a tree name, file or "dynamic:N"; steps_per_call: K; max_context: a slot's
+    cache length (None: the model's context); window_block: attention windows in multiples
+    of this; max_queue: waiting requests at most; buckets: prompt lengths prefill is
+    compiled for; acceptance: "rejection" or "typical"; slot_buckets: slot counts a step is
+    compiled for; plain_above: plain steps above this many live slots ("auto", or None:
+    never); prefill_batch: prompts prefilled in one call at most; short_call_ms /
+    overlap_ms: call sizing (None: off); prefix_cache: prefill after cached prefixes."""
+
+    # the fields with `option` metadata are `infer.serve`'s flags as they are (the others
+    # are flags of their own there: a different name, or a default read from the model)
+    slots: int = option(8, "requests decoded at once (the static batch; default {default})",
+                        type=positive_int)
+    medusa: bool | None = None
+    tree: object = None
+    steps_per_call: int = option(4, "decoding steps per engine call (tokens reach clients "
+                                 "per call; a larger value compiles a larger step program; "
+                                 "default {default})", type=positive_int)
+    max_context: int | None = None
+    window_block: int = option(128, "attention windows are compiled in multiples of this "
+                               "(larger: fewer step programs, more attention work per step; "
+                               "default {default})", type=positive_int)
+    max_queue: int = option(64, "waiting requests past which new ones get 429 "
+                            "(default {default})")
+    buckets: tuple[int, ...] | None = None
+    acceptance: str = option("rejection", "how sampled requests (temperature > 0) accept the "
+                             "tree: rejection (default: lossless, plain sampling's "
+                             "distribution) or typical (the Medusa paper's typical "
+                             "acceptance: longer accepted spans, lossy)", choices=ACCEPTANCE)
+    slot_buckets: tuple[int, ...] | None = None
+    plain_above: int | str | None = None
+    prefill_batch: int = option(4, "at most N waiting requests prefilled in one call "
+                                "(batches of 1, 2, 4 ... N; 1: one at a time, fewer "
+                                "programs; default {default})", type=positive_int,
+                                metavar="N")
+    short_call_ms: float | None = None
+    overlap_ms: float | None = 20.0
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        if self.acceptance not in ACCEPTANCE:
+            raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCE)}, "
+                             f"got {self.acceptance!r}")
+        if (self.slots < 1 or self.steps_per_call < 1 or self.window_block < 1
+                or self.max_queue < 0):
+            raise ValueError(f"need slots, steps_per_call, window_block >= 1 and max_queue >= 0,"
+                             f" got {self.slots}, {self.steps_per_call}, {self.window_block}, "
+                             f"{self.max_queue}")
+        if not isinstance(self.prefill_batch, int) or self.prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be an integer >= 1, "
+                             f"got {self.prefill_batch!r}")
+        if isinstance(self.plain_above, str) and self.plain_above != "auto":
+            raise ValueError(f"plain_above must be a slot count, \"auto\" or None, "
+                             f"got {self.plain_above!r}")
+        if self.short_call_ms is not None and not self.short_call_ms > 0:
+            raise ValueError(f"short_call_ms must be > 0 (or None: always K steps), "
+                             f"got {self.short_call_ms!r}")
+        if self.overlap_ms is not None and not self.overlap_ms > 0:
+            raise ValueError(f"overlap_ms must be > 0 (or None: always overlap), "
+                             f"got {self.overlap_ms!r}")
