@@ -36,6 +36,7 @@ from medusa_jax.model.backbone import head_units, init_params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import sharding
 from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa_loss as ml
 
 GB, GIB = 10 ** 9, 2 ** 30
 
@@ -184,7 +185,7 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
         "batch_per_device": cfg.batch_size // sharding.batch_ways(mesh),
         "seq_len": cfg.seq_len, "grad_accum": cfg.grad_accum, "dtype": cfg.dtype,
         "backbone_param_dtype": dtypes["param_dtype"], "num_heads": cfg.num_heads,
-        "head_layers": cfg.num_layers, "loss_chunking": ts.loss_chunking(
+        "head_layers": cfg.num_layers, "loss_chunking": ml.loss_chunking(
             cfg.seq_len, cfg.batch_size // cfg.grad_accum // sharding.batch_ways(mesh),
             cfg.num_heads, getattr(cfg, "reduced_vocab", 0) or full.vocab_size,
             cfg.loss_chunk, 1 if cfg.shared_proj else cfg.num_heads, not cfg.shared_proj),

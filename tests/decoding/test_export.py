@@ -23,6 +23,7 @@ from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import sharding
 from medusa_jax.training import step as ts
 from medusa_jax.training.recipes import medusa2
+from medusa_jax.training.recipes import medusa_loss as ml
 
 PLATFORMS = ("cuda", "tpu")
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
@@ -104,9 +105,9 @@ def test_train_steps_lower_for_gpu_and_tpu(method):
     batch = _batch()
     if method == "medusa1":
         p = {"backbone": params, "heads": heads}
-        labels = ts.medusa1_labels(p)
+        labels = ml.medusa1_labels(p)
         tx, schedule = ts.make_optimizer(ts.OptimConfig(), 10, labels)
-        loss_fn = ts.medusa1_loss_fn(CFG)
+        loss_fn = ml.medusa1_loss_fn(CFG)
     else:
         p = jax.eval_shape(lambda a, b: medusa2.make_params(a, b, "kl"), params, heads)
         labels = medusa2.labels(p)

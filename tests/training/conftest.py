@@ -45,14 +45,15 @@ def _compiled(mesh_spec: str, lr: float, total: int):
 
     from medusa_jax.runtime import sharding
     from medusa_jax.training import step as ts
+    from medusa_jax.training.recipes import medusa_loss as ml
 
     params = make_params()
-    labels = ts.medusa1_labels(params)
+    labels = ml.medusa1_labels(params)
     tx, schedule = ts.make_optimizer(ts.OptimConfig(lr=lr, warmup_ratio=0.0), total, labels)
     mesh = sharding.make_mesh(mesh_spec)
     shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
                                    ts.param_axes(CFG, params), mesh)
-    step = ts.make_train_step(ts.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
+    step = ts.make_train_step(ml.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
                               schedule)
     return tx, step, shardings, mesh
 

@@ -16,6 +16,7 @@ from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.model.backbone import init_params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa_loss as ml
 from medusa_jax.training.recipes.hydra import HydraConfig, hydra_loss_fn
 from train import hydra as train_hydra
 
@@ -108,7 +109,7 @@ def test_teacher_loss_is_the_soft_cross_entropy_against_the_base_model(tiny):
 
     loss, logits, base = run(params, heads, batch)
     logits, base = np.asarray(logits, np.float64), np.asarray(base, np.float64)
-    _, valid = ts.medusa_targets(batch, 3)
+    _, valid = ml.medusa_targets(batch, 3)
     valid = np.asarray(valid)
     want = 0.0
     for i in range(3):

@@ -15,6 +15,7 @@ from medusa_jax.model import backbone
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import sharding
 from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa_loss as ml
 
 CFG = ModelConfig(model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=24,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4,
@@ -51,7 +52,7 @@ def random_batch(b=8, t=16, seed=0):
 
 
 def _unchunked(heads, hidden, targets, valid):
-    return ts.medusa_loss(heads_lib.apply_heads(heads, hidden), targets, valid, 0.8)
+    return ml.medusa_loss(heads_lib.apply_heads(heads, hidden), targets, valid, 0.8)
 
 
 @pytest.mark.slow
@@ -60,12 +61,12 @@ def test_chunked_loss_equals_unchunked_loss_metrics_and_gradients():
     _, heads = trained_heads()
     batch = random_batch(b=4, t=16)
     hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
-    targets, valid = ts.medusa_targets(batch, K)
+    targets, valid = ml.medusa_targets(batch, K)
 
     def both(h, x):  # one compile: losses, metrics and gradients of both
         ref = jax.value_and_grad(lambda h, x: _unchunked(h, x, targets, valid), argnums=(0, 1),
                                  has_aux=True)(h, x)
-        got = jax.value_and_grad(lambda h, x: ts.chunked_medusa_loss(
+        got = jax.value_and_grad(lambda h, x: ml.chunked_medusa_loss(
             h, x, targets, valid, 0.8, chunk), argnums=(0, 1), has_aux=True)(h, x)
         return ref, got
 
@@ -101,7 +102,7 @@ def test_chunked_loss_and_its_gradient_never_hold_all_logits():
     b, t, chunk = 8, 32, 4  # a chunk's logits [K, 8, 4, V] outsize every parameter
     batch = random_batch(b=b, t=t)
     hidden = jnp.zeros((b, t, CFG.hidden_size))
-    targets, valid = ts.medusa_targets(batch, K)
+    targets, valid = ml.medusa_targets(batch, K)
     everything = K * b * t * CFG.vocab_size
 
     def grad(fn):
@@ -110,7 +111,7 @@ def test_chunked_loss_and_its_gradient_never_hold_all_logits():
 
     assert _largest_intermediate(grad(lambda h, x: _unchunked(h, x, targets, valid))) \
         >= everything  # the check sees the unchunked logits
-    chunked = _largest_intermediate(grad(lambda h, x: ts.chunked_medusa_loss(
+    chunked = _largest_intermediate(grad(lambda h, x: ml.chunked_medusa_loss(
         h, x, targets, valid, 0.8, chunk)))
     assert heads["proj"].size <= chunked <= K * b * chunk * CFG.vocab_size < everything
 
@@ -125,12 +126,12 @@ def test_vocab_chunked_loss_equals_unchunked_loss_metrics_and_gradients(shared):
         heads = dict(heads, proj=heads["proj"][:1])
     batch = random_batch(b=4, t=16)
     hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
-    targets, valid = ts.medusa_targets(batch, K)
+    targets, valid = ml.medusa_targets(batch, K)
 
     def both(h, x):
         ref = jax.value_and_grad(lambda h, x: _unchunked(h, x, targets, valid), argnums=(0, 1),
                                  has_aux=True)(h, x)
-        got = jax.value_and_grad(lambda h, x: ts.vocab_chunked_medusa_loss(
+        got = jax.value_and_grad(lambda h, x: ml.vocab_chunked_medusa_loss(
             h, x, targets, valid, 0.8, 8, train_proj=not shared), argnums=(0, 1),
             has_aux=True)(h, x)
         return ref, got
@@ -151,44 +152,44 @@ def test_vocab_chunked_loss_equals_unchunked_loss_metrics_and_gradients(shared):
 
 def test_loss_chunking_picks_the_vocabulary_for_large_trained_projections():
     # the embedded model's default job: one block
-    assert ts.loss_chunking(256, 16, 5, 512) == ("one", 256)
+    assert ml.loss_chunking(256, 16, 5, 512) == ("one", 256)
     # Llama 3's 128,256 words, 4 rows of 2,048 tokens: 48 chunks of 2,672 columns, each
     # chunk's logits [5, 8,192, 2,672] float32 under 512 MiB and the next divisor's over
-    how, n = ts.loss_chunking(2048, 4, 5, 128256)
+    how, n = ml.loss_chunking(2048, 4, 5, 128256)
     assert how == "vocab" and n == 48
-    assert 5 * 8192 * (128256 // 48) * 4 <= ts.AUTO_CHUNK_BYTES < 5 * 8192 * (128256 // 39) * 4
-    assert ts.loss_chunking(2048, 4, 5, 128254)[0] == "tokens"  # 2 x 64,127: no divisor
+    assert 5 * 8192 * (128256 // 48) * 4 <= ml.AUTO_CHUNK_BYTES < 5 * 8192 * (128256 // 39) * 4
+    assert ml.loss_chunking(2048, 4, 5, 128254)[0] == "tokens"  # 2 x 64,127: no divisor
     # a frozen shared projection has no gradient to cut: token chunks
-    assert ts.loss_chunking(2048, 4, 5, 128256, proj_heads=1, train_proj=False)[0] == "tokens"
+    assert ml.loss_chunking(2048, 4, 5, 128256, proj_heads=1, train_proj=False)[0] == "tokens"
     # Llama 2's 32,000 words at 8 rows: the heads' states of 16,384 tokens outweigh it
-    assert ts.loss_chunking(2048, 8, 5, 32000) == ("tokens", 64)
-    assert ts.loss_chunking(2048, 4, 5, 128256, chunk=300) == ("tokens", 300)
+    assert ml.loss_chunking(2048, 8, 5, 32000) == ("tokens", 64)
+    assert ml.loss_chunking(2048, 4, 5, 128256, chunk=300) == ("tokens", 300)
 
 
 def test_chunk_size_is_automatic_and_one_block_when_everything_fits():
     # the embedded model's default job (16 rows x 256 tokens, 512 words): one block, today's
-    assert ts.loss_chunk_size(256, 16, 5, 512) == 256
+    assert ml.loss_chunk_size(256, 16, 5, 512) == 256
     # Llama-2-7B's 32,000 words, 5 heads, 8 rows a device: the largest power of two of
     # tokens per row whose logits stay under 512 MiB
-    size = ts.loss_chunk_size(2048, 8, 5, 32000)
+    size = ml.loss_chunk_size(2048, 8, 5, 32000)
     per_token = 5 * 8 * 32000 * 4
-    assert size == 64 and size * per_token <= ts.AUTO_CHUNK_BYTES < 2 * size * per_token
-    assert ts.loss_chunk_size(2048, 1, 5, 32000) == 512  # 1 row a device (fsdp=8)
-    assert ts.loss_chunk_size(2048, 8, 5, 32000, chunk=300) == 300
-    assert ts.loss_chunk_size(100, 8, 5, 32000, chunk=300) == 100
+    assert size == 64 and size * per_token <= ml.AUTO_CHUNK_BYTES < 2 * size * per_token
+    assert ml.loss_chunk_size(2048, 1, 5, 32000) == 512  # 1 row a device (fsdp=8)
+    assert ml.loss_chunk_size(2048, 8, 5, 32000, chunk=300) == 300
+    assert ml.loss_chunk_size(100, 8, 5, 32000, chunk=300) == 100
 
 
 def _step(grad_accum, mesh_spec="1,1"):
     bb, heads = trained_heads()
     params = {"backbone": bb, "heads": heads}
-    labels = ts.medusa1_labels(params)
+    labels = ml.medusa1_labels(params)
     tx, schedule = ts.make_optimizer(ts.OptimConfig(lr=1e-2, warmup_ratio=0.0), 10, labels)
     mesh = sharding.make_mesh(mesh_spec)
     shardings = ts.state_shardings(jax.eval_shape(lambda p: ts.init_state(p, tx), params),
                                    ts.param_axes(CFG, params), mesh)
-    step = ts.make_train_step(ts.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
+    step = ts.make_train_step(ml.medusa1_loss_fn(CFG, 0.8), tx, labels, shardings, mesh,
                               schedule, grad_accum=grad_accum,
-                              totals_fn=lambda b: ts.medusa_totals(b, K))
+                              totals_fn=lambda b: ml.medusa_totals(b, K))
     return jax.device_put(ts.init_state(params, tx), shardings), step
 
 
@@ -197,7 +198,7 @@ def test_gradient_accumulation_equals_one_larger_batch():
     # on two devices: each micro-batch's rows stay split over the batch axis
     mesh_spec = "data=2" if jax.device_count() >= 2 else "1,1"
     batch = random_batch(b=8)
-    _, valid = ts.medusa_targets(batch, K)
+    _, valid = ml.medusa_targets(batch, K)
     per_micro = np.asarray(valid).reshape(K, 2, 4, -1).sum(axis=(2, 3))
     assert len(set(per_micro[0].tolist())) > 1  # micro-batches hold different counts
     one, step1 = _step(1)
@@ -287,25 +288,25 @@ def test_reduced_vocabulary_loss_is_the_full_loss_over_its_tokens_chunked_or_not
     bb, heads = trained_heads()
     batch = random_batch(b=4, t=16)
     hidden = jax.random.normal(jax.random.key(3), (4, 16, CFG.hidden_size))
-    targets, valid = ts.medusa_targets(batch, K)
-    token_map, covered = ts.frequent_tokens(batch["tokens"], batch["loss_mask"],
+    targets, valid = ml.medusa_targets(batch, K)
+    token_map, covered = ml.frequent_tokens(batch["tokens"], batch["loss_mask"],
                                             CFG.vocab_size, 24)
     assert len(token_map) == 24 and 0 < covered < 1
-    index = ts.reduced_token_index(token_map, CFG.vocab_size)
-    reduced = ts.reduce_heads(heads, token_map)
+    index = ml.reduced_token_index(token_map, CFG.vocab_size)
+    reduced = ml.reduce_heads(heads, token_map)
     kept = index[0][np.asarray(targets)] >= 0
     assert kept[np.asarray(valid)].any() and not kept[np.asarray(valid)].all()
 
     def both(h):
-        got = ts.heads_loss(ts.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
+        got = ml.heads_loss(ml.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
                             chunk=16, token_index=jnp.asarray(index))
-        chunked = ts.heads_loss(ts.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
+        chunked = ml.heads_loss(ml.reduce_heads(h, token_map), hidden, targets, valid, 0.8,
                                 chunk=5, token_index=jnp.asarray(index))
         # the decoding form: full-vocabulary logits, -inf outside the map
-        full = heads_lib.apply_heads(dict(ts.reduce_heads(h, token_map),
+        full = heads_lib.apply_heads(dict(ml.reduce_heads(h, token_map),
                                           token_index=jnp.asarray(index)), hidden)
         safe_targets = jnp.where(jnp.asarray(kept), targets, token_map[0])
-        ref = ts.medusa_loss(full, safe_targets, valid & jnp.asarray(kept), 0.8,
+        ref = ml.medusa_loss(full, safe_targets, valid & jnp.asarray(kept), 0.8,
                              count=jnp.sum(valid, axis=(1, 2)).astype(jnp.float32))
         return got, chunked, ref
 
@@ -376,8 +377,8 @@ def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     m = Medusa.load()
     heads = heads_lib.init_heads(m.cfg, m.params, heads_lib.HeadsConfig(K, 1))
     token_map = np.arange(0, 512, 2, dtype=np.int32)
-    heads = dict(ts.reduce_heads(heads, token_map),
-                 token_index=ts.reduced_token_index(token_map, 512))
+    heads = dict(ml.reduce_heads(heads, token_map),
+                 token_index=ml.reduced_token_index(token_map, 512))
     heads_formats.save_heads(tmp_path / "reduced", heads, m.cfg)
     with pytest.raises(SystemExit) as e:
         command.main(["--init", str(tmp_path / "reduced"), "--output-dir", str(tmp_path / "run"),

@@ -7,7 +7,7 @@ import pytest
 
 from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.runtime import sharding
-from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import medusa_loss as ml
 
 # CFG, K, make_params, random_batch and setup: tests/training/conftest.py's toy_train
 
@@ -43,7 +43,7 @@ def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state(toy_train
 def test_no_backbone_gradient(toy_train):
     CFG, make_params, random_batch = toy_train.CFG, toy_train.make_params, toy_train.random_batch
     params = make_params()
-    grads = jax.jit(jax.grad(lambda p, b: ts.medusa1_loss_fn(CFG)(p, b)[0]))(params,
+    grads = jax.jit(jax.grad(lambda p, b: ml.medusa1_loss_fn(CFG)(p, b)[0]))(params,
                                                                             random_batch())
     assert all(not np.any(g) for g in jax.tree.leaves(grads["backbone"]))
     assert any(np.any(g) for g in jax.tree.leaves(grads["heads"]))
@@ -56,7 +56,7 @@ def test_label_alignment_on_hand_made_batch():
     mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 1]], bool)
     batch = {"tokens": tokens, "segments": segments, "loss_mask": mask,
              "positions": np.zeros_like(tokens)}
-    targets, valid = jax.device_get(ts.medusa_targets(batch, 3))
+    targets, valid = jax.device_get(ml.medusa_targets(batch, 3))
     t = tokens.shape[1]
     for k in (1, 2, 3):  # head k: token k+1 positions ahead, same example, a label
         for pos in range(t):
@@ -80,7 +80,7 @@ def test_loss_matches_manual_cross_entropy_and_decay():
     targets = rng.integers(0, v, (k, b, t)).astype(np.int32)
     valid = rng.random((k, b, t)) < 0.6
     valid[:, 0, 0] = True
-    loss, m = jax.device_get(ts.medusa_loss(jnp.asarray(logits), targets, valid, 0.5))
+    loss, m = jax.device_get(ml.medusa_loss(jnp.asarray(logits), targets, valid, 0.5))
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     ce = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     head = np.array([(ce[i] * valid[i]).sum() / valid[i].sum() for i in range(k)])
@@ -99,7 +99,7 @@ def test_no_valid_positions_gives_zero_not_nan(toy_train):
     params = make_params()
     batch = random_batch()
     batch["loss_mask"] = np.zeros_like(batch["loss_mask"])
-    loss, m = jax.jit(ts.medusa1_loss_fn(CFG))(params, batch)
+    loss, m = jax.jit(ml.medusa1_loss_fn(CFG))(params, batch)
     assert float(loss) == 0.0
     assert np.all(np.isfinite(np.asarray(m["top1"]))) and np.all(np.asarray(m["count"]) == 0)
     state, step, _, _ = setup(params=params)

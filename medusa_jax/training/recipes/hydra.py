@@ -2,7 +2,7 @@
 
 Head i at position t reads h_t and the backbone's embeddings of tokens t+1 .. t+i+1 (the path
 teacher-forced from the data) and is trained on token t+i+2: the same targets, validity,
-per-head means and decay weights as Medusa-1 (`training.step.medusa_targets`, `medusa_loss`),
+per-head means and decay weights as Medusa-1 (`medusa_loss.medusa_targets`, `medusa_loss`),
 so the held-out accuracy of head i is conditional on the true path above it. With
 `--teacher-loss` (Hydra++'s) the hard label is replaced by the soft cross-entropy against
 the frozen base model's own distribution at the target position. Data, self-distillation,
@@ -19,6 +19,7 @@ from medusa_jax.model.backbone import logits_from_hidden
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.training import step as ts
 from medusa_jax.training.config import HydraConfig  # noqa: F401 - re-exported
+from medusa_jax.training.recipes import medusa_loss as ml
 from medusa_jax.training.trainer import Context, Method, Recipe
 
 
@@ -49,10 +50,10 @@ def hydra_loss_fn(cfg: ModelConfig, decay: float = 0.8, batch_ways: int = 1,
         hidden = ts.frozen_hidden(backbone, cfg, batch, batch_ways)  # [B, T, H]
         emb = hydra.embed(backbone["embed"], batch["tokens"], hidden.dtype)
         heads = params["heads"]
-        targets, valid = ts.medusa_targets(batch, hydra.config_of(heads)[0])
+        targets, valid = ml.medusa_targets(batch, hydra.config_of(heads)[0])
         logits = hydra.teacher_forced_logits(heads, hidden, emb)  # [K, B, T, V]
         count = batch.get("totals", {}).get("heads")
-        loss, metrics = ts.medusa_loss(logits, targets, valid, decay, count)
+        loss, metrics = ml.medusa_loss(logits, targets, valid, decay, count)
         if teacher_loss:
             base = jax.lax.stop_gradient(logits_from_hidden(cfg, backbone, hidden))
             loss = teacher_ce(logits, base, valid, decay, count)
@@ -82,13 +83,14 @@ class Hydra(Recipe):
         labels = {name: ("train" if name == "heads" else "frozen") for name in params}
         tx, schedule = ts.make_optimizer(
             ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           b2=cfg.adam_b2),
             total_steps, labels)
         num_heads = hydra.config_of(params["heads"])[0]
         return Method(params, labels, tx, schedule,
                       hydra_loss_fn(model_cfg, cfg.loss_decay, cfg.batch_ways,
                                     cfg.teacher_loss),
-                      totals_fn=lambda batch: ts.medusa_totals(batch, num_heads))
+                      totals_fn=lambda batch: ml.medusa_totals(batch, num_heads))
 
     def artifact_extra(self, ctx: Context) -> dict:
         return {"kind": hydra.KIND}

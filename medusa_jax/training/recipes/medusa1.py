@@ -1,6 +1,6 @@
 """Medusa-1: the backbone is frozen; only the heads train, on its last hidden state.
 
-The loss is `training.step.medusa1_loss_fn` (sum over heads of decay**k * CE_k, the backbone
+The loss is `medusa_loss.medusa1_loss_fn` (sum over heads of decay**k * CE_k, the backbone
 under stop_gradient) and the optimizer `training.step.make_optimizer` (AdamW on the heads,
 `set_to_zero` and no state for the backbone). The loop is `trainer.train`.
 """
@@ -12,6 +12,7 @@ import numpy as np
 from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.training import step as ts
 from medusa_jax.training.config import DEFAULT_LR, SELF_DISTILL_LR, Medusa1Config  # noqa: F401
+from medusa_jax.training.recipes import medusa_loss as ml
 from medusa_jax.training.trainer import Context, Method, Recipe
 
 
@@ -32,7 +33,7 @@ class Medusa1(Recipe):
         if ctx.cfg.reduced_vocab:
             # from the training rows alone (not the held-out ones), so a resumed run, which
             # reads the same rows, rebuilds the same map
-            self.token_map, covered = ts.frequent_tokens(
+            self.token_map, covered = ml.frequent_tokens(
                 rows.tokens, rows.loss_mask & (rows.segments > 0), ctx.model_cfg.vocab_size,
                 ctx.cfg.reduced_vocab)
             print(f"reduced vocabulary: the {len(self.token_map)} most frequent of "
@@ -47,7 +48,7 @@ class Medusa1(Recipe):
     def heads_artifact(self, ctx: Context, heads: dict) -> dict:
         if self.token_map is None:
             return heads
-        return dict(heads, token_index=ts.reduced_token_index(self.token_map,
+        return dict(heads, token_index=ml.reduced_token_index(self.token_map,
                                                               ctx.model_cfg.vocab_size))
 
     @staticmethod
@@ -58,7 +59,7 @@ class Medusa1(Recipe):
                                      heads_lib.HeadsConfig(cfg.num_heads, cfg.num_layers),
                                      shared_proj=cfg.shared_proj)
         if cfg.reduced_vocab:
-            heads = ts.reduce_heads(heads, placeholder_map(cfg, token_map))
+            heads = ml.reduce_heads(heads, placeholder_map(cfg, token_map))
         return {"backbone": backbone, "heads": heads}
 
     def memory_params(self, cfg: Medusa1Config, model_cfg, backbone) -> dict:
@@ -72,18 +73,19 @@ class Medusa1(Recipe):
         """Labels, optimizer and loss for `params` (also what `memory` compiles, with a
         placeholder map of the same size when the vocabulary is reduced)."""
         frozen_proj = cfg.shared_proj
-        labels = ts.medusa1_labels(params, frozen_proj)
+        labels = ml.medusa1_labels(params, frozen_proj)
         tx, schedule = ts.make_optimizer(
             ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip),
+                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           b2=cfg.adam_b2),
             total_steps, labels)
         num_heads = params["heads"]["w"].shape[0]
         return Method(params, labels, tx, schedule,
-                      ts.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,
+                      ml.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,
                                          cfg.batch_ways, frozen_proj,
                                          placeholder_map(cfg, token_map)
                                          if cfg.reduced_vocab else None),
-                      totals_fn=lambda batch: ts.medusa_totals(batch, num_heads))
+                      totals_fn=lambda batch: ml.medusa_totals(batch, num_heads))
 
 
 def placeholder_map(cfg: Medusa1Config, token_map):

@@ -9,7 +9,7 @@ Params are one tree {"backbone", "heads", "teacher"}:
 
 Loss = lm_weight * L_LM + lambda(step) * sum_k decay^k * CE_k
 
-  - the head term is exactly Medusa-1's (`training.step.medusa_targets` / `medusa_loss`), but
+  - the head term is exactly Medusa-1's (`medusa_loss.medusa_targets` / `medusa_loss`), but
     it now back-propagates into the backbone through the shared last hidden state;
   - L_LM ("ce") is next-token cross-entropy on the labels, or ("kl", for self-distilled data)
     the per-position KL(p_teacher || p_backbone) over the same positions, so the fine-tuned
@@ -50,7 +50,6 @@ from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.runtime import assets, distributed, sharding
 from medusa_jax.runtime.rundir import Interrupted
 from medusa_jax.text import data
-from medusa_jax.training import step as ts
 from medusa_jax.training import trainer
 from medusa_jax.training.config import (  # noqa: F401
     HEAD_SCHEDULES,
@@ -60,14 +59,15 @@ from medusa_jax.training.config import (  # noqa: F401
     check_shared,
     resolve_init,
 )
+from medusa_jax.training.recipes import medusa_loss as ml
 from medusa_jax.training.recipes.medusa1 import Medusa1
+from medusa_jax.training.recipes.medusa_loss import medusa_targets
 from medusa_jax.training.step import (
     Batch,
     LossFn,
     OptimConfig,
     TrainState,
     backbone_hidden,
-    medusa_targets,
 )
 
 DEFAULT_HEAD_WEIGHT = {"constant": 0.2, "sine": 0.01}  # the paper's two settings
@@ -177,7 +177,7 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk
                  remat: bool = False, batch_ways: int = 1, frozen_proj: bool = False) -> LossFn:
     """(params, batch) -> (loss, metrics). Metrics keep Medusa-1's per-head keys (head_loss,
     top1, top5, count: [K] arrays) so Medusa-1's evaluation and plots read them unchanged.
-    `chunk`: tokens per row per chunk of the heads' loss (`training.step.heads_loss`; 0 = auto
+    `chunk`: tokens per row per chunk of the heads' loss (`medusa_loss.heads_loss`; 0 = auto
     for rows split `batch_ways` ways); `frozen_proj`: no gradient for the heads' projection;
     `remat`: the trained backbone's layers rematerialised in the backward pass."""
     lam_fn = head_weight_schedule(loss_cfg)
@@ -207,7 +207,7 @@ def make_loss_fn(cfg: ModelConfig, loss_cfg: LossConfig = LossConfig(), *, chunk
         if frozen_proj:
             heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
         h_targets, h_valid = heads_targets(batch, heads["w"].shape[0])
-        heads_loss, head_metrics = ts.heads_loss(heads, hidden, h_targets, h_valid,
+        heads_loss, head_metrics = ml.heads_loss(heads, hidden, h_targets, h_valid,
                                                  loss_cfg.decay, chunk, totals.get("heads"),
                                                  batch_ways, train_proj=not frozen_proj)
         # eval batches carry no step: they are scored with the peak weight
@@ -424,7 +424,8 @@ class Medusa2(trainer.Recipe):
         lbl = labels(params, cfg.shared_proj)
         tx, schedule = make_joint_optimizer(
             OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
-                        grad_clip=cfg.grad_clip), total_steps, lbl, cfg.head_lr_ratio)
+                        grad_clip=cfg.grad_clip, b2=cfg.adam_b2), total_steps, lbl,
+            cfg.head_lr_ratio)
         num_heads = params["heads"]["w"].shape[0]
         loss_fn = make_loss_fn(model_cfg, cls.loss_config(cfg, total_steps),
                                chunk=cfg.loss_chunk, remat=cfg.remat,
