@@ -326,12 +326,13 @@ def test_health_does_not_plan_the_programs_again(medusa_default, monkeypatch):
     """`Engine.status` (each /health) counts the programs planned once, however many: a
     long context plans hundreds of thousands."""
     from medusa_jax.serving.engine import Engine
+    from medusa_jax.serving.layout import Layout
 
-    e = Engine(medusa_default, slots=2)
     planned = []
-    first = e.first_programs
-    monkeypatch.setattr(e, "first_programs", lambda: planned.append(1) or first())
-    n = len(e.programs())
+    plan = Layout.programs
+    monkeypatch.setattr(Layout, "programs", lambda self: planned.append(1) or plan(self))
+    e = Engine(medusa_default, slots=2)
+    n = len(e.programs.keys)
     for _ in range(5):
         assert e.status()["programs"] == n
     assert len(planned) == 1
