@@ -32,7 +32,13 @@ def test_merge_and_split_tree():
     md = merge_tree(dyn, 2)
     assert isinstance(md, DynamicTree) and md.size == 8 and md.num_nodes == 9
     inner, extra = split_tree(md)
-    assert inner == dyn and extra == 2
+    assert (inner.pool, inner.size, extra) == (dyn.pool, dyn.size, 2)
+    # a merged tree rebuilt as a plain dynamic tree (as `Medusa.tree` does) still splits:
+    # its pool is cut for size + extra, the inner tree keeps what is left
+    again = DynamicTree(md.pool, md.size)
+    inner, extra = split_tree(again)
+    assert extra == 2 and inner.size == 6 and set(dyn.pool.paths_ranks) <= set(
+        inner.pool.paths_ranks)
 
 
 def test_bad_input_is_a_one_line_error(one_line_error, stories):

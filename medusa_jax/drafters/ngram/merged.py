@@ -37,9 +37,10 @@ DEFAULT_EXTRA = 3  # the chain's length, chosen by measurement (docs/ngram.md)
 
 @dataclasses.dataclass(frozen=True)
 class MergedDynamicTree(DynamicTree):
-    """A dynamic tree whose pool holds the n-gram chain: the pool is taken as it is (it was
-    cut to what its inner tree can choose before the chain was added, and a second cut
-    would drop chain nodes, which are always verified)."""
+    """A dynamic tree that takes its pool as it is: a merged pool was cut to what its inner
+    tree can choose before the chain was added, and a second cut could drop chain nodes,
+    which are always verified. The inner tree of a merged one is such a tree too (its pool
+    may hold nodes it never chooses, where the merged tree went through a `DynamicTree`)."""
 
     def __post_init__(self):
         if not 1 <= self.size <= self.pool.num_nodes - 1:
@@ -73,11 +74,7 @@ def split_tree(tree: Tree | DynamicTree) -> tuple[Tree | DynamicTree, int]:
     inner_static = Tree.from_paths(inner, top_k=k, name=static.name)
     if not isinstance(tree, DynamicTree):
         return inner_static, extra
-    inner_tree = DynamicTree(inner_static, tree.size - extra, name=tree.name)
-    if inner_tree.pool != inner_static:  # a pool the inner tree would cut further
-        raise ValueError(f"tree {tree.name!r}: its pool is not one its dynamic tree keeps "
-                         f"whole; build it with merge_tree(tree, extra)")
-    return inner_tree, extra
+    return MergedDynamicTree(inner_static, tree.size - extra, name=tree.name), extra
 
 
 @functools.cache
