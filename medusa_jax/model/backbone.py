@@ -204,8 +204,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotate(x, rope_table(positions, inv_freq))
 
 
-def _attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask, new_mask):
-    """Attention over the committed cache plus the T new tokens.
+def cached_attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
+                     new_mask):
+    """Attention over the committed cache plus the T new tokens: the scores of the two are
+    concatenated, never the keys, so the cache is only read. The backbone's layers and the
+    EAGLE-3 drafter's (`drafters.eagle3.heads.layer`) both attend with it.
 
     q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
     only: the new tokens are written once after all layers); prefix_mask [B, T, S];
@@ -324,7 +327,7 @@ def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_
     q, k, v = _qkv(cfg, x, layer, rope, kv_dtype)
     if k_cache is not None:
         k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
-    attn = _attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
+    attn = cached_attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
                       new_mask)
     return _residual_and_mlp(cfg, x, attn, layer), k, v
 
@@ -372,7 +375,7 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
         kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
         ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
         if empty_cache:  # prefill: the new tokens attend each other only
-            attn = _attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None,
+            attn = cached_attention(cfg, q, k.astype(dt), v.astype(dt), None, None, None,
                               masks[kinds[i]])
         else:
             kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])

@@ -22,8 +22,9 @@ and key-value heads of size D, F intermediate, V the backbone's vocabulary):
     lm_head         [H, Vd]
     d2t             [Vd] int32 (target id - draft id)      t2d [V] bool
 
-`layer` is the one decoder layer with its own KV cache over drafted positions; the caller
-passes the attention mask (a causal mask, the training-time-test mask, or a tree mask: just
+`layer` is the one decoder layer with its own KV cache over drafted positions, attending with
+the backbone's own `cached_attention` (the cache only read); the caller passes the
+attention mask (a causal mask, the training-time-test mask, or a tree mask: just
 another mask). `ttt_logits` is the reference trainer's training-time test: the drafter run
 on its own outputs for 7 steps (its loss, step i's weighted 0.8**i: `training.recipes.eagle3`).
 """
@@ -329,8 +330,9 @@ def check(heads: Params, model_cfg: ModelConfig | None, c: Eagle3Config,
 # ----------------------------------------------------------------------------- forward
 
 
-def _rope_cfg(c: Eagle3Config) -> ModelConfig:
-    """A stand-in ModelConfig carrying only what `backbone.rope_frequencies` reads."""
+def _model_cfg(c: Eagle3Config) -> ModelConfig:
+    """A stand-in ModelConfig carrying only what `backbone.rope_frequencies` and
+    `backbone.cached_attention` read (heads, head size, rope; no softcap, 1/sqrt(D))."""
     return ModelConfig(model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                        intermediate_size=c.intermediate_size, num_layers=1,
                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
@@ -340,7 +342,7 @@ def _rope_cfg(c: Eagle3Config) -> ModelConfig:
 
 def rope_frequencies(c: Eagle3Config) -> jax.Array:
     """[D/2] inverse frequencies of the drafter's rotary embedding (the backbone's code)."""
-    return backbone.rope_frequencies(_rope_cfg(c))
+    return backbone.rope_frequencies(_model_cfg(c))
 
 
 def features(heads: Params, aux: jax.Array) -> jax.Array:
@@ -401,17 +403,18 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     the caller's cache)."""
     b, t, _ = hidden.shape
     dt = hidden.dtype
-    nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
     q, k, v = _qkv(params, c, x_embed, hidden, positions)
-    keys = jnp.concatenate([k_cache.astype(dt), k], axis=1)  # [B, S+T, KVH, D]
-    vals = jnp.concatenate([v_cache.astype(dt), v], axis=1)
-    qg = q.reshape(b, t, kvh, nh // kvh, d)  # query head j reads key-value head j // G
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys,
-                        preferred_element_type=jnp.float32) / math.sqrt(d)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(scores, axis=-1).astype(dt)  # in float32, as the reference upcasts
-    o = jnp.einsum("bkgts,bskd->btkgd", p, vals).reshape(b, t, nh, d)
-    return _residual_and_mlp(params, c, hidden, o), k, v
+    s = k_cache.shape[1]
+
+    def heads_first(x):  # [B, *, KVH, D] -> [B, KVH, *, D], the backbone attention's layout
+        return x.astype(dt).transpose(0, 2, 1, 3)
+
+    # the backbone's attention (softmax in float32, as the reference upcasts)
+    o = backbone.cached_attention(
+        _model_cfg(c), q, heads_first(k), heads_first(v),
+        heads_first(k_cache) if s else None, heads_first(v_cache) if s else None,
+        mask[..., :s], mask[..., s:])  # [B, T, NH*D]
+    return _residual_and_mlp(params, c, hidden, o.reshape(b, t, c.num_heads, c.head_dim)), k, v
 
 
 def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
