@@ -45,10 +45,9 @@ from medusa_jax import cli
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import assets, compile_cache, hub, options
-from medusa_jax.serving.config import WARMUPS, EngineConfig
+from medusa_jax.serving.config import API_KEY_ENV, EngineConfig, ServerConfig
 
 DEFAULT_MAX_CONTEXT = 4096  # served when a model declares more (--max-context)
-API_KEY_ENV = "MEDUSA_JAX_API_KEY"
 MAX_CONNECTIONS = 1024
 DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answered 503
 
@@ -71,22 +70,6 @@ def _plain_above(text: str) -> int | str | None:
     if text in ("auto", "never"):
         return None if text == "never" else text
     return _slot_count(text)
-
-
-_port = options.int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
-
-
-def _seconds(text: str) -> float:
-    value = options.nonnegative_float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
-    return value
-
-
-def _name(text: str) -> str:
-    if not text.strip():
-        raise argparse.ArgumentTypeError("the served model name must not be empty")
-    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,31 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill every prompt whole (default: a prompt whose beginning a "
                         "slot's cache holds, from a live request or a finished one, is "
                         "prefilled only after it; not with EAGLE-3 heads)")
-    p.add_argument("--warmup", choices=WARMUPS, default="background",
-                   help="when the programs compile: background (default: the first "
-                        "request's programs first, /health 'starting' until then, the rest "
-                        "while serving), lazy (each when a request first needs it: the "
-                        "fastest start, a pause on each new length), all (everything before "
-                        "the port opens: the slowest start, no pause later)")
-    p.add_argument("--max-request-bytes", type=options.positive_int, default=1 << 20,
-                   help="request bodies past this size get 413 (default: 1 MiB)")
-    p.add_argument("--request-timeout", type=_seconds, default=30.0, metavar="SECONDS",
-                   help="a request's headers and body must arrive within this many seconds "
-                        "of its connection opening (or of its previous answer on a kept-alive "
-                        "connection); else 408 and the connection closes (default 30)")
-    p.add_argument("--max-connections", type=options.positive_int, default=None,
-                   metavar="N",
-                   help="open connections at most: past it a new connection closes the "
-                        "oldest one not running a request (idle, or still sending), or gets "
-                        "503 when all run one (default: 1024, or half the descriptor limit "
-                        "(ulimit -n) when that is less)")
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/ (401 otherwise; /health "
-                        f"and /metrics stay open); default: ${API_KEY_ENV} if set, else none")
-    p.add_argument("--served-model-name", type=_name,
-                   help="the model id clients send (default: the model folder's name)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
+    options.add_config_flags(p, ServerConfig)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     compile_cache.add_flag(p)
     kernel_flags.add_flag(p)
@@ -187,12 +146,15 @@ def _descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def from_flags(cls, args):
+    """`cls` (EngineConfig, ServerConfig) from the flags `add_config_flags` made for it (its
+    defaults for those not given); ValueError names a bad value."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if f.metadata and getattr(args, f.name) is not None})
+
+
 def engine_config(args) -> EngineConfig:
-    """The engine's options from the flags `add_config_flags` made (the defaults for those
-    not given); ValueError names a bad one."""
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)
-             if f.metadata and getattr(args, f.name) is not None}
-    return EngineConfig(**given)
+    return from_flags(EngineConfig, args)
 
 
 def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
@@ -202,8 +164,8 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     if args.max_queue is not None and args.max_queue < 0:
         ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
-    try:  # validated once, here (`Engine` takes it as it is)
-        args.engine = engine_config(args)
+    try:  # validated once, here (`Engine` and the server take them as they are)
+        args.engine, args.server = engine_config(args), from_flags(ServerConfig, args)
     except ValueError as e:
         ap.error(str(e))
     slots = args.engine.slots
@@ -228,23 +190,22 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         ap.error("--plain-above-slots needs --heads (a plain server's steps are plain already)")
     if args.slot_buckets and max(args.slot_buckets) > slots:
         ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots ({slots})")
-    soft = _descriptor_limit()
-    if args.max_connections is None:
-        args.max_connections = min(MAX_CONNECTIONS, max(1, soft // 2)) if soft else \
-            MAX_CONNECTIONS
-    elif soft and args.max_connections > soft - 64:
-        ap.error(f"--max-connections {args.max_connections} leaves too few of the process's "
+    soft, srv = _descriptor_limit(), args.server
+    if srv.max_connections is None:
+        srv = dataclasses.replace(srv, max_connections=min(MAX_CONNECTIONS, max(1, soft // 2))
+                                  if soft else MAX_CONNECTIONS)
+    elif soft and srv.max_connections > soft - 64:
+        ap.error(f"--max-connections {srv.max_connections} leaves too few of the process's "
                  f"{soft} file descriptors (ulimit -n) for the model and the server: at most "
                  f"{max(1, soft - 64)}")
-    if args.api_key is None:
-        args.api_key = os.environ.get(API_KEY_ENV) or None
-    elif not args.api_key.strip():
-        ap.error("--api-key must not be empty")
+    if srv.api_key is None:
+        srv = dataclasses.replace(srv, api_key=os.environ.get(API_KEY_ENV) or None)
+    args.server = srv
     try:
-        infos = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM,
+        infos = socket.getaddrinfo(srv.host, srv.port, type=socket.SOCK_STREAM,
                                    flags=socket.AI_PASSIVE)
     except (socket.gaierror, UnicodeError) as e:
-        ap.error(f"--host {args.host}: not an address or host name ({e})")
+        ap.error(f"--host {srv.host}: not an address or host name ({e})")
     family, kind, proto, _, address = infos[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -252,7 +213,7 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        ap.error(f"--host {args.host} --port {args.port}: cannot listen there "
+        ap.error(f"--host {srv.host} --port {srv.port}: cannot listen there "
                  f"({e.strerror or e})")
     sock.set_inheritable(True)
     return sock
@@ -275,6 +236,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
 
+    srv = args.server
     kernel_flags.apply_flag(args)
     compile_cache.enable_from_args(args)
     import uvicorn
@@ -301,7 +263,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = args.served_model_name or (model.model_dir.name if model.model_dir else "model")
+    name = srv.served_model_name or (model.model_dir.name if model.model_dir else "model")
     decoding = f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa else "plain"
     if engine.plain_above is not None:
         decoding += f", plain steps above {engine.plain_above} live slots"
@@ -311,7 +273,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     n = len(engine.programs.keys)
     log(f"loaded {name} ({decoding}, {engine.slots} slots, context {engine.capacity}) in "
         f"{time.perf_counter() - t_launch:.1f} s; {n} programs to compile (--warmup "
-        f"{args.warmup}; --prefill-buckets, --prefill-batch, --slot-buckets, --window-block and "
+        f"{srv.warmup}; --prefill-buckets, --prefill-batch, --slot-buckets, --window-block and "
         f"--max-context set how many)")
 
     def ready_note():
@@ -322,20 +284,20 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         if engine.stop_reason is None:
             log(f"all {n} programs compiled ({engine.compile_seconds:.1f} s compiling)")
 
-    if args.warmup == "all":
+    if srv.warmup == "all":
         engine.start("all")
-        log(f"serving {name} on http://{args.host}:{port}; compiled in "
+        log(f"serving {name} on http://{srv.host}:{port}; compiled in "
             f"{engine.compile_seconds:.1f} s")
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
-            if args.warmup != "all":  # compiling starts once the port is open
+            if srv.warmup != "all":  # compiling starts once the port is open
                 import threading
 
-                engine.start(args.warmup)
+                engine.start(srv.warmup)
                 threading.Thread(target=ready_note, daemon=True).start()
-                log(f"serving {name} on http://{args.host}:{port} (/health says 'starting' "
+                log(f"serving {name} on http://{srv.host}:{port} (/health says 'starting' "
                     f"until the first programs are compiled)")
 
         drain_until = None
@@ -357,14 +319,14 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
             return await super().on_tick(counter)
 
     hosts = loopback_hosts(sock.getsockname()[0])
-    app = create_app(engine, name, args.max_request_bytes, api_key=args.api_key,
+    app = create_app(engine, name, srv.max_request_bytes, api_key=srv.api_key,
                      allowed_hosts=hosts)
-    config = uvicorn.Config(app, host=args.host, port=port, log_level="warning",
+    config = uvicorn.Config(app, host=srv.host, port=port, log_level="warning",
                             timeout_graceful_shutdown=1, ws="none",  # no WebSocket routes
-                            http=guarded_protocol(args.request_timeout, args.max_connections))
-    log(f"connections: at most {args.max_connections} open, a request's headers and body "
-        f"within {args.request_timeout:g} s; "
-        + ("an API key required on /v1/" if args.api_key else "no API key (--api-key)")
+                            http=guarded_protocol(srv.request_timeout, srv.max_connections))
+    log(f"connections: at most {srv.max_connections} open, a request's headers and body "
+        f"within {srv.request_timeout:g} s; "
+        + ("an API key required on /v1/" if srv.api_key else "no API key (--api-key)")
         + (f"; Host must be one of {', '.join(sorted(hosts))}" if hosts else ""))
     Server(config).run(sockets=[sock])
     engine.stop(timeout=1.0)

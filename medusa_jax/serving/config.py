@@ -1,16 +1,18 @@
-"""The serving engine's options: one frozen, JAX-free dataclass, validated once.
+"""The server's and its engine's options: frozen, JAX-free dataclasses, validated once.
 
-`EngineConfig` holds what a user chooses (`Engine(model, **options)` builds one);
-`layout.Layout` derives the sizes the engine runs with from it and the model. The
-constants here are the one copy `infer.serve`'s flags read (this module imports no JAX, so
-`--help` stays fast).
+`EngineConfig` holds what a user chooses for the engine (`Engine(model, **options)` builds
+one); `layout.Layout` derives the sizes the engine runs with from it and the model.
+`ServerConfig` holds the HTTP side's. Their fields with `option` metadata are
+`infer.serve`'s flags (`runtime.options.add_config_flags`); the constants here are the one
+copy those read (this module imports no JAX, so `--help` stays fast).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
-from medusa_jax.runtime.options import option, positive_int
+from medusa_jax.runtime.options import int_in, nonnegative_float, option, positive_int
 
 ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
 WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
@@ -22,6 +24,7 @@ EXTEND_BUCKETS = (1, 4)
 # costs more than the tokens it accepts; around this many slots plain and tree steps give
 # the same throughput (docs/serving.md, "Against llama-server").
 AUTO_PLAIN_ABOVE = 4
+API_KEY_ENV = "MEDUSA_JAX_API_KEY"  # the API key when --api-key is not given
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +91,65 @@ class EngineConfig:
         if self.overlap_ms is not None and not self.overlap_ms > 0:
             raise ValueError(f"overlap_ms must be > 0 (or None: always overlap), "
                              f"got {self.overlap_ms!r}")
+
+
+port_number = int_in(0, 65535, "a port number", "a port is 0..65535 (0: any free one)")
+
+
+def seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
+    value = nonnegative_float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """argparse type: a served model name (not blank)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the served model name must not be empty")
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server's options (`infer.serve`'s flags, one per field). max_connections
+    None: chosen from the descriptor limit at start-up; api_key None: $MEDUSA_JAX_API_KEY
+    if set; served_model_name None: the model folder's name."""
+
+    warmup: str = option("background", "when the programs compile: background (default: "
+                         "the first request's programs first, /health 'starting' until "
+                         "then, the rest while serving), lazy (each when a request first "
+                         "needs it: the fastest start, a pause on each new length), all "
+                         "(everything before the port opens: the slowest start, no pause "
+                         "later)", choices=WARMUPS)
+    max_request_bytes: int = option(1 << 20, "request bodies past this size get 413 "
+                                    "(default: 1 MiB)", type=positive_int)
+    request_timeout: float = option(30.0, "a request's headers and body must arrive within "
+                                    "this many seconds of its connection opening (or of its "
+                                    "previous answer on a kept-alive connection); else 408 "
+                                    "and the connection closes (default 30)", type=seconds,
+                                    metavar="SECONDS")
+    max_connections: int | None = option(None, "open connections at most: past it a new "
+                                         "connection closes the oldest one not running a "
+                                         "request (idle, or still sending), or gets 503 when "
+                                         "all run one (default: 1024, or half the descriptor "
+                                         "limit (ulimit -n) when that is less)",
+                                         type=positive_int, metavar="N")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/ (401 "
+                                 "otherwise; /health and /metrics stay open); default: "
+                                 f"${API_KEY_ENV} if set, else none", metavar="KEY")
+    served_model_name: str | None = option(None, "the model id clients send (default: the "
+                                           "model folder's name)", type=model_name,
+                                           metavar="NAME")
+    host: str = option("127.0.0.1", "the address to listen on (default {default})",
+                       metavar="HOST")
+    port: int = option(8000, "the port (default {default}; 0: any free one)",
+                       type=port_number, metavar="PORT")
+
+    def __post_init__(self):
+        if self.warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, "
+                             f"got {self.warmup!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
