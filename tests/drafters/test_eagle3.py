@@ -649,7 +649,7 @@ def test_bad_tensors(written, case, one_line_error):
     ("tie_word_embeddings", True, "tie_word_embeddings=True is not supported"),
     ("norm_before_residual", True, "norm_before_residual=True is not supported"),
     ("hidden_act", "gelu", "hidden_act='gelu'"),
-    ("architectures", ["LlamaForCausalLM"], "names no EAGLE-3 drafter"),
+    ("architectures", ["MistralForCausalLM"], "names no EAGLE-3 drafter"),  # Llama: traineagle3
     ("speculators_config", {}, "speculators config"),
     ("num_attention_heads", 0, "num_attention_heads=0 is not a positive integer"),
     ("rope_scaling", "linear", "rope_scaling must be a JSON object"),

@@ -29,8 +29,18 @@ OUTPUT the drafter reads (SpecForge writes them so; SGLang adds one to capture t
 layer id + 1); ours are the layers whose INPUT it reads, so ours = theirs + 1. vLLM reads a
 top-level eagle_aux_hidden_state_layer_ids (the speculators format) as input-of-layer
 indices, ours as they are; we write both (theirs in eagle_config, ours at the top level) and
-refuse a file where they disagree. Without either, the rule every reader applies
-(`backbone.eagle3_layers`). Reading is strict (unknown, missing, misshapen or mistyped
+refuse a file where they disagree. Without either, the `aux_layers` argument of
+`read_eagle3` / `load_eagle3` (input-of-layer ids, ours), else the rule every reader applies
+(`backbone.eagle3_layers`: backbones of 7 layers or more); else a one-line error naming
+config.json and the field to set.
+
+Which folders: a config naming an Eagle3 architecture (SpecForge's `LlamaForCausalLMEagle3`,
+SGLang's and vLLM's) or holding eagle_config; and SafeAILab's `traineagle3` output as it
+saves it (DeepSpeed's pytorch_model.bin beside the training config.json, which names the
+plain `LlamaForCausalLM` with draft_vocab_size and no eagle_config, as the published
+yuhuili/EAGLE3-* drafters do), recognised by its tensors (fc.weight [H, 3H] and midlayer.*);
+its num_hidden_layers is not read (the reference builds one `midlayer` whatever it says).
+Reading is strict (unknown, missing, misshapen or mistyped
 tensors, unsupported config options: one one-line HeadsFormatError naming the file and the
 tensor or field); config.json is written last, so a folder without it is half-written.
 """
@@ -43,6 +53,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from safetensors import safe_open
 
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.io import (
@@ -64,6 +75,10 @@ from medusa_jax.model.config import ModelConfig
 
 WEIGHTS_ST, WEIGHTS_PT = "model.safetensors", "pytorch_model.bin"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # SGLang's EntryClass; vLLM registers it too
+# traineagle3's config.json (and the published yuhuili/EAGLE3-* drafters') name the plain
+# Llama class: the reference's Model is built from it, and only the tensors say EAGLE-3
+PLAIN_LLAMA = ("LlamaForCausalLM",)
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 LAYER, VLLM_LAYER = "midlayer.", "layers.0."
 EMBED = "embed_tokens.weight"
 
@@ -121,8 +136,11 @@ def _layer_ids(value, key: str, cf: Path) -> tuple[int, ...]:
     return tuple(value)
 
 
-def aux_layers_of(conf: dict, cf: Path, model_cfg: ModelConfig | None) -> tuple[tuple, str]:
-    """(our aux layers: input-of-layer indices, where they came from) of a config.json."""
+def aux_layers_of(conf: dict, cf: Path, model_cfg: ModelConfig | None,
+                  given=None) -> tuple[tuple, str]:
+    """(our aux layers: input-of-layer indices, where they came from) of a config.json:
+    the file's ids, else `given` (ours), else the reference's rule for the backbone
+    `model_cfg`; a one-line error naming `cf` and what to set when none applies."""
     eagle = conf.get("eagle_config")
     if eagle is not None and not isinstance(eagle, dict):
         raise HeadsFormatError(f"{cf}: eagle_config={clip(eagle)} is not a JSON object")
@@ -131,9 +149,12 @@ def aux_layers_of(conf: dict, cf: Path, model_cfg: ModelConfig | None) -> tuple[
         raise HeadsFormatError(f"{cf}: eagle_config.use_aux_hidden_state="
                                f"{clip(eagle['use_aux_hidden_state'])}: a drafter without the "
                                f"three aux features is not EAGLE-3")
-    key = "eagle_aux_hidden_state_layer_ids"
+    key = AUX_KEY
     theirs = _layer_ids(eagle[key], f"eagle_config.{key}", cf) if key in eagle else None
     top = _layer_ids(conf[key], key, cf) if key in conf else None
+    given = None if given is None else _layer_ids(
+        list(given) if isinstance(given, (list, tuple)) else given, "aux_layers", cf)
+    ours, source = None, None
     if theirs is not None:
         ours = tuple(i + 1 for i in theirs)  # output of layer i = input of layer i + 1
         if top is not None and top != ours:
@@ -141,31 +162,62 @@ def aux_layers_of(conf: dict, cf: Path, model_cfg: ModelConfig | None) -> tuple[
                 f"{cf}: eagle_config.{key}={list(theirs)} (outputs of those layers, SGLang's "
                 f"reading) and top-level {key}={list(top)} (inputs of those layers, vLLM's "
                 f"reading) name different layers; keep one")
-        return ours, f"eagle_config.{key}"
-    if top is not None:
-        return top, f"{key} (top level: vLLM's input-of-layer ids)"
+        source = f"eagle_config.{key}"
+    elif top is not None:
+        ours, source = top, f"{key} (top level: vLLM's input-of-layer ids)"
+    if ours is not None:
+        if given is not None and tuple(given) != ours:
+            raise HeadsFormatError(
+                f"{cf}: {source.split(' ')[0]} gives aux layers {list(ours)} (inputs of "
+                f"layers, ours), the aux_layers given {list(given)}; drop one")
+        return ours, source
+    if given is not None:
+        return tuple(given), "aux_layers given (not in the file)"
+    what = (f"set eagle_config.{key} in {cf} to the three layers whose output the drafter "
+            f"reads (SpecForge's ids; ours are one more), or pass aux_layers (input-of-layer "
+            f"ids) to drafters.eagle3.formats.load_eagle3")
     if model_cfg is None:
-        raise HeadsFormatError(f"{cf}: names no eagle_config.{key}; the default layers "
-                               f"(2, L//2, L-3) need the backbone's config")
-    return backbone.eagle3_layers(model_cfg.num_layers), "default (2, L//2, L-3)"
+        raise HeadsFormatError(f"{cf}: names no eagle_config.{key}, and the reference's rule "
+                               f"(inputs of layers 2, L//2, L-3) needs the backbone's config; "
+                               f"load it against the backbone, or {what}")
+    try:
+        return backbone.eagle3_layers(model_cfg.num_layers), "default (2, L//2, L-3)"
+    except ValueError:
+        raise HeadsFormatError(f"{cf}: names no eagle_config.{key}, and the reference's rule "
+                               f"(inputs of layers 2, L//2, L-3) needs a backbone of 7 layers "
+                               f"or more, this one has {model_cfg.num_layers}; {what}") from None
 
 
-def read_config(cf: Path, model_cfg: ModelConfig | None) -> tuple[eagle3.Eagle3Config, dict]:
-    """config.json -> (Eagle3Config, the raw config), strictly."""
+def is_plain_llama(conf: dict) -> bool:
+    """The config names the plain Llama class (traineagle3's; eagle_config may have been
+    added to it by hand, as the error for its missing aux layers asks)."""
+    arch = conf.get("architectures")
+    return isinstance(arch, list) and len(arch) > 0 and all(a in PLAIN_LLAMA for a in arch) \
+        and conf.get("model_type", "llama") == "llama"
+
+
+def read_config(cf: Path, model_cfg: ModelConfig | None, aux_layers=None
+                ) -> tuple[eagle3.Eagle3Config, dict]:
+    """config.json -> (Eagle3Config, the raw config), strictly; `aux_layers` (ours) when the
+    file names none (`aux_layers_of`)."""
     conf = read_json(cf)
     if "speculators_config" in conf or "transformer_layer_config" in conf:
         raise HeadsFormatError(f"{cf}: a vLLM speculators config (speculators_config / "
                                f"transformer_layer_config) is not read here; use the "
                                f"SafeAILab/SpecForge layout (a one-layer Llama config.json)")
     arch = conf.get("architectures")
-    if arch is not None and not (isinstance(arch, list) and any(
+    reference = is_plain_llama(conf)  # the tensors decide (strictly, below)
+    if arch is not None and not reference and not (isinstance(arch, list) and any(
             isinstance(a, str) and "eagle3" in a.lower() for a in arch)):
         raise HeadsFormatError(f"{cf}: architectures={clip(arch)} names no EAGLE-3 drafter "
-                               f"(expected {ARCHITECTURE})")
+                               f"(expected {ARCHITECTURE}, or {PLAIN_LLAMA[0]} as SafeAILab's "
+                               f"traineagle3 config)")
     if conf.get("model_type", "llama") != "llama":
         raise HeadsFormatError(f"{cf}: model_type={clip(conf['model_type'])}: only Llama-layer "
                                f"EAGLE-3 drafters are supported")
-    layers = _count(conf, "num_hidden_layers", cf, 1)
+    # traineagle3's Model builds one midlayer whatever num_hidden_layers says (its config
+    # is often the target's, copied); any other layer's tensors are refused as unknown
+    layers = 1 if reference else _count(conf, "num_hidden_layers", cf, 1)
     if layers != 1:
         raise HeadsFormatError(f"{cf}: num_hidden_layers={layers}: only one-layer drafters "
                                f"are supported (SafeAILab's; SGLang's extra plain layers are not)")
@@ -190,7 +242,7 @@ def read_config(cf: Path, model_cfg: ModelConfig | None) -> tuple[eagle3.Eagle3C
         eps = model_config._positive(conf.get("rms_norm_eps", 1e-6), "rms_norm_eps", str(cf))
     except ValueError as e:
         raise HeadsFormatError(str(e)) from None
-    aux, source = aux_layers_of(conf, cf, model_cfg)
+    aux, source = aux_layers_of(conf, cf, model_cfg, aux_layers)
     c = eagle3.Eagle3Config(
         hidden_size=h, num_heads=nh, num_kv_heads=_count(conf, "num_key_value_heads", cf, nh),
         head_dim=_count(conf, "head_dim", cf, h // nh),
@@ -202,11 +254,13 @@ def read_config(cf: Path, model_cfg: ModelConfig | None) -> tuple[eagle3.Eagle3C
     return c, {**conf, "_aux_layers_source": source}
 
 
-def read_eagle3(path: str | Path, model_cfg: ModelConfig | None, embed_table=None
-                ) -> tuple[Params, eagle3.Eagle3Config, dict]:
+def read_eagle3(path: str | Path, model_cfg: ModelConfig | None, embed_table=None, *,
+                aux_layers=None) -> tuple[Params, eagle3.Eagle3Config, dict]:
     """An EAGLE-3 drafter folder -> (numpy parameters, config, metadata), checked strictly
     against the backbone config `model_cfg` (None: against the files themselves) and, when
-    given, the backbone's embedding `embed_table` [V, H] (a saved copy must match it)."""
+    given, the backbone's embedding `embed_table` [V, H] (a saved copy must match it).
+    `aux_layers`: the layers whose input the drafter reads, for a config that names none
+    (traineagle3's) on a backbone the reference's rule does not fit."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(f"{root}: no EAGLE-3 drafter here (not a folder)")
@@ -220,7 +274,7 @@ def read_eagle3(path: str | Path, model_cfg: ModelConfig | None, embed_table=Non
     if not files:
         raise HeadsFormatError(f"{root}: config.json but neither {WEIGHTS_ST} nor {WEIGHTS_PT}")
     files = files[:1]  # both: the safetensors file (the same tensors, and no pickle to trust)
-    c, conf = read_config(cf, model_cfg)
+    c, conf = read_config(cf, model_cfg, aux_layers)
     found = Found("eagle3", root, tuple(files), cf)
     tensors = {}
     for name, item in read_files(found.files).items():
@@ -259,6 +313,7 @@ def read_eagle3(path: str | Path, model_cfg: ModelConfig | None, embed_table=Non
         raise HeadsFormatError(str(e)) from None
     out["d2t"] = out["d2t"].astype(np.int32)
     meta = {"format": "eagle3", "kind": eagle3.KIND, "aux_layers": list(c.aux_layers),
+            "source_layout": "traineagle3" if is_plain_llama(conf) else "eagle3",
             "aux_layers_source": conf["_aux_layers_source"], "embedding_copy_dropped":
             EMBED in tensors,
             "extra": {"source": str(root), "files": [str(f) for f in files]}}
@@ -338,9 +393,55 @@ def is_eagle3_config(conf: dict) -> bool:
         isinstance(a, str) and "eagle3" in a.lower() for a in arch))
 
 
+def _weight_shapes(file: Path) -> dict[str, tuple] | None:
+    """{tensor name: shape} of a weights file without reading the tensors; None when it
+    cannot be looked into here (a pickle without PyTorch, a broken file)."""
+    try:
+        if file.suffix == ".safetensors":
+            with safe_open(str(file), framework="numpy") as f:
+                return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+        import torch
+
+        sd = torch.load(str(file), map_location="cpu", weights_only=True, mmap=True)
+        return {str(n): tuple(t.shape) for n, t in sd.items()} if isinstance(sd, dict) else {}
+    except Exception:  # noqa: BLE001 - not a readable weights file: the reader says why
+        return None
+
+
+def looks_like_traineagle3(folder: Path, conf: dict) -> bool:
+    """A plain-Llama config beside EAGLE-3's tensors: fc.weight [H, 3H] (H the config's
+    hidden size, 3H the target's three features) and the one decoder layer's midlayer.*
+    (or vLLM's layers.0.*). A pickle that cannot be looked into (no PyTorch) counts when
+    the config has draft_vocab_size, which only a drafter's has; the reader then says how
+    to convert it."""
+    if not is_plain_llama(conf):
+        return False
+    files = [folder / n for n in (WEIGHTS_ST, WEIGHTS_PT) if (folder / n).is_file()]
+    if not files:
+        return False
+    shapes = _weight_shapes(files[0])
+    if shapes is None:
+        return files[0].suffix != ".safetensors" and "draft_vocab_size" in conf
+    fc = shapes.get("fc.weight", ())
+    h = conf.get("hidden_size")
+    return len(fc) == 2 and fc[0] == h and fc[1] % 3 == 0 and any(
+        n.startswith((LAYER, VLLM_LAYER)) for n in shapes)
+
+
 def _eagle3_dir(p: Path, conf: dict | None, config: Path | None) -> Found | None:
-    return Found("eagle3", p, (), config) if conf is not None and is_eagle3_config(conf) \
-        else None
+    if conf is None:
+        return None
+    if is_eagle3_config(conf) or looks_like_traineagle3(p, conf):
+        return Found("eagle3", p, (), config)
+    return None
+
+
+def _eagle3_file(p: Path, conf: dict, config: Path | None, names, meta) -> Found | None:
+    """The weights file of a drafter folder, named itself: the folder is read."""
+    if p.name in (WEIGHTS_ST, WEIGHTS_PT) and config is not None and (
+            is_eagle3_config(conf) or looks_like_traineagle3(p.parent, conf)):
+        return Found("eagle3", p.parent, (), config)
+    return None
 
 
 def config_of_meta(meta: dict, file: Path) -> eagle3.Eagle3Config:
@@ -381,6 +482,17 @@ def _read(found: Found, cfg: ModelConfig | None, embed):
     return bind(heads, c, cfg), meta
 
 
+def load_eagle3(path: str | Path, cfg: ModelConfig, *, aux_layers=None, embed=None
+                ) -> tuple[Params, dict]:
+    """`drafters.formats.load_heads` for an EAGLE-3 folder, with the aux layers (ours:
+    input-of-layer ids) when its config names none and the reference's rule does not fit
+    the backbone `cfg`. Returns (parameters bound to their drafter, metadata)."""
+    from medusa_jax.drafters.eagle3.drafter import bind
+
+    heads, c, meta = read_eagle3(path, cfg, embed, aux_layers=aux_layers)
+    return bind({n: jnp.asarray(a) for n, a in heads.items()}, c, cfg), meta
+
+
 def _write(heads: Params, out_dir, cfg: ModelConfig | None, base_model):
     return write_eagle3(dict(heads), out_dir, _config_of(heads, "the eagle3 layout records "
                                                          "the drafter's configuration"),
@@ -394,8 +506,9 @@ class Eagle3Formats:
     kind = eagle3.KIND
     what = "EAGLE-3 drafters"
     layouts = (
-        Layout("eagle3", "EAGLE-3 (config.json with eagle_config or an Eagle3 architecture + "
-               "model.safetensors)", _eagle3_dir, None, _read, _write),
+        Layout("eagle3", "EAGLE-3 (config.json with eagle_config or an Eagle3 architecture, "
+               "or traineagle3's LlamaForCausalLM one, + model.safetensors or "
+               "pytorch_model.bin)", _eagle3_dir, _eagle3_file, _read, _write),
     )
 
     @staticmethod
