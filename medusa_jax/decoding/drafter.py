@@ -39,6 +39,14 @@ class Drafter(Protocol):
     # whether the carry holds state built from every committed token (its own KV cache): such
     # a drafter cannot start after a cached prefix, nor be carried along by plain steps
     keeps_context: bool
+    # a drafter that keeps context may still follow plain steps: `append(carry, tokens [B],
+    # live [B])` adds the token each live row's plain step commits, so the carry stays
+    # complete (the plain step calls it when this is True)
+    follows_plain_steps: bool
+    # whether `begin` reads only `tokens` and, of `hidden`, each row's last prompt token
+    # (hidden[b, lengths[b] - 1]): after a cached prefix such a drafter is begun on the whole
+    # prompt's tokens, the hidden states of the tokens fed at their positions
+    rebuilds_from_tokens: bool
 
     # the kind's file formats: an object or "module:class" with `layouts`, `save`, `load`,
     # `sizes` (`drafters.formats` loops over every kind's)
@@ -91,6 +99,10 @@ class Drafter(Protocol):
         node's children with `draw.top_k` instead of the top-k, and return the drafts in the
         Proposal (`draws`, `draft_logq`); the step calls `propose` without it otherwise."""
 
+    def append(self, carry, tokens, live):
+        """Only where `follows_plain_steps`: after a plain step, tokens [B] the token each
+        row committed (its root), live [B] the rows that stepped -> the carry with them."""
+
 
 class FromLastHidden:
     """`begin` and `advance` of a drafter whose carry is `start(params, heads, hidden [B, H]
@@ -98,6 +110,8 @@ class FromLastHidden:
 
     aux_layers = ()
     keeps_context = False
+    follows_plain_steps = False  # plain steps leave its carry as it was (verification decides)
+    rebuilds_from_tokens = True  # it reads the last prompt token's hidden state only
 
     def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
         last = hidden[jnp.arange(hidden.shape[0]), lengths - 1]

@@ -245,6 +245,17 @@ def batch_axis(drafter) -> int:
     return getattr(drafter, "batch_axis", 1)
 
 
+def follows_plain_steps(drafter) -> bool:
+    """Whether plain steps keep a drafter's carry complete (`Drafter.follows_plain_steps`)."""
+    return drafter is not None and getattr(drafter, "follows_plain_steps", False)
+
+
+def rebuilds_from_tokens(drafter) -> bool:
+    """Whether a drafter is begun on the whole prompt after a cached prefix
+    (`Drafter.rebuilds_from_tokens`)."""
+    return drafter is not None and getattr(drafter, "rebuilds_from_tokens", False)
+
+
 def select_rows(which: jax.Array, new, old, axis: int):
     """Per row, `new` where which [B], else `old`: two pytrees with rows on `axis`."""
     def pick(a, b):
@@ -293,17 +304,23 @@ def start(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.Arra
 def start_after_prefix(params: Params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array,
                        lengths: jax.Array, keys: jax.Array, rows: Rows, drafter=None,
                        heads: Params = None, width: int = 1,
-                       draft_capacity: int | None = None) -> DecodeState:
+                       draft_capacity: int | None = None,
+                       prompt: jax.Array | None = None) -> DecodeState:
     """`start` for prompts whose first `cache.lengths[b]` tokens are in the cache already (a
     cached prefix): tokens [B, Q] are the rest of each prompt (right-padded; the cache must
     hold lengths + Q slots), lengths [B] the whole prompts' lengths. The drafter begins
     from the tokens fed here (`begin` sees them as a prompt of that many tokens: a drafter
     that reads only the last hidden state starts as after the whole prompt); one that reads
-    that keeps state of every committed token (`keeps_context`) cannot start here, as it
-    never saw the prefix."""
-    if drafter is not None and drafter.keeps_context:
+    that keeps state of every committed token (`keeps_context`) starts here only when it
+    rebuilds that state from tokens (`rebuilds_from_tokens`): it is begun on `prompt` [B, P]
+    (the whole prompts, right-padded to lengths; P >= every length), with the hidden states
+    of the tokens fed here at their positions."""
+    rebuild = drafter is not None and drafter.keeps_context
+    if rebuild and not (rebuilds_from_tokens(drafter) and prompt is not None):
         raise ValueError(f"a {drafter.kind} drafter keeps state of every prompt token, "
-                         f"so it cannot start after a cached prefix")
+                         f"so it cannot start after a cached prefix"
+                         + (" without the whole prompt" if rebuilds_from_tokens(drafter)
+                            else ""))
     b, q = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(q, dtype=jnp.int32)[None]
     _, hidden, cache = forward(params, cfg, tokens, positions,
@@ -311,6 +328,13 @@ def start_after_prefix(params: Params, cfg: ModelConfig, cache: KVCache, tokens:
                                return_logits=False)
     new = lengths - cache.lengths  # [B] prompt tokens fed here
     logits = logits_from_hidden(cfg, params, hidden[jnp.arange(b), new - 1])
+    if rebuild:  # the fed tokens' hidden states at their places in the whole prompt
+        at = jnp.minimum(positions, prompt.shape[1])  # past the prompt: dropped
+        whole = jnp.zeros((b, prompt.shape[1], hidden.shape[-1]), hidden.dtype)
+        whole = whole.at[jnp.arange(b)[:, None], at].set(hidden, mode="drop")
+        return _begin(params, cache.replace(lengths=lengths), logits, whole, None, prompt,
+                      lengths, keys, rows, drafter, heads, width,
+                      draft_capacity or cache.capacity)
     return _begin(params, cache.replace(lengths=lengths), logits, hidden, None, tokens, new,
                   keys, rows, drafter, heads, width, draft_capacity or cache.capacity)
 
@@ -330,9 +354,12 @@ def _begin(params, cache, logits, hidden, aux, tokens, lengths, keys, rows, draf
                        keys=keys, rows=rows)
 
 
-def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | None = None):
+def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | None = None,
+               drafter=None):
     """Emit each live row's root, feed it and choose the next, attending over the first
-    `window` cache slots (default all). Returns (state, chunk [B, 1], n [B])."""
+    `window` cache slots (default all). `drafter`: one that follows plain steps
+    (`follows_plain_steps`) is handed each live row's committed token (`append`); any other
+    carry is left as it is. Returns (state, chunk [B, 1], n [B])."""
     live = ~s.done
     chunk = s.root[:, None]
     n, count, done = emit(s, chunk, jnp.ones_like(s.count))
@@ -341,8 +368,12 @@ def plain_step(params: Params, cfg: ModelConfig, s: DecodeState, window: int | N
                                s.cache)
     keys, sub = next_keys(s.keys, s.rows.draws(PLAIN_DRAWS))
     new = sample_rows(sub, logits[:, 0], s.rows, PLAIN_DRAWS, live)
+    draft = s.draft
+    if follows_plain_steps(drafter):
+        draft = select_rows(live, drafter.append(s.draft, s.root, live), s.draft,
+                            batch_axis(drafter))
     s = s.replace(cache=cache.advance(~done), root=jnp.where(done, s.root, new), count=count,
-                  steps=s.steps + live, done=done, keys=keys)
+                  steps=s.steps + live, done=done, keys=keys, draft=draft)
     return s, chunk, n
 
 
