@@ -198,6 +198,19 @@ class NgramDrafter:
         tokens, logp = tree_tokens(drafts, found, root, static.paths_ranks)
         return tree_proposal(tokens, logp if isinstance(tree, DynamicTree) else None, tree)
 
+    # its history is tokens only: plain steps hand it theirs (`append`), and after a cached
+    # prefix it is begun on the whole prompt (`decoding.drafter.Drafter`)
+    follows_plain_steps = True
+    rebuilds_from_tokens = True
+
+    def append(self, carry: NgramCarry, tokens: jax.Array, live: jax.Array) -> NgramCarry:
+        """After a plain step: tokens [B] each row's committed token -> the history with it
+        (live [B] rows only)."""
+        b, cap = carry.tokens.shape
+        at = jnp.where(live, carry.length, cap)  # past the buffer: dropped
+        buf = carry.tokens.at[jnp.arange(b), at].set(tokens.astype(jnp.int32), mode="drop")
+        return NgramCarry(tokens=buf, length=carry.length + live.astype(jnp.int32))
+
 
 def tree_tokens(drafts: jax.Array, found: jax.Array, root: jax.Array, paths_ranks: tuple
                 ) -> tuple[jax.Array, jax.Array]:

@@ -177,6 +177,26 @@ class MergedDrafter:
                                    tokens, acc_len, next_root, lengths, live)
         return inner, _rows_at(ngram, self.batch_axis)
 
+    # plain steps and a cached prefix: where the inner drafter can (one that keeps no
+    # context of its own is left as it is by plain steps) and the n-gram history can
+    @property
+    def follows_plain_steps(self) -> bool:
+        inner = (not self.inner.keeps_context
+                 or getattr(self.inner, "follows_plain_steps", False))
+        return inner and self.ngram.follows_plain_steps
+
+    @property
+    def rebuilds_from_tokens(self) -> bool:
+        return (getattr(self.inner, "rebuilds_from_tokens", False)
+                and self.ngram.rebuilds_from_tokens)
+
+    def append(self, carry, tokens, live):
+        inner, ngram = carry
+        if getattr(self.inner, "follows_plain_steps", False):
+            inner = self.inner.append(inner, tokens, live)
+        ngram = self.ngram.append(self._ngram_carry(ngram), tokens, live)
+        return inner, _rows_at(ngram, self.batch_axis)
+
     def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
         inner_tree, extra = split_tree(tree)
         static = tree.pool if isinstance(tree, DynamicTree) else tree
