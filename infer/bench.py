@@ -10,14 +10,17 @@
         --json report.json --plot report.png                   # does Medusa pay here?
     python -m infer.bench --mesh data=2,model=4                # tensor-parallel decoding
     python -m infer.bench --heads default --also-heads hydra   # Medusa and Hydra heads
+    python -m infer.bench --also-heads hydra,eagle,ngram --ngram   # each alone and merged
     python -m infer.bench --random-weights --shape llama-2-70b --layers 1 --mesh model=8 \
         --dtype bfloat16                                       # per-device memory, sizing
 
 Timings exclude compilation (every configuration runs once before the clock starts) and are
 the median of --reps repetitions. Speedup is wall-clock tokens/s against our own plain jitted
 decoding at the same batch size, measured in the same run; `step/plain` is a step's time over
-a plain decoding step's (what verifying a tree costs per step). Progress goes to standard
-error: a line per configuration, then one per compile, warm-up and repetition.
+a plain decoding step's (what verifying a tree costs per step). With --ngram, every
+drafter's row is followed by a row of the same drafter with n-gram drafts merged into its
+tree (`+ngram`, tree `NAME+ngramN`). Progress goes to standard error: a line per
+configuration, then one per compile, warm-up and repetition.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ def build_parser():
     p.add_argument("--also-heads", type=options.name_list, default=None, metavar="HEADS,...",
                    help="comma list of more drafters (Medusa or Hydra heads, EAGLE-3 "
                         f"drafters; {shipped.help_names()}: the embedded model's "
-                        "shipped ones), each benchmarked against the same plain run, side by "
+                        f"shipped ones; {shipped.NGRAM!r}: n-gram drafts, on a chain unless "
+                        "--trees), each benchmarked against the same plain run, side by "
                         "side with --heads")
+    cli.add_ngram_flags(p)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--reps", type=options.positive_int, default=3)
     p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
@@ -370,10 +375,24 @@ def check_args(ap: argparse.ArgumentParser, args) -> None:
             options.writable_output("--json", args.json)
         if args.plot:
             options.writable_output("--plot", args.plot)
+        cli.check_ngram_flags(ap, _ngram_view(args))
         if not args.random_weights:
-            check_model_paths(args.model, args.heads, tokenizer=not args.step_curve)
+            check_model_paths(args.model, cli.heads_to_check(args.heads),
+                              tokenizer=not args.step_curve)
     except (ValueError, OSError) as e:
         ap.error(str(e))
+
+
+def _ngram_view(args):
+    """The flags as the n-gram check sees them: --heads (default: the shipped heads, a
+    drafter) or an n-gram one among --also-heads, so --ngram-max applies to it."""
+    names = (args.also_heads or "").split(",")
+    fileless = next((n for n in names if shipped.fileless(n)), None)
+    heads = args.heads if args.heads or args.random_weights else shipped.MEDUSA
+    if fileless is not None and args.ngram is None:
+        heads = fileless  # the sizes are its
+    return argparse.Namespace(heads=heads, ngram=args.ngram, ngram_max=args.ngram_max,
+                              ngram_min=args.ngram_min)
 
 
 def say(text: str) -> None:
@@ -408,7 +427,8 @@ def main(argv=None) -> int:
 
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked: check_args
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
-    model = cli.load_with_heads(args.model, args.heads, args.mesh, args.heads_dtype)
+    model = cli.load_with_heads(args.model, args.heads, args.mesh, args.heads_dtype,
+                                ngram_max=args.ngram_max, ngram_min=args.ngram_min)
     from medusa_jax import kernels
 
     print(f"matrix products: {kernels.describe(model.params)}; heads' weights in "
@@ -416,9 +436,11 @@ def main(argv=None) -> int:
     ids = [model.encode(p) for p, _ in prompts]
     with options.errors_to_exit():
         trees = [model.tree(t) for t in (args.trees.split(",") if args.trees else [None])]
-        for t in trees:
-            check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, t.num_nodes)
-        model.head_sets = [(model.drafter_kind, model.heads)] + _also_heads(args, model, trees)
+        model.head_sets = _merged_sets(args, [(model.drafter_kind, model.heads, trees)]
+                                       + _also_heads(args, model, trees))
+        for _, _, set_trees in model.head_sets:
+            for t in set_trees:
+                check_fits(model.cfg, max(map(len, ids)), args.max_new_tokens, t.num_nodes)
     common = dict(max_new_tokens=args.max_new_tokens, eos=model.eos, reps=args.reps)
 
     results = []
@@ -427,8 +449,27 @@ def main(argv=None) -> int:
     return _report(args, results)
 
 
-def _also_heads(args, model, trees) -> list[tuple[str, object]]:
-    """--also-heads: (label, heads) of each, checked against the model and the trees."""
+def _merged_sets(args, sets):
+    """--ngram: after each drafter's (label, heads, trees), the same merged with n-gram
+    drafts (a drafter that is n-grams already gets no merged row)."""
+    if args.ngram is None:
+        return sets
+    from medusa_jax.drafters import registry
+
+    out = []
+    for label, heads, trees in sets:
+        out.append((label, heads, trees))
+        try:
+            merged = registry.merge_ngram(heads, args.ngram, args.ngram_max, args.ngram_min)
+        except ValueError:  # the n-gram drafter: its drafts are n-grams already
+            continue
+        out.append((f"{label}+ngram", merged, [merged.drafter.tree_for(t) for t in trees]))
+    return out
+
+
+def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
+    """--also-heads: (label, heads, trees) of each, checked against the model and the trees
+    (a kind with a tree of its own, the n-gram drafter, decodes that one unless --trees)."""
     if not args.also_heads:
         return []
     if args.mesh:
@@ -439,6 +480,12 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
 
     out = []
     for name in args.also_heads.split(","):
+        if shipped.fileless(name):
+            heads = registry.without_files(name, max_n=args.ngram_max, min_n=args.ngram_min)
+            own = [model.tree(t) for t in args.trees.split(",")] if args.trees else \
+                [registry.default_tree_of(heads)]
+            out.append((f"{registry.kind_of(heads)} ({name})", heads, own))
+            continue
         path = assets.shipped_heads_dir(name) if name in assets.SHIPPED_HEADS else name
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         if args.heads_dtype != "float32":
@@ -450,7 +497,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object]]:
             if k is not None and static.depth > k:
                 raise ValueError(f"--also-heads {name}: tree {t.name!r} has depth "
                                  f"{static.depth} but there are only {k} {kind.title()} heads")
-        out.append((f"{kind} ({name})", heads))
+        out.append((f"{kind} ({name})", heads, trees))
     return out
 
 
@@ -504,9 +551,9 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
             base = run_decoder(model.params, model.cfg, ids, batch_size=bs, sampling=sampling,
                                name="plain-sample", progress=progress(f"plain {mode}"),
                                **common)
-        for tree in trees:
-            for label, heads in getattr(model, "head_sets", [(model.drafter_kind,
-                                                               model.heads)]):
+        sets = getattr(model, "head_sets", [(model.drafter_kind, model.heads, trees)])
+        for label, heads, set_trees in sets:
+            for tree in set_trees:
                 what = f"{label} {mode} {tree.name}{suffix}"
                 say(f"batch size {bs}: timing {what} ({args.reps} reps) ...")
                 c = compare_decoding(model.params, heads, model.cfg, ids, tree,
@@ -564,13 +611,13 @@ def _by_category(run, prompts):
 
 def _print_table(results):
     # "step/plain": a step's time over a plain decoding step's, same batch and mode
-    head = (f"{'config':<28}{'mode':<10}{'tree':<18}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
+    head = (f"{'config':<28}{'mode':<10}{'tree':<24}{'batch':>5}{'tok/step':>9}{'step ms':>9}"
             f"{'step/plain':>11}{'tok/s':>9}{'speedup':>9}  identical")
     print(head)
     print("-" * len(head))
     for r in results:
         same = {True: "yes", False: "NO", None: "-"}[r["identical_to_plain"]]
-        print(f"{r['config']:<28}{r['mode']:<10}{r['tree']:<18}{r['batch_size']:>5}"
+        print(f"{r['config']:<28}{r['mode']:<10}{r['tree']:<24}{r['batch_size']:>5}"
               f"{r['tokens_per_step']:>9.2f}{r['step_ms']:>9.3f}{r['step_vs_plain']:>10.2f}x"
               f"{r['tokens_per_second']:>9.0f}{r['speedup']:>8.2f}x  {same}")
         if r["by_category"]:

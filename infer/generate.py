@@ -3,6 +3,8 @@
     python -m infer.generate --prompt "Once upon a time"                 # embedded model
     python -m infer.generate --heads runs/medusa1-X/heads --prompt "Lily" --json
     python -m infer.generate --heads default --mesh data=2,model=4 --prompt "Lily"  # sharded
+    python -m infer.generate --heads ngram --prompt "Lily"     # n-gram drafts, no files
+    python -m infer.generate --heads hydra --ngram --prompt "Lily"   # merged into Hydra's tree
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
                                       f"or {shipped.help_names()} for the embedded "
-                                      "model's shipped ones (omit for plain decoding)",
+                                      f"model's shipped ones, or {shipped.NGRAM!r} for "
+                                      "n-gram drafts (no files, any model; omit for plain "
+                                      "decoding)",
                         mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     p.add_argument("--mode", choices=MODES, default="greedy")
-    p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree)")
+    p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree; "
+                                  "--heads ngram: a chain)")
+    cli.add_ngram_flags(p)
     p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--top-k", type=int, default=0)
@@ -49,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tree and not args.heads:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
+    cli.check_ngram_flags(ap, args)
     prompts = list(args.prompt or [])
     if args.prompts_file:
         prompts += [p for p, _ in cli.read_prompts(args.prompts_file, flag="--prompts-file")]
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode != "greedy" and not args.temperature > 0:
         ap.error(f"--temperature must be > 0 for --mode {args.mode}, got {args.temperature}")
     try:  # paths (and hub ids) before JAX: a wrong one fails at once
-        check_model_paths(args.model, args.heads)
+        check_model_paths(args.model, cli.heads_to_check(args.heads))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -69,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
                             compute_dtype=args.dtype, heads_dtype=args.heads_dtype,
-                            mesh=args.mesh)
+                            mesh=args.mesh, ngram=args.ngram, ngram_max=args.ngram_max,
+                            ngram_min=args.ngram_min)
         kwargs = dict(max_new_tokens=args.max_new_tokens, mode=args.mode, tree=args.tree,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                       seed=args.seed, batch_size=args.batch_size)

@@ -192,6 +192,9 @@ class Medusa:
         self.last_timing = GenerateTiming()  # compile and decode time of the last `generate`
         self.verbose = True  # the "compiling the decoder (first call) ..." line on stderr
         self._compiled: set = set()  # the decoder calls compiled so far
+        self.ngram = None  # n-gram chain nodes merged into the drafter's tree (None: none)
+        self.ngram_sizes = (None, None)  # (max_n, min_n) of those n-grams (None: default)
+        self._merged: dict = {}  # chain nodes -> the heads bound to their merged drafter
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
@@ -201,7 +204,8 @@ class Medusa:
     @classmethod
     def load(cls, model: str | Path | None = None, heads: str | Path | None = None, *,
              param_dtype: str = "float32", compute_dtype: str = "float32",
-             heads_dtype: str = "float32", mesh=None) -> "Medusa":
+             heads_dtype: str = "float32", mesh=None, ngram: bool | int | None = None,
+             ngram_max: int | None = None, ngram_min: int | None = None) -> "Medusa":
         """`model`: a Hugging Face directory (default: the embedded stories260K).
         `heads`: a heads artifact (directory or .safetensors) from `train.medusa1` or
         `train.hydra` (the kind is read from it), heads in another layout (`drafters.formats`:
@@ -213,6 +217,10 @@ class Medusa:
         propose can change, not what is emitted).
         `mesh`: "data=2,model=4" (or a `jax.sharding.Mesh`) for tensor-parallel decoding; the
         tensors are read into host memory and each device receives only its shards.
+        `heads="ngram"`: the n-gram (prompt-lookup) drafter, no files, any model; it decodes
+        a chain unless `generate` is given a tree. `ngram=True` (or N chain nodes): merge
+        n-gram drafts into the loaded drafter's tree in every `generate` (docs/ngram.md).
+        `ngram_max` / `ngram_min`: the n-gram lengths looked up (default 4 / 1).
         Turns on the persistent compilation cache (`compile_cache`) unless it is off."""
         compile_cache.enable()
         for name, value in (("model", model), ("heads", heads)):
@@ -225,13 +233,16 @@ class Medusa:
                 raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
                                 f"{type(value).__name__} {_clip(value)}")
         drafter.check_heads_dtype(heads_dtype, "heads_dtype")
+        ngram = _ngram_arg(ngram)
+        shipped.check_ngram(heads, ngram, ngram_max, ngram_min, names=_NGRAM_ARGS)
+        fileless = shipped.fileless(heads)
         if mesh is not None:
             mesh = sharding.make_mesh(mesh)  # a bad mesh fails before anything is read
         model = hub.local(model, "model")
-        if heads not in assets.SHIPPED_HEADS:
+        if heads not in assets.SHIPPED_HEADS and not fileless:
             heads = hub.local(heads, "heads", hub.HEADS_FILES)
         if model is None and heads is not None and heads not in assets.SHIPPED_HEADS and \
-                bundled_model(heads):
+                not fileless and bundled_model(heads):
             model = heads
         model_dir = Path(model) if model is not None else default_model_dir()
         # cheap checks first, in this order: config.json's fields, that there is a
@@ -239,7 +250,8 @@ class Medusa:
         # and the tokenizer last, as transformers may import PyTorch (seconds). A missing
         # folder is reported by load_pretrained.
         if model_dir.is_dir():
-            ModelConfig.from_dir(model_dir)  # a bad config.json is named as such, first
+            context = ModelConfig.from_dir(model_dir).max_position_embeddings  # named first
+            shipped.check_ngram(heads, ngram, ngram_max, ngram_min, context, _NGRAM_ARGS)
             tokenizer_files(model_dir)
             check_headers(model_dir)
         if heads in assets.SHIPPED_HEADS:
@@ -254,13 +266,21 @@ class Medusa:
             cfg, params = load_pretrained(model_dir, param_dtype=param_dtype,
                                           compute_dtype=compute_dtype,
                                           decoding_layout=mesh is None)
-            head_params = load_heads(heads, cfg, base_model=model_dir,
-                                     embed=params["embed"])[0] if heads is not None else None
+            if fileless:
+                shipped.check_ngram(heads, ngram, ngram_max, ngram_min,
+                                    cfg.max_position_embeddings, _NGRAM_ARGS)
+                head_params = registry.without_files(heads, max_n=ngram_max, min_n=ngram_min)
+            else:
+                head_params = load_heads(heads, cfg, base_model=model_dir,
+                                         embed=params["embed"])[0] if heads is not None else None
             if head_params is not None and heads_dtype != "float32":
                 head_params = drafter.with_weight_dtype(head_params, heads_dtype)
         tokenizer = text_tokenizer.load_tokenizer(model_dir)
-        return cls(cfg, params, tokenizer, head_params, model_dir, assets.default_tree(model),
-                   mesh=mesh)
+        tree = registry.default_tree_of(head_params) if head_params is not None else None
+        m = cls(cfg, params, tokenizer, head_params, model_dir,
+                tree or assets.default_tree(model), mesh=mesh)
+        m.ngram, m.ngram_sizes = ngram, (ngram_max, ngram_min)
+        return m
 
     @property
     def drafter_kind(self) -> str | None:
@@ -330,6 +350,7 @@ class Medusa:
             raise
 
     def _tree(self, spec, k):
+        spec = self.default_tree if spec is None else spec
         if isinstance(spec, DynamicTree):
             return DynamicTree(self.tree(spec.pool), spec.size, spec.name)
         if isinstance(spec, Tree):
@@ -338,13 +359,14 @@ class Medusa:
         if spec is not None and not isinstance(spec, (str, os.PathLike)):
             raise TypeError(f"tree must be a tree name, a JSON file path or a Tree, got "
                             f"{type(spec).__name__} {_clip(spec)}")
-        return Tree.load(spec or self.default_tree, num_heads=k, vocab_size=self.cfg.vocab_size)
+        return Tree.load(spec, num_heads=k, vocab_size=self.cfg.vocab_size)
 
     def generate(self, prompts: list[str | list[int]] | str, *, max_new_tokens: int = 128,
                  mode: str = "greedy", tree: str | Path | Tree | None = None,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  epsilon: float = 0.09, delta: float = 0.3, seed: int = 0,
-                 batch_size: int = 8, medusa: bool | None = None) -> list[Generation]:
+                 batch_size: int = 8, medusa: bool | None = None,
+                 ngram: bool | int | None = None) -> list[Generation]:
         """Generate for every prompt. Medusa decoding when heads are loaded (or `medusa=True`),
         plain decoding otherwise. Returns one `Generation` per prompt, in order.
 
@@ -353,7 +375,9 @@ class Medusa:
         `tree`, the batch size (`min(batch_size, len(prompts))`), the longest prompt's
         bucket and `max_new_tokens`' bucket (`length_bucket`) choose the compiled program;
         temperature, top-k, top-p, epsilon, delta, the seed and `max_new_tokens` within its
-        bucket, and moving between "typical" and "rejection", compile nothing."""
+        bucket, and moving between "typical" and "rejection", compile nothing.
+        `ngram`: True (or N chain nodes) merges n-gram drafts into the drafter's tree, False
+        decodes without; None: as `Medusa.load(ngram=...)` said."""
         if isinstance(prompts, str):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, bytearray)):
@@ -389,9 +413,17 @@ class Medusa:
         use_medusa = self.heads is not None if medusa is None else bool(medusa)
         if use_medusa and self.heads is None:
             raise ValueError("medusa=True needs heads: Medusa.load(..., heads=PATH)")
+        ngram = self.ngram if ngram is None else (_ngram_arg(ngram) if ngram is not False
+                                                  else None)
+        if ngram is not None:
+            self._check_merge(ngram, use_medusa)
         if mode == "greedy":
             temperature = 1.0  # unused
         the_tree = self.tree(tree) if use_medusa else None
+        heads = self.heads
+        if ngram is not None:
+            heads = self._merged_heads(ngram)
+            the_tree = heads.drafter.tree_for(the_tree)
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
         tree_tokens = the_tree.num_nodes if the_tree else 0
@@ -407,7 +439,7 @@ class Medusa:
             tokens, lengths = pad_prompts(padded)
             key, sub = jax.random.split(key)
             if use_medusa:
-                fn, args = medusa_generate, (self.params, self.heads, self.cfg)
+                fn, args = medusa_generate, (self.params, heads, self.cfg)
                 kw = dict(tree=the_tree)
             else:
                 fn, args, kw = generate, (self.params, self.cfg), {}
@@ -452,10 +484,41 @@ class Medusa:
                     compile_seconds=compiled.seconds))
         n = len(prompts)
         decoding = f"{self.drafter_kind} {the_tree.name}" if use_medusa else "plain"
+        if ngram is not None:  # "medusa+ngram stories260K_cpu+ngram3"
+            decoding = f"{heads.drafter.name} {the_tree.name}"
         self.last_timing = GenerateTiming(total.compile, total.seconds, total.tokens,
                                           label=f"{n} prompt{'s' * (n != 1)}, {decoding} "
                                                 f"{mode}", steps=steps_total)
         return results
+
+    def _check_merge(self, ngram: int, use_medusa: bool) -> None:
+        if not use_medusa:
+            raise ValueError("ngram merges n-gram drafts into a drafter's tree; plain "
+                             "decoding (no heads, or medusa=False) drafts nothing")
+        shipped.check_ngram(self.drafter_kind, ngram, *self.ngram_sizes,
+                            self.cfg.max_position_embeddings, _NGRAM_ARGS)
+
+    def _merged_heads(self, ngram: int):
+        """The loaded heads bound to a drafter that merges an `ngram`-node chain (built once:
+        the same drafter reuses its compiled decoder)."""
+        if ngram not in self._merged:
+            self._merged[ngram] = registry.merge_ngram(self.heads, ngram, *self.ngram_sizes)
+        return self._merged[ngram]
+
+
+_NGRAM_ARGS = shipped.API_ARGS  # the arguments, as `shipped.check_ngram` names them
+
+
+def _ngram_arg(value) -> int | None:
+    """`ngram=`: None / False (not merged), True (the measured default) or chain nodes."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return shipped.NGRAM_MERGED_DEFAULT
+    if not _is_int(value):
+        raise TypeError(f"ngram must be True, False, None or a number of chain nodes, got "
+                        f"{type(value).__name__} {_clip(value)}")
+    return int(value)
 
 
 Decoder = Medusa  # the drafter-neutral name: Medusa or Hydra heads

@@ -1,5 +1,6 @@
-"""The decoding commands' shared flags: --model, --heads (and --mesh), loading a model with
-its heads, and the prompts a benchmark runs on."""
+"""The decoding commands' shared flags: --model, --heads (and --mesh), the n-gram flags
+(--ngram, --ngram-max, --ngram-min), loading a model with its heads, and the prompts a
+benchmark runs on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import sys
 
 from medusa_jax.constants import HEADS_DTYPES, MODES
+from medusa_jax.drafters import shipped
 from medusa_jax.runtime.options import errors_to_exit, mesh_spec
 
 DECODE_MODES = MODES  # the name the commands used before `constants`
@@ -33,8 +35,44 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                              "'data=2,model=4' (default: one device)")
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def add_ngram_flags(ap: argparse.ArgumentParser) -> None:
+    """--ngram [N], --ngram-max N, --ngram-min N (checked by `check_ngram_flags`)."""
+    ap.add_argument("--ngram", nargs="?", type=_int, const=shipped.NGRAM_MERGED_DEFAULT,
+                    default=None, metavar="N",
+                    help="merge n-gram (prompt-lookup) drafts into the drafter's tree: a "
+                         f"chain of N more nodes (default {shipped.NGRAM_MERGED_DEFAULT}); "
+                         "needs --heads (docs/ngram.md)")
+    ap.add_argument("--ngram-max", type=_int, default=None, metavar="N",
+                    help="the longest n-gram looked up, with --heads ngram or --ngram "
+                         f"(default {shipped.NGRAM_DEFAULT_MAX}, at most "
+                         f"{shipped.NGRAM_SIZE_LIMIT})")
+    ap.add_argument("--ngram-min", type=_int, default=None, metavar="N",
+                    help=f"the shortest (default {shipped.NGRAM_DEFAULT_MIN})")
+
+
+def check_ngram_flags(ap: argparse.ArgumentParser, args) -> None:
+    """The n-gram flags together with --heads, before any work (`shipped.check_ngram`; the
+    model's context is checked when it is loaded). One-line error, exit status 2."""
+    try:
+        shipped.check_ngram(args.heads, args.ngram, args.ngram_max, args.ngram_min)
+    except ValueError as e:
+        ap.error(str(e))
+
+
+def heads_to_check(heads: str | None) -> str | None:
+    """--heads as `check_model_paths` checks it: None for a kind that needs no files."""
+    return None if shipped.fileless(heads) else heads
+
+
 def load_with_heads(model: str | None, heads: str | None, mesh: str | None = None,
-                    heads_dtype: str = "float32"):
+                    heads_dtype: str = "float32", **ngram):
     """`Medusa.load` for the benchmarking commands: heads are required, and default to the
     shipped ones for the embedded model. Errors exit with one line."""
     from medusa_jax.api import Medusa
@@ -42,7 +80,7 @@ def load_with_heads(model: str | None, heads: str | None, mesh: str | None = Non
 
     with errors_to_exit():
         m = Medusa.load(model, heads or assets.default_heads(model), mesh=mesh,
-                        heads_dtype=heads_dtype)
+                        heads_dtype=heads_dtype, **ngram)
     if m.heads is None:
         sys.exit("error: no heads: pass --heads (train some with python -m train.medusa1)")
     return m

@@ -94,3 +94,31 @@ def drafter_for(heads: Params, head_fn=None):
 def depth_of(heads: Params) -> int | None:
     """How many tree levels the drafter of `heads` can fill (None: any)."""
     return drafter_for(heads).depth(heads)
+
+
+def without_files(kind: str, **options):
+    """The heads of a kind that needs no files (`shipped.FILELESS`: `--heads ngram`), bound
+    to their drafter (`BoundParams`); `options` are the kind's (the n-gram sizes)."""
+    cls = drafter_class(kind)
+    if not hasattr(cls, "without_files"):
+        raise ValueError(f"drafter kind {kind!r} is read from files: give its folder")
+    return cls.without_files(**options)
+
+
+def default_tree_of(heads: Params):
+    """The tree the drafter bound to `heads` decodes with unless told (None: the model's)."""
+    bound = getattr(heads, "drafter", None)
+    return getattr(bound, "default_tree", None) if bound is not None else None
+
+
+def merge_ngram(heads: Params, extra: int | None = None, max_n: int | None = None,
+                min_n: int | None = None):
+    """`heads` of any kind bound to a drafter that adds the n-gram continuation (`extra`
+    chain nodes; None: the measured default) to their tree: decode with
+    `heads.drafter.tree_for(tree)` (`drafters.ngram.merged`)."""
+    merged = importlib.import_module("medusa_jax.drafters.ngram.merged")
+    ngram = without_files("ngram", max_n=max_n, min_n=min_n).drafter
+    if isinstance(getattr(heads, "drafter", None), type(ngram)):
+        raise ValueError("n-gram drafts merge into another drafter's tree, not the n-gram "
+                         "drafter's own")
+    return merged.merged(heads, merged.DEFAULT_EXTRA if extra is None else extra, ngram)

@@ -28,14 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, tree_proposal
-from medusa_jax.decoding.tree import DynamicTree
+from medusa_jax.decoding.tree import DynamicTree, Tree, chain_tree
+from medusa_jax.drafters import shipped
 from medusa_jax.model.backbone import Params
 from medusa_jax.runtime import pytree as struct
 
-DEFAULT_MAX_N = 4
-DEFAULT_MIN_N = 1
-MAX_N_LIMIT = 64  # one comparison pass over the history per n: keep the step cheap
+DEFAULT_MAX_N = shipped.NGRAM_DEFAULT_MAX
+DEFAULT_MIN_N = shipped.NGRAM_DEFAULT_MIN
+MAX_N_LIMIT = shipped.NGRAM_SIZE_LIMIT  # one comparison pass over the history per n
 
 # a dynamic tree ranks nodes by these stand-in log-probabilities (the drafter has none):
 # the best continuation first, then the alternatives in order, unmatched ones last
@@ -146,6 +148,20 @@ class NgramDrafter:
     @classmethod
     def axes(cls, heads: Params) -> dict:
         return {}
+
+    @classmethod
+    def without_files(cls, max_n: int | None = None, min_n: int | None = None
+                      ) -> BoundParams:
+        """The drafter as heads (`--heads ngram`): no tensors, bound to its sizes (None:
+        the defaults)."""
+        return BoundParams({}, cls(DEFAULT_MAX_N if max_n is None else max_n,
+                                   DEFAULT_MIN_N if min_n is None else min_n))
+
+    @property
+    def default_tree(self) -> Tree:
+        """What it decodes with unless told: one continuation (a chain does as well as a
+        branched tree of the same size, docs/ngram.md)."""
+        return chain_tree(shipped.NGRAM_ALONE_CHAIN)
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "NgramDrafter":

@@ -29,10 +29,11 @@ import numpy as np
 from medusa_jax.decoding.drafter import BoundParams, drafter_for
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree
+from medusa_jax.drafters import shipped
 from medusa_jax.drafters.ngram.drafter import NgramCarry, NgramDrafter
 from medusa_jax.model.backbone import Params
 
-DEFAULT_EXTRA = 3  # the chain's length, chosen by measurement (docs/ngram.md)
+DEFAULT_EXTRA = shipped.NGRAM_MERGED_DEFAULT  # the chain's length, chosen by measurement
 
 
 @dataclasses.dataclass(frozen=True)
