@@ -33,7 +33,7 @@ from medusa_jax.decoding import sampling
 from medusa_jax.decoding.decode import MIN_BUCKET
 from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
-from medusa_jax.decoding.step import static_tree
+from medusa_jax.decoding.step import follows_plain_steps, rebuilds_from_tokens, static_tree
 from medusa_jax.serving.config import ACCEPTANCE, MAX_STOP, WARMUPS, EngineConfig
 from medusa_jax.serving.layout import Layout
 from medusa_jax.serving.layout import auto_plain_above as _auto_plain_above
@@ -59,7 +59,8 @@ __all__ = ["ACCEPTANCE", "WARMUPS", "MAX_STOP", "Engine", "EngineConfig", "Queue
 
 def auto_plain_above(drafter, slots: int, backend: str) -> int | None:
     """The default `plain_above` for `drafter` (None: plain): see `layout.auto_plain_above`."""
-    return _auto_plain_above(None if drafter is None else drafter.keeps_context, slots, backend)
+    return _auto_plain_above(None if drafter is None else drafter.keeps_context, slots, backend,
+                             follows_plain_steps(drafter))
 
 
 def _layout(name: str) -> property:
@@ -108,7 +109,8 @@ class Engine:
       request left in its slot) is prefilled only after them, when that takes a shorter
       prompt bucket (`extend`; compiled last in a warm-up, and used once compiled). Not
       with one prompt bucket, nor for a drafter with its own cache of every token
-      (`keeps_context`). A free slot's cache is moved to another free one (the least
+      (`keeps_context`) unless it is begun again on the whole prompt's tokens
+      (`rebuilds_from_tokens`). A free slot's cache is moved to another free one (the least
       recently used) before its slot takes a new request, so the slots keep what they
       held."""
 
@@ -133,7 +135,9 @@ class Engine:
             fed=self.tree.num_nodes if use_medusa else 1, eos=tuple(model.eos),
             keeps_context=self.drafter.keeps_context if use_medusa else None,
             min_bucket=MIN_BUCKET, backend=jax.default_backend(),
-            drafter_kind=self.drafter.kind if use_medusa else "")
+            drafter_kind=self.drafter.kind if use_medusa else "",
+            follows_plain_steps=follows_plain_steps(self.drafter),
+            rebuilds_from_tokens=rebuilds_from_tokens(self.drafter))
         self.log = log
         self.metrics = Metrics(self.layout.slot_buckets, self.layout.prefill_batches)
         self._finish_lock = threading.Lock()  # `stop` may finish requests from another thread
@@ -449,11 +453,15 @@ class Engine:
                 req, n = a.request, len(a.request.prompt)
                 tokens = np.zeros((1, a.key.bucket), np.int32)
                 tokens[0, :n - a.start] = req.prompt[a.start:]
+                prompt = None  # the whole prompt, for a drafter begun on it again
+                if self.drafter.keeps_context:
+                    prompt = np.zeros((1, a.key.window), np.int32)
+                    prompt[0, :n] = req.prompt
                 prefill_after, put = self.program(a.key)
                 one = prefill_after(params, heads, self._state.cache, tokens,
                                     np.int32(a.start), np.full((1,), n, np.int32),
                                     key_data(req.seed), self.request_rows(req),
-                                    np.int32(a.src))
+                                    np.int32(a.src), prompt)
                 one.root.copy_to_host_async()
                 if a.move is not None:  # after the read above: the runtime orders it behind
                     self._state = self.program(a.move)(self._state, np.int32(a.slot),

@@ -104,12 +104,14 @@ def describe(key) -> str:
     return f"{key.kind} {key.describe()}"
 
 
-def auto_plain_above(keeps_context: bool | None, slots: int, backend: str) -> int | None:
+def auto_plain_above(keeps_context: bool | None, slots: int, backend: str,
+                     follows_plain_steps: bool = False) -> int | None:
     """The default `plain_above` (keeps_context None: a plain engine): on CPU, plain steps
     while more than AUTO_PLAIN_ABOVE slots are live; elsewhere, with fewer slots, or for a
-    drafter that plain steps cannot carry along (one with its own cache, `keeps_context`),
-    always Medusa (None)."""
-    if keeps_context is None or keeps_context or backend != "cpu" or slots <= AUTO_PLAIN_ABOVE:
+    drafter that plain steps cannot carry along (one with its own cache, `keeps_context`,
+    that does not follow plain steps), always Medusa (None)."""
+    if (keeps_context is None or (keeps_context and not follows_plain_steps)
+            or backend != "cpu" or slots <= AUTO_PLAIN_ABOVE):
         return None
     return AUTO_PLAIN_ABOVE
 
@@ -138,9 +140,12 @@ class Layout:
     @classmethod
     def build(cls, config: EngineConfig, *, model_context: int, width: int, fed: int,
               eos: tuple[int, ...], keeps_context: bool | None, min_bucket: int,
-              backend: str = "cpu", drafter_kind: str = "") -> "Layout":
-        """`config`'s sizes for a model of `model_context` tokens; keeps_context: the
-        drafter's (None: a plain engine); width / fed: a step's tokens out / in;
+              backend: str = "cpu", drafter_kind: str = "",
+              follows_plain_steps: bool = False,
+              rebuilds_from_tokens: bool = False) -> "Layout":
+        """`config`'s sizes for a model of `model_context` tokens; keeps_context,
+        follows_plain_steps, rebuilds_from_tokens: the drafter's (`decoding.drafter.Drafter`;
+        keeps_context None: a plain engine); width / fed: a step's tokens out / in;
         min_bucket: the shortest default prompt bucket (the offline decoders')."""
         medusa = keeps_context is not None
         slots = config.slots
@@ -167,7 +172,8 @@ class Layout:
         # whole prompt (so never the longest)
         extend_buckets = sorted({b for b in EXTEND_BUCKETS if b < buckets[-1]}
                                 | set(buckets[:-1]))
-        prefix_cache = bool(config.prefix_cache) and bool(extend_buckets) and not keeps_context
+        prefix_cache = (bool(config.prefix_cache) and bool(extend_buckets)
+                        and (not keeps_context or rebuilds_from_tokens))
         slot_buckets = config.slot_buckets
         if slot_buckets is None:
             slot_buckets = [slots] + [2**i for i in range(slots.bit_length()) if 2**i < slots]
@@ -179,8 +185,8 @@ class Layout:
         prefill_batches = sorted({2**i for i in range(most.bit_length())} | {most})
         plain_above = config.plain_above
         if plain_above == "auto":
-            plain_above = auto_plain_above(keeps_context, slots, backend)
-        if plain_above is not None and keeps_context:
+            plain_above = auto_plain_above(keeps_context, slots, backend, follows_plain_steps)
+        if plain_above is not None and keeps_context and not follows_plain_steps:
             raise ValueError(f"plain_above={plain_above}: a {drafter_kind} drafter keeps "
                              f"its own cache of every committed token, which plain steps do "
                              f"not feed; leave plain_above unset with these heads")

@@ -32,7 +32,7 @@ import numpy as np
 from medusa_jax import kernels
 from medusa_jax.decoding import step
 from medusa_jax.decoding.sampling import Rows
-from medusa_jax.decoding.step import DecodeState, batch_axis, static_tree
+from medusa_jax.decoding.step import DecodeState, batch_axis, follows_plain_steps, static_tree
 from medusa_jax.model.backbone import is_decoding_layout
 from medusa_jax.model.cache import KVCache
 from medusa_jax.model.config import ModelConfig
@@ -129,18 +129,21 @@ def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array
 
 
 def extend(params, heads, cache: KVCache, tokens: jax.Array, start: jax.Array,
-           length: jax.Array, key: jax.Array, rows: Rows, src: jax.Array, *,
-           cfg: ModelConfig, drafter, tree, capacity: int) -> DecodeState:
+           length: jax.Array, key: jax.Array, rows: Rows, src: jax.Array,
+           prompt: jax.Array | None = None, *, cfg: ModelConfig, drafter, tree,
+           capacity: int) -> DecodeState:
     """A prompt whose first `start` tokens are in slot `src`'s row of the slots' `cache`
     (int32 scalars; read only): the rest, tokens [1, Q] (right-padded; start + Q within
     the cache), prefilled after a copy of that row. length [1]: the whole prompt's; key
-    [1, ...]: its key data. A one-row state, as `prefill`'s, for `insert`. (Updating the
+    [1, ...]: its key data. prompt [1, W]: the whole prompt (right-padded), for a drafter
+    that keeps context and is begun on it again (None otherwise). A one-row state, as
+    `prefill`'s, for `insert`. (Updating the
     slots' cache here too would make XLA copy all of it, to read the row first.)"""
     width = 1 if drafter is None else static_tree(tree).depth + 1
     row = cache.row(src).replace(lengths=start[None])
     return step.start_after_prefix(params, cfg, row, tokens, length,
                                    jax.random.wrap_key_data(key), rows, drafter, heads, width,
-                                   draft_capacity=capacity)
+                                   draft_capacity=capacity, prompt=prompt)
 
 
 def leading_rows(s: DecodeState, rows: int, window: int, axis: int) -> DecodeState:
@@ -179,14 +182,18 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
     slots (default all: the others must be free).
     `plain`: plain steps on a Medusa engine's state (its drafter carry left as it is: the
     next Medusa step drafts from it once, verification keeps the tokens exact, and then
-    drafts from its own state again). Returns the state and those slots' tokens (`rows`
+    drafts from its own state again; a drafter that follows plain steps is handed their
+    tokens instead). Returns the state and those slots' tokens (`rows`
     rows)."""
     if drafter is not None and not plain:
         one = functools.partial(step.medusa_step, params, cfg, drafter, heads, tree,
                                 window=window)
         width = static_tree(tree).depth + 1
     else:
-        one, width = functools.partial(step.plain_step, params, cfg, window=window), 1
+        # a drafter that follows plain steps is handed their tokens
+        one = functools.partial(step.plain_step, params, cfg, window=window,
+                                drafter=drafter if follows_plain_steps(drafter) else None)
+        width = 1
     full, axis = s, batch_axis(drafter)
     rows = s.root.shape[0] if rows is None else rows
     # One client pays for one row, not S; and the loop carries only the window it attends
@@ -397,7 +404,9 @@ class Programs:
             lowered = j["extend"].lower(m.params, self.heads, state.cache,
                                         np.zeros((1, key.bucket), np.int32), np.int32(1),
                                         np.full((1,), 2, np.int32), key_data(0),
-                                        self._row(), np.int32(0))
+                                        self._row(), np.int32(0),
+                                        np.zeros((1, key.window), np.int32)
+                                        if self.drafter.keeps_context else None)
             return (lowered.compile(), j["insert"].lower(
                 state, lowered.out_info, np.int32(0), np.int32(0)).compile())
         if isinstance(key, MoveKey):
