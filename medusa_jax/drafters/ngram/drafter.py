@@ -227,6 +227,12 @@ class NgramDrafter:
         buf = carry.tokens.at[jnp.arange(b), at].set(tokens.astype(jnp.int32), mode="drop")
         return NgramCarry(tokens=buf, length=carry.length + live.astype(jnp.int32))
 
+    def shared_pool(self, size: int):
+        """(this drafter reading a pool shared across requests of `size` entries, the pool:
+        `drafters.ngram.pool`); a one-line ValueError when the table would not fit."""
+        from medusa_jax.drafters.ngram.pool import shared_pool  # it builds on this module
+        return shared_pool(self, size)
+
 
 def tree_tokens(drafts: jax.Array, found: jax.Array, root: jax.Array, paths_ranks: tuple
                 ) -> tuple[jax.Array, jax.Array]:
