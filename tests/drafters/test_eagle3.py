@@ -399,6 +399,24 @@ def test_training_time_test_losses_accuracies_and_gradients_match_the_reference(
         assert max_diff(grads[n], torch_grads[n]) < 1e-4 * scale + 1e-7, n
 
 
+def test_a_fresh_drafter_starts_as_the_references():
+    """init_eagle3's linear weights as torch's default nn.Linear: uniform in
+    +-1/sqrt(fan_in) (wo's fan-in: NH x D), norms at one; std= draws normal(0, std)."""
+    heads = eagle3.init_eagle3(jax.random.key(0), CFG)
+    shapes = eagle3.param_shapes(CFG)
+    for name in eagle3.WEIGHTS:
+        w = np.asarray(heads[name])
+        if "norm" in name:
+            assert np.all(w == 1), name
+            continue
+        fan_in = NH * D if name == "wo" else shapes[name][0]
+        bound = 1 / math.sqrt(fan_in)
+        assert np.abs(w).max() <= bound and np.abs(w).max() > 0.9 * bound, name
+        assert abs(w.std() - bound / math.sqrt(3)) < 0.1 * bound, name  # uniform's spread
+    small = eagle3.init_eagle3(jax.random.key(0), CFG, std=0.02)
+    assert abs(float(np.std(small["lm_head"])) - 0.02) < 0.005
+
+
 @pytest.mark.parametrize("draft_vocab", [VD, V])
 def test_the_training_recipes_loss_is_the_references(draft_vocab):
     """The recipe's loss (`training.recipes.eagle3.ttt_loss`: the backbone's side computed

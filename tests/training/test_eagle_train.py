@@ -189,6 +189,8 @@ def test_default_aux_layers():
     (["--draft-vocab", "513"], "--draft-vocab 513 is larger than the model's vocabulary of "
                                "512 tokens"),
     (["--ttt-steps", "0"], "--ttt-steps must be >= 1"),
+    (["--adam-b2", "1"], "--adam-b2 must be in [0, 1), got 1.0"),
+    (["--grad-clip", "-1"], "--grad-clip must be >= 0, got -1.0"),
 ])
 def test_bad_flags_are_one_line_errors(flags, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
@@ -197,6 +199,20 @@ def test_bad_flags_are_one_line_errors(flags, needle, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("python -m train.eagle: error: ") and needle in err[-1], err
     assert not (tmp_path / "run").exists()
+
+
+def test_the_optimiser_is_the_references_by_default(tmp_path):
+    """train.eagle's AdamW b2 and clip default to SafeAILab's traineagle3 (0.95, 0.5), the
+    Medusa recipes' stay 0.999 and 1.0; the flags change them."""
+    from train import hydra as train_hydra
+
+    out = ["--output-dir", str(tmp_path / "run")]
+    cfg, _, _ = train_eagle.command.parse_args(out)
+    assert (cfg.adam_b2, cfg.grad_clip) == (0.95, 0.5)
+    cfg, _, _ = train_eagle.command.parse_args([*out, "--adam-b2", "0.99", "--grad-clip", "1"])
+    assert (cfg.adam_b2, cfg.grad_clip) == (0.99, 1.0)
+    cfg, _, _ = train_hydra.command.parse_args(out)
+    assert (cfg.adam_b2, cfg.grad_clip) == (0.999, 1.0)
 
 
 def test_fewer_steps_than_the_benchmark_trees_depth_is_fine(tmp_path):
