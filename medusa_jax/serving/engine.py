@@ -454,7 +454,7 @@ class Engine:
                 tokens = np.zeros((1, a.key.bucket), np.int32)
                 tokens[0, :n - a.start] = req.prompt[a.start:]
                 prompt = None  # the whole prompt, for a drafter begun on it again
-                if self.drafter.keeps_context:
+                if self.drafter is not None and self.drafter.keeps_context:
                     prompt = np.zeros((1, a.key.window), np.int32)
                     prompt[0, :n] = req.prompt
                 prefill_after, put = self.program(a.key)

@@ -406,7 +406,8 @@ class Programs:
                                         np.full((1,), 2, np.int32), key_data(0),
                                         self._row(), np.int32(0),
                                         np.zeros((1, key.window), np.int32)
-                                        if self.drafter.keeps_context else None)
+                                        if self.drafter is not None and
+                                        self.drafter.keeps_context else None)
             return (lowered.compile(), j["insert"].lower(
                 state, lowered.out_info, np.int32(0), np.int32(0)).compile())
         if isinstance(key, MoveKey):

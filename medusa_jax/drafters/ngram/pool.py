@@ -1,0 +1,232 @@
+"""A pool of n-grams shared across requests (the server's `--ngram-shared`), as llama.cpp's
+ngram-mod: a bounded, hashed table from the hash of n tokens to the `width` tokens that
+followed them in an earlier request (its prompt and output).
+
+`NgramPool` is the table on the host (numpy): `add(tokens)` writes every n-gram of a finished
+request, direct-mapped (entry = hash mod size; a later n-gram evicts an earlier one at the
+same entry, so the table never holds more than `size`); the engine calls it between calls,
+never inside the decoding loop, and hands the table to the device with `into(heads)` (the
+same shapes each time: nothing recompiles). `PooledNgramDrafter` is the n-gram drafter that
+also looks the context's last n tokens up there (`lookup`: one hash and one gather per row):
+where the pool holds them and the row's own history has no match at least as long, the
+best continuation is the pool's. A hash collision only drafts wrong tokens, which
+verification rejects: the pool changes no output.
+
+The carry counts each row's lookups that found an entry (`pool_hits`), the server's
+`medusa_ngram_pool_hits_total`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.decoding.drafter import BoundParams
+from medusa_jax.decoding.step import tree_proposal
+from medusa_jax.decoding.tree import DynamicTree
+from medusa_jax.drafters.ngram.drafter import (
+    NgramCarry,
+    NgramDrafter,
+    continuations,
+    history_with_root,
+    match_lengths,
+    tree_tokens,
+)
+from medusa_jax.runtime import pytree as struct
+
+POOL_WIDTH = 8  # tokens kept after each n-gram
+MAX_POOL_BYTES = 4 << 30  # the stated bound on the table, besides the free memory
+ENTRY_BYTES = 4 * (POOL_WIDTH + 2)  # key, length, tokens (int32 each)
+KEYS, LENS, NEXT = "ngram_pool_keys", "ngram_pool_lens", "ngram_pool_next"
+
+_FNV_OFFSET, _FNV_PRIME = 2166136261, 16777619
+
+
+def hash_tokens(ctx) -> np.ndarray:
+    """ctx [..., n] int -> [...] uint32 (FNV-1a over the tokens' 32 bits; `hash_device`
+    computes the same on the device)."""
+    ctx = np.asarray(ctx).astype(np.uint32)
+    h = np.full(ctx.shape[:-1], _FNV_OFFSET, np.uint32)
+    with np.errstate(over="ignore"):  # modulo 2**32, as the device's
+        for t in range(ctx.shape[-1]):
+            h = (h ^ ctx[..., t]) * np.uint32(_FNV_PRIME)
+    return h
+
+
+def hash_device(ctx: jax.Array) -> jax.Array:
+    """`hash_tokens` on the device: ctx [..., n] int32 -> [...] uint32."""
+    ctx = ctx.astype(jnp.uint32)
+    h = jnp.full(ctx.shape[:-1], _FNV_OFFSET, jnp.uint32)
+    for t in range(ctx.shape[-1]):
+        h = (h ^ ctx[..., t]) * jnp.uint32(_FNV_PRIME)
+    return h
+
+
+def available_bytes() -> int | None:
+    """The machine's available memory (None where it cannot be read)."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_size(size) -> None:
+    """A one-line ValueError unless a pool of `size` entries fits: an integer >= 1 whose
+    table is within MAX_POOL_BYTES and the available memory."""
+    if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"ngram pool size must be an integer >= 1 (entries), got {size!r}")
+    need = int(size) * ENTRY_BYTES
+    free = available_bytes()
+    for bound, what in ((MAX_POOL_BYTES, "the pool's bound"), (free, "the available memory")):
+        if bound is not None and need > bound:
+            raise ValueError(f"ngram pool size {size} entries needs {need / 2**30:.2f} GiB "
+                             f"({ENTRY_BYTES} bytes each), over {what} "
+                             f"({bound / 2**30:.2f} GiB)")
+
+
+class NgramPool:
+    """The host table: `size` entries of (hash of n tokens [uint32], how many tokens
+    followed [int32, 0: empty], those tokens [width] int32)."""
+
+    def __init__(self, size: int, n: int, width: int = POOL_WIDTH):
+        check_size(size)
+        self.size, self.n, self.width = int(size), int(n), int(width)
+        self.keys = np.zeros((self.size,), np.uint32)
+        self.lens = np.zeros((self.size,), np.int32)
+        self.next = np.zeros((self.size, self.width), np.int32)
+        self.lock = threading.Lock()
+        self.dirty = False  # added to since `into` last ran
+
+    @property
+    def entries(self) -> int:
+        return int(np.count_nonzero(self.lens))
+
+    def add(self, tokens) -> int:
+        """Every n-gram of `tokens` (a request's prompt and output) with the tokens after it
+        (up to `width`); later ones win an entry. Returns the n-grams written."""
+        seq = np.asarray(tokens, np.int64).reshape(-1)
+        count = len(seq) - self.n  # n-grams that have a next token
+        if count < 1:
+            return 0
+        i = np.arange(count)[:, None]
+        ctx = seq[i + np.arange(self.n)[None]]  # [C, n]
+        h = hash_tokens(ctx)
+        at = i + self.n + np.arange(self.width)[None]  # [C, W]
+        cont = np.where(at < len(seq), seq[np.minimum(at, len(seq) - 1)], 0)
+        lens = np.minimum(len(seq) - (np.arange(count) + self.n), self.width)
+        slot = (h % np.uint32(self.size)).astype(np.int64)
+        with self.lock:  # duplicate slots: numpy keeps the last write (the latest n-gram)
+            self.keys[slot] = h
+            self.lens[slot] = lens
+            self.next[slot] = cont
+            self.dirty = True
+        return count
+
+    def lookup(self, ctx) -> list[int] | None:
+        """The tokens after the n tokens `ctx` (the host's answer, as the device's), or None."""
+        h = hash_tokens(np.asarray(ctx)[-self.n:])
+        s = int(h % np.uint32(self.size))
+        if self.lens[s] == 0 or self.keys[s] != h:
+            return None
+        return [int(t) for t in self.next[s, :self.lens[s]]]
+
+    def arrays(self) -> dict:
+        with self.lock:
+            self.dirty = False
+            return {KEYS: jnp.asarray(self.keys), LENS: jnp.asarray(self.lens),
+                    NEXT: jnp.asarray(self.next)}
+
+    def into(self, heads) -> BoundParams:
+        """`heads` (the drafter's prepared parameters) with the table as it is now."""
+        return BoundParams({**dict(heads), **self.arrays()}, heads.drafter)
+
+    def add_request(self, prompt, tokens) -> int:
+        """The engine's hook: a finished request's prompt and output."""
+        return self.add(list(prompt) + list(tokens))
+
+
+@struct.dataclass
+class PooledCarry:
+    hist: NgramCarry
+    hits: jax.Array  # [B] int32: lookups that found an entry in the pool
+
+
+def lookup(heads, hist: jax.Array, last: jax.Array, n: int):
+    """hist [B, S] with each row's context ending at last [B] -> (found [B] bool, tokens [B,
+    W] int32, their count [B]): the pool's entry for the context's last n tokens."""
+    idx = last[:, None] - (n - 1) + jnp.arange(n)[None]  # [B, n]
+    ctx = jnp.take_along_axis(hist, jnp.maximum(idx, 0), axis=1)
+    h = hash_device(ctx)
+    keys, lens, nxt = heads[KEYS], heads[LENS], heads[NEXT]
+    slot = (h % jnp.uint32(keys.shape[0])).astype(jnp.int32)
+    found = (keys[slot] == h) & (lens[slot] > 0) & (last >= n - 1)
+    return found, nxt[slot], lens[slot]
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledNgramDrafter(NgramDrafter):
+    """The n-gram drafter that also reads a shared pool of `size` entries (its parameters:
+    the table, `NgramPool.into`); n-grams of `max_n` tokens are pooled."""
+
+    size: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} (shared pool of {self.size} entries)"
+
+    def prepare(self, heads, tree, cpu_kernels: bool = False) -> BoundParams:
+        """The bare parameters with an empty table (what `NgramPool.into` fills)."""
+        empty = {KEYS: jnp.zeros((self.size,), jnp.uint32),
+                 LENS: jnp.zeros((self.size,), jnp.int32),
+                 NEXT: jnp.zeros((self.size, POOL_WIDTH), jnp.int32)}
+        return BoundParams({**dict(heads), **empty}, self)
+
+    def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
+        hist = super().begin(params, heads, hidden, aux, tokens, lengths, root, capacity)
+        return PooledCarry(hist=hist, hits=jnp.zeros_like(hist.length))
+
+    def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root, lengths,
+                live):
+        # the lookup the step's proposal made (root tokens[:, 0] after the history), counted
+        found, _, _ = lookup(heads, history_with_root(carry.hist, tokens[:, 0]),
+                             carry.hist.length, self.max_n)
+        hist = super().advance(params, heads, carry.hist, hidden, aux, tokens, acc_len,
+                               next_root, lengths, live)
+        return PooledCarry(hist=hist, hits=carry.hits + (found & live).astype(jnp.int32))
+
+    def append(self, carry, tokens, live):
+        return PooledCarry(hist=super().append(carry.hist, tokens, live), hits=carry.hits)
+
+    def pool_hits(self, carry) -> jax.Array:
+        """[B] int32: each row's lookups that found an entry."""
+        return carry.hits
+
+    def propose(self, params, heads, carry, root, tree, draw=None):
+        static = tree.pool if isinstance(tree, DynamicTree) else tree
+        hist = history_with_root(carry.hist, root)
+        last = carry.hist.length
+        drafts, found = continuations(hist, last, static.top_k, static.depth, self.max_n,
+                                      self.min_n)
+        own_n = jnp.max(match_lengths(hist, last, self.max_n, self.min_n), axis=1)  # [B]
+        hit, nxt, count = lookup(heads, hist, last, self.max_n)
+        use = hit & (own_n < self.max_n)  # the pool's context is the longer one
+        depth = static.depth
+        cont = nxt[:, :depth] if depth <= POOL_WIDTH else \
+            jnp.pad(nxt, ((0, 0), (0, depth - POOL_WIDTH)))  # [B, D]
+        pooled = jnp.where(jnp.arange(depth)[None] < count[:, None], cont, drafts[:, 0])
+        drafts = drafts.at[:, 0].set(jnp.where(use[:, None], pooled, drafts[:, 0]))
+        found = found.at[:, 0].set(found[:, 0] | use)
+        tokens, logp = tree_tokens(drafts, found, root, static.paths_ranks)
+        return tree_proposal(tokens, logp if isinstance(tree, DynamicTree) else None, tree)
+
+
+def shared_pool(drafter: NgramDrafter, size: int) -> tuple[PooledNgramDrafter, NgramPool]:
+    """The drafter reading a new pool of `size` entries, and that pool (n-grams of the
+    drafter's `max_n` tokens)."""
+    pool = NgramPool(size, drafter.max_n)
+    return PooledNgramDrafter(drafter.max_n, drafter.min_n, size=int(size)), pool
