@@ -108,8 +108,8 @@ def rejection(logits, tokens, tree: Tree, s: Sampling, keys, valid=None):
 
 def rejection_logp(logp, tokens, tree: Tree, keys, valid=None, drafts=None):
     """`rejection` given each node's target distribution: logp [B, T, V] log-probs.
-    `drafts`: (draws [B, T, k], draft log-probs [B, T, V]) when the drafts were sampled
-    (`step.DraftSampler`): then `rejection_drafted`'s rule."""
+    `drafts`: (draws [B, T, k], draft log-probs [B, T, V][, fixed [B, T, k] or None]) when
+    the drafts were sampled (`step.DraftSampler`): then `rejection_drafted`'s rule."""
     if drafts is not None:
         return rejection_drafted(logp, tree, keys, valid, *drafts)
     children = jnp.asarray(tree.children)
@@ -179,7 +179,7 @@ def _walk(tree: Tree, probs, key, try_node):
     return jnp.argmax(agrees), acc_len, bonus.astype(jnp.int32)
 
 
-def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
+def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq, fixed=None):
     """Lossless recursive rejection over drafts drawn without replacement from the
     drafter's distribution q (SpecInfer's multi-draft rule, as SafeAILab/EAGLE and vLLM
     verify sampled drafts, with q updated for drawing without replacement).
@@ -193,6 +193,10 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
     (drawn after it was exhausted) is offered as a deterministic draft (q_i = its one-hot).
     When no draft is accepted the next root is drawn from what is left of p. The emitted
     tokens are distributed exactly as plain sampling's, whatever q is.
+    `fixed` [B, T, k] bool (None: none): drafts that were not drawn (merged n-gram drafts);
+    each node offers them first, in rank order, as deterministic drafts (q = their one-hot,
+    q_i of the drawn ones untouched), then its drawn ones: a fixed draft does not depend on
+    the draws, so the drawn ones keep their q_i.
     logp [B, T, V] the target's log-probs per node; draft_logq [B, T, V] the log-probs the
     node's drafts were drawn from."""
     rank_child = jnp.asarray(tree.rank_child)  # [T, k]
@@ -200,28 +204,35 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
     k = rank_child.shape[1]
     if valid is None:
         valid = jnp.ones(logp.shape[:2], bool)
+    if fixed is None:
+        fixed = jnp.zeros(draws.shape, bool)
 
-    def one_row(logp_row, key, valid_row, draws_row, logq_row):
+    def one_row(logp_row, key, valid_row, draws_row, logq_row, fixed_row):
         probs = jnp.exp(logp_row)  # [T, V]
 
         def try_drafts(node, key):
-            def body(carry, r):
+            order = jnp.argsort(~fixed_row[node], stable=True)  # fixed ones first
+
+            def body(carry, i):
                 residual, q_left, chosen, ends, key = carry
                 key, sub = jax.random.split(key)
+                r = order[i]
+                is_fixed = fixed_row[node, r]
                 tok = draws_row[node, r]
                 child = rank_child[node, r]
                 is_child = (child >= 0) & valid_row[jnp.maximum(child, 0)]
                 live = offered[node, r] & (chosen < 0) & (ends < 0)
                 p = residual / jnp.maximum(jnp.sum(residual), 1e-30)
                 q_mass = jnp.sum(q_left)
-                q = jnp.where(q_mass > 0, q_left / jnp.maximum(q_mass, 1e-30),
-                              jax.nn.one_hot(tok, p.shape[-1], dtype=p.dtype))
+                one_hot = jax.nn.one_hot(tok, p.shape[-1], dtype=p.dtype)
+                q = jnp.where((q_mass > 0) & ~is_fixed,
+                              q_left / jnp.maximum(q_mass, 1e-30), one_hot)
                 accept = live & (jax.random.uniform(sub) * q[tok] < p[tok])
                 chosen = jnp.where(accept & is_child, child, chosen)
                 ends = jnp.where(accept & ~is_child, tok, ends)
                 rejected = live & ~accept
                 residual = jnp.where(rejected, jnp.maximum(p - q, 0.0), residual)
-                q_left = jnp.where(rejected, q_left.at[tok].set(0.0), q_left)
+                q_left = jnp.where(rejected & ~is_fixed, q_left.at[tok].set(0.0), q_left)
                 return (residual, q_left, chosen, ends, key), None
 
             init = (probs[node], jnp.exp(logq_row[node]), jnp.int32(-1), jnp.int32(-1), key)
@@ -230,7 +241,7 @@ def rejection_drafted(logp, tree: Tree, keys, valid, draws, draft_logq):
 
         return _walk(tree, probs, key, try_drafts)
 
-    return jax.vmap(one_row)(logp, keys, valid, draws, draft_logq.astype(jnp.float32))
+    return jax.vmap(one_row)(logp, keys, valid, draws, draft_logq.astype(jnp.float32), fixed)
 
 
 def accept_rows(logits, tokens, tree: Tree, rows: Rows, keys, valid=None, slot=None,

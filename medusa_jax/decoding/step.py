@@ -87,6 +87,9 @@ class Proposal:
     # were drawn from, over the target vocabulary; None: each node's top-k, deterministic
     draws: jax.Array | None = None  # [B, N, top_k] int32
     draft_logq: jax.Array | None = None  # [B, N, V] float32 log-probabilities
+    # with `draws`: which of a node's drafts are fixed, not drawn (merged n-gram drafts):
+    # acceptance offers them first, each with a one-hot q; None: all drawn
+    fixed: jax.Array | None = None  # [B, N, top_k] bool
 
     def fed_index(self, nodes: jax.Array) -> jax.Array:
         """Node indices [B, ...] -> their indices in `fed`."""
@@ -425,7 +428,7 @@ def medusa_step(params: Params, cfg: ModelConfig, drafter, heads: Params,
     logits, hidden, (k_new, v_new), cache, *aux = verify(
         params, cfg, prop, s.cache, window, tuple(drafter.aux_layers))  # 2
     if "acceptance" in stages:
-        drafts = None if prop.draws is None else (prop.draws, prop.draft_logq)
+        drafts = None if prop.draws is None else (prop.draws, prop.draft_logq, prop.fixed)
         best, acc_len, next_root = acceptance.accept_rows(
             logits, prop.tokens, static, s.rows, sub, prop.valid, prop.slot, live,
             drafts)  # 3

@@ -9,10 +9,10 @@ extra` in all); the chain is never traded against the drafter's nodes. The draft
 (`MergedDrafter`) runs the inner drafter on the tree without the chain, the n-gram drafter
 for the chain, and lays both on the merged tree.
 
-Rejection sampling: the inner drafter proposes its top-k (not drawn drafts), and every draft
-is verified as a deterministic one (accepted with the target's probability), which is
-lossless whatever the tokens; drawn drafts would need acceptance to tell the n-gram's fixed
-draft apart from the drawn ones at the root.
+Rejection sampling: the inner drafter draws its drafts as it does alone (`DraftSampler`),
+and the chain's tokens are marked fixed (`Proposal.fixed`): acceptance offers the chain's
+first token at the root before the drawn ones, as a deterministic draft (accepted with the
+target's probability), then the drawn ones with their own q; lossless either way.
 
 `merged(heads, extra)`: heads of any kind bound to their merged drafter; decode them with
 `MergedDrafter.tree_for(tree)`.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -202,14 +203,14 @@ class MergedDrafter:
         inner_tree, extra = split_tree(tree)
         static = tree.pool if isinstance(tree, DynamicTree) else tree
         inner_carry, ngram = carry
-        # drafts verified as deterministic ones (no `draw`): see the module docstring
-        prop = self.inner.propose(params, heads, inner_carry, root, inner_tree)
+        prop = self.inner.propose(params, heads, inner_carry, root, inner_tree, draw)
         chain, _ = self.ngram.drafts(self._ngram_carry(ngram), root, 1, extra)
         chain = chain[:, 0].astype(jnp.int32)  # [B, extra]
         at = jnp.asarray(_layout(static.paths_ranks, static.top_k))
         tokens = jnp.concatenate([prop.tokens, chain], axis=1)[:, at]
+        drafts = _merged_drafts(prop, chain, at)
         if not isinstance(tree, DynamicTree):
-            return tree_proposal(tokens, None, tree)
+            return tree_proposal(tokens, None, tree).replace(**drafts)
         b, t = prop.fed.shape
         j = jnp.arange(extra)
         fed_mask = jnp.zeros((b, t + extra, t + extra), bool)
@@ -223,7 +224,28 @@ class MergedDrafter:
             fed_mask=fed_mask, tokens=tokens,
             valid=jnp.concatenate([prop.valid, jnp.ones((b, extra), bool)], axis=1)[:, at],
             slot=jnp.concatenate([prop.slot, jnp.broadcast_to(t + j, (b, extra))
-                                  .astype(prop.slot.dtype)], axis=1)[:, at])
+                                  .astype(prop.slot.dtype)], axis=1)[:, at], **drafts)
+
+
+def _merged_drafts(prop: Proposal, chain: jax.Array, at: jax.Array) -> dict:
+    """The inner drafter's drawn drafts (draws [B, N_in, k], draft_logq [B, N_in, V]) and the
+    chain [B, extra] laid on the merged tree's nodes (`at`): each node's drafts [B, N, k + 1]
+    (the root's rank k: the chain's first token; a chain node's rank 0: the next one) and
+    which of them are fixed [B, N, k + 1]; a chain node draws nothing (q of no mass)."""
+    if prop.draws is None:
+        return {}
+    b, n_in, k = prop.draws.shape
+    extra = chain.shape[1]
+    draws = jnp.zeros((b, n_in + extra, k + 1), prop.draws.dtype)
+    draws = draws.at[:, :n_in, :k].set(prop.draws).at[:, 0, k].set(chain[:, 0])
+    draws = draws.at[:, n_in:n_in + extra - 1, 0].set(chain[:, 1:])
+    fixed = jnp.zeros(draws.shape, bool)
+    if prop.fixed is not None:
+        fixed = fixed.at[:, :n_in, :k].set(prop.fixed)
+    fixed = fixed.at[:, 0, k].set(True).at[:, n_in:n_in + extra - 1, 0].set(True)
+    none = jnp.full((b, extra, prop.draft_logq.shape[-1]), -jnp.inf, prop.draft_logq.dtype)
+    logq = jnp.concatenate([prop.draft_logq, none], axis=1)
+    return dict(draws=draws[:, at], draft_logq=logq[:, at], fixed=fixed[:, at])
 
 
 def merged(heads: Params, extra: int = DEFAULT_EXTRA, ngram: NgramDrafter | None = None,
