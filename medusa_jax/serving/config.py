@@ -38,7 +38,9 @@ class EngineConfig:
     compiled for; acceptance: "rejection" or "typical"; slot_buckets: slot counts a step is
     compiled for; plain_above: plain steps above this many live slots ("auto", or None:
     never); prefill_batch: prompts prefilled in one call at most; short_call_ms /
-    overlap_ms: call sizing (None: off); prefix_cache: prefill after cached prefixes."""
+    overlap_ms: call sizing (None: off); prefix_cache: prefill after cached prefixes;
+    ngram_shared / ngram_shared_size: a pool of n-grams shared across requests (the
+    drafter's `shared_pool`) and its entries."""
 
     # the fields with `option` metadata are `infer.serve`'s flags as they are (the others
     # are flags of their own there: a different name, or a default read from the model)
@@ -69,6 +71,15 @@ class EngineConfig:
     short_call_ms: float | None = None
     overlap_ms: float | None = 20.0
     prefix_cache: bool = True
+    ngram_shared: bool = option(False, "share a pool of n-grams across requests: the tokens "
+                                "that followed each n-gram in finished requests (prompt and "
+                                "output), drafted from where a row's own history has no "
+                                "match as long; with a drafter that keeps one, e.g. the "
+                                "n-gram drafter (default: off)")
+    ngram_shared_size: int = option(1 << 20, "the shared n-gram pool's entries at most "
+                                    "(a hashed table: a later n-gram evicts an earlier one "
+                                    "at the same entry; default {default})",
+                                    type=positive_int, metavar="N")
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE:
@@ -85,6 +96,10 @@ class EngineConfig:
         if isinstance(self.plain_above, str) and self.plain_above != "auto":
             raise ValueError(f"plain_above must be a slot count, \"auto\" or None, "
                              f"got {self.plain_above!r}")
+        if (not isinstance(self.ngram_shared_size, int) or isinstance(self.ngram_shared_size, bool)
+                or self.ngram_shared_size < 1):
+            raise ValueError(f"ngram_shared_size must be an integer >= 1 (entries), "
+                             f"got {self.ngram_shared_size!r}")
         if self.short_call_ms is not None and not self.short_call_ms > 0:
             raise ValueError(f"short_call_ms must be > 0 (or None: always K steps), "
                              f"got {self.short_call_ms!r}")

@@ -123,6 +123,15 @@ class Engine:
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
         self.drafter = drafter_for(model.heads) if use_medusa else None
+        self.pool = None  # the drafter's pool shared across requests (`ngram_shared`)
+        if config.ngram_shared:
+            share = getattr(self.drafter, "shared_pool", None)
+            if share is None:
+                raise ValueError("ngram_shared: " + (
+                    f"a {self.drafter.kind} drafter keeps no shared n-gram pool"
+                    if use_medusa else "plain decoding drafts nothing")
+                    + " (the n-gram drafter does: --heads ngram)")
+            self.drafter, self.pool = share(config.ngram_shared_size)
         self.tree = model.tree(config.tree) if use_medusa else None
         self.medusa = use_medusa
         # the modes a slot may follow: greedy (temperature 0), else the acceptance setting
@@ -388,6 +397,9 @@ class Engine:
                 return
             req.finished = True
             self._unfinished -= 1
+        if self.pool is not None and reason in ("stop", "length"):
+            # host-side; the device gets the table before the next call (`_loop`)
+            self.metrics.pooled(ngrams=self.pool.add_request(req.prompt, req.tokens))
         try:
             req.on_event(list(tokens), reason, error)
         except Exception:  # a callback must not stop the engine
@@ -478,6 +490,8 @@ class Engine:
                                    np.int32(call.steps))
         for x in (out.tokens, out.counts, out.steps, out.lengths):
             x.copy_to_host_async()
+        if out.pool_hits is not None:
+            out.pool_hits.copy_to_host_async()
         self.metrics.dispatched(call.key.slots, call.steps, call.key.plain)
         return out
 
@@ -509,6 +523,8 @@ class Engine:
                     a.request, [int(t) for t in tokens[a.slot, a.start:a.stop]]):
                 sched.free(a.slot, window=call.key.window)
         self.metrics.stepped(sched.slot_steps - before[0], sched.step_tokens - before[1])
+        if out.pool_hits is not None:
+            self.metrics.pooled(hits=int(out.pool_hits))
 
     def _loop(self):
         sched = self.scheduler
@@ -533,6 +549,8 @@ class Engine:
                 admitted = []
                 while actions := sched.admit():
                     self._run(actions, admitted)
+                if self.pool is not None and self.pool.dirty:  # between calls, never inside
+                    self.programs.heads = self.pool.into(self.programs.heads)
                 nxt = None
                 plan = sched.plan_step(behind_prefill=bool(admitted))
                 if plan:

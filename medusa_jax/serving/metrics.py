@@ -42,6 +42,10 @@ class Metrics:
                                  registry=r)
         self._by_batch = Counter("medusa_prefill_calls_by_batch", "Prefill calls by the "
                                  "prompts they prefilled together", ["prompts"], registry=r)
+        self._pool_hits = Counter("medusa_ngram_pool_hits", "Decoding steps whose context "
+                                  "the shared n-gram pool held (--ngram-shared)", registry=r)
+        self._pool_ngrams = Counter("medusa_ngram_pool_ngrams", "N-grams of finished "
+                                    "requests written to the shared pool", registry=r)
         for n in slot_buckets:
             self._by_slots.labels(slots=str(n))
         for n in prefill_batches:
@@ -67,6 +71,11 @@ class Metrics:
         self._by_steps.labels(steps=str(steps)).inc()
         if plain:
             self._plain_calls.inc()
+
+    def pooled(self, hits: int = 0, ngrams: int = 0):
+        """The shared n-gram pool: lookups that hit, n-grams written."""
+        self._pool_hits.inc(hits)
+        self._pool_ngrams.inc(ngrams)
 
     def resized(self):
         self._resizes.inc()
@@ -96,6 +105,8 @@ class Metrics:
     resizes = property(lambda self: self._value("medusa_cache_resizes"))
     prefix_hits = property(lambda self: self._value("medusa_prefix_cache_hits"))
     prefix_tokens = property(lambda self: self._value("medusa_prefix_cache_tokens"))
+    pool_hits = property(lambda self: self._value("medusa_ngram_pool_hits"))
+    pool_ngrams = property(lambda self: self._value("medusa_ngram_pool_ngrams"))
     calls_by_slots = property(lambda self: self._by("medusa_step_calls_by_slots", "slots"))
     calls_by_steps = property(lambda self: self._by("medusa_step_calls_by_steps", "steps"))
     prefills_by_batch = property(lambda self: self._by("medusa_prefill_calls_by_batch",

@@ -61,6 +61,7 @@ class StepOut:
     steps: jax.Array  # [S] int32: steps slot b was live for
     lengths: jax.Array  # [S] int32: cache lengths after the call
     done: jax.Array  # [S] bool
+    pool_hits: jax.Array | None  # int32 scalar: shared-pool lookups that hit (None: no pool)
 
 
 _ROW_FIELDS = ("root", "count", "steps", "hist", "done", "keys", "rows")  # besides cache, draft
@@ -217,8 +218,11 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
     s0 = s
     _, s, buf, counts = jax.lax.while_loop(
         more, body, (jnp.int32(0), s, jnp.zeros((b, k * width), jnp.int32), zeros))
+    hits = None
+    if drafter is not None and hasattr(drafter, "pool_hits"):  # a drafter's shared pool
+        hits = jnp.sum(drafter.pool_hits(s.draft) - drafter.pool_hits(s0.draft))
     out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
-                  lengths=s.cache.lengths, done=s.done)
+                  lengths=s.cache.lengths, done=s.done, pool_hits=hits)
     return (put_leading_rows(full, s, axis) if part else s), out
 
 

@@ -123,3 +123,33 @@ def test_a_drafter_that_keeps_context_and_cannot_follow_plain_steps_is_refused(b
         Engine(m, slots=SLOTS, max_context=CONTEXT, tree=chain_tree(4), plain_above=1)
     e = Engine(m, slots=SLOTS, max_context=CONTEXT, tree=chain_tree(4))
     assert not e.prefix_cache
+
+
+def test_a_shared_pool_speeds_up_a_repeated_prompt_and_keeps_its_text(base, prompts):
+    """--ngram-shared: the second time a prompt comes, its output's n-grams are in the pool
+    (written when the first finished), so it drafts them: more tokens per step, the same
+    tokens."""
+    e = ngram_engine(base, ngram_shared=True, ngram_shared_size=4096,
+                     prefix_cache=False).start("lazy")
+    try:
+        assert e.pool is not None and e.pool.entries == 0
+        p = prompts[3]
+        rates, outs = [], []
+        for _ in range(2):
+            steps, toks = e.metrics.slot_steps, e.metrics.step_tokens
+            outs.append(run(e, p, 48)[1])
+            rates.append((e.metrics.step_tokens - toks) / (e.metrics.slot_steps - steps))
+        assert outs[0] == outs[1] == offline(base, p, 48)
+        assert e.pool.entries > 0 and e.metrics.pool_ngrams > 0 and e.metrics.pool_hits > 0
+        assert rates[1] > rates[0]
+    finally:
+        e.stop()
+
+
+def test_a_shared_pool_needs_a_drafter_that_keeps_one(base):
+    with pytest.raises(ValueError, match="plain decoding drafts nothing"):
+        Engine(base, slots=2, max_context=CONTEXT, medusa=False, ngram_shared=True)
+    with pytest.raises(ValueError, match="keeps no shared n-gram pool"):
+        Engine(base, slots=2, max_context=CONTEXT, ngram_shared=True)
+    with pytest.raises(ValueError, match="over the pool's bound"):
+        ngram_engine(base, ngram_shared=True, ngram_shared_size=1 << 40)
