@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
                                       "or 'default' / 'hydra' / 'eagle' for the embedded "
-                                      "model's shipped ones (omit for plain decoding)")
+                                      "model's shipped ones, or 'ngram' (n-gram drafts, no "
+                                      "files; omit for plain decoding)")
+    cli.add_ngram_flags(p)
     p.add_argument("--tree", help="tree name or JSON file of paths, or dynamic:N (default: the "
                                   "model's tree)")
     # the engine's options as `EngineConfig` declares them (help and checks written once)
@@ -168,9 +170,13 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         args.engine, args.server = engine_config(args), from_flags(ServerConfig, args)
     except ValueError as e:
         ap.error(str(e))
+    cli.check_ngram_flags(ap, args)
+    if args.engine.ngram_shared and not args.heads:
+        ap.error("--ngram-shared needs a drafter that keeps a pool (--heads ngram); plain "
+                 "decoding drafts nothing")
     slots = args.engine.slots
     try:  # folders or hub ids (found in huggingface_hub's cache), as every command takes them
-        check_model_paths(args.model, args.heads, tokenizer=False)
+        check_model_paths(args.model, cli.heads_to_check(args.heads), tokenizer=False)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     if args.heads in assets.SHIPPED_HEADS and args.model is not None:
@@ -248,7 +254,9 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
     try:
         model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
-                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype)
+                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype,
+                            ngram=args.ngram, ngram_max=args.ngram_max,
+                            ngram_min=args.ngram_min)
         own = model.cfg.max_position_embeddings
         max_context = args.max_context or min(own, DEFAULT_MAX_CONTEXT)
         if max_context < own:
@@ -264,7 +272,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = srv.served_model_name or (model.model_dir.name if model.model_dir else "model")
-    decoding = f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa else "plain"
+    drafter = getattr(engine.drafter, "name", None) or getattr(engine.drafter, "kind", "")
+    decoding = f"{drafter} {engine.tree.name}" if engine.medusa else "plain"
     if engine.plain_above is not None:
         decoding += f", plain steps above {engine.plain_above} live slots"
     if engine.prefix_cache:

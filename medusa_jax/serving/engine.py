@@ -34,6 +34,7 @@ from medusa_jax.decoding.decode import MIN_BUCKET
 from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.step import follows_plain_steps, rebuilds_from_tokens, static_tree
+from medusa_jax.drafters import registry
 from medusa_jax.serving.config import ACCEPTANCE, MAX_STOP, WARMUPS, EngineConfig
 from medusa_jax.serving.layout import Layout
 from medusa_jax.serving.layout import auto_plain_above as _auto_plain_above
@@ -122,7 +123,11 @@ class Engine:
         use_medusa = model.heads is not None if config.medusa is None else bool(config.medusa)
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
-        self.drafter = drafter_for(model.heads) if use_medusa else None
+        heads = model.heads
+        merge = getattr(model, "ngram", None)  # `Medusa.load(ngram=N)`: n-gram chain nodes
+        if use_medusa and merge is not None:
+            heads = registry.merge_ngram(model.heads, merge, *model.ngram_sizes)
+        self.drafter = drafter_for(heads) if use_medusa else None
         self.pool = None  # the drafter's pool shared across requests (`ngram_shared`)
         if config.ngram_shared:
             share = getattr(self.drafter, "shared_pool", None)
@@ -133,6 +138,8 @@ class Engine:
                     + " (the n-gram drafter does: --heads ngram)")
             self.drafter, self.pool = share(config.ngram_shared_size)
         self.tree = model.tree(config.tree) if use_medusa else None
+        if use_medusa and merge is not None:
+            self.tree = self.drafter.tree_for(self.tree)
         self.medusa = use_medusa
         # the modes a slot may follow: greedy (temperature 0), else the acceptance setting
         # (plain decoding samples either way); one compiled step serves both

@@ -153,3 +153,16 @@ def test_a_shared_pool_needs_a_drafter_that_keeps_one(base):
         Engine(base, slots=2, max_context=CONTEXT, ngram_shared=True)
     with pytest.raises(ValueError, match="over the pool's bound"):
         ngram_engine(base, ngram_shared=True, ngram_shared_size=1 << 40)
+
+
+def test_a_model_loaded_with_ngram_serves_merged_drafts(base, prompts):
+    """`Medusa.load(ngram=N)` (`infer.serve --ngram N`): the engine merges the chain into
+    the drafter's tree."""
+    m = Medusa.load(heads="default", ngram=2)
+    e = Engine(m, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
+               prefill_batch=1, slot_buckets=(SLOTS,)).start("lazy")
+    try:
+        assert e.drafter.name.endswith("+ngram") and e.tree.name.endswith("+ngram2")
+        assert run(e, prompts[4])[1] == offline(base, prompts[4])
+    finally:
+        e.stop()
