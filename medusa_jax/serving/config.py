@@ -76,7 +76,7 @@ class EngineConfig:
                                 "output), drafted from where a row's own history has no "
                                 "match as long; with a drafter that keeps one, e.g. the "
                                 "n-gram drafter (default: off)")
-    ngram_shared_size: int = option(1 << 20, "the shared n-gram pool's entries at most "
+    ngram_shared_size: int = option(1 << 16, "the shared n-gram pool's entries at most "
                                     "(a hashed table: a later n-gram evicts an earlier one "
                                     "at the same entry; default {default})",
                                     type=positive_int, metavar="N")

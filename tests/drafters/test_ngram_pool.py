@@ -97,3 +97,15 @@ def test_colliding_entries_never_change_an_output(medusa_default):
     out = medusa_generate(m.params, heads, m.cfg, tokens, lengths, jax.random.key(0),
                           tree=chain_tree(4), max_new_tokens=24)
     assert np.asarray(out.tokens).tolist() == np.asarray(plain.tokens).tolist()
+
+
+def test_into_scatters_what_was_written_since_as_the_whole_table_would():
+    drafter, p = NgramDrafter(max_n=2).shared_pool(256)
+    heads = drafter.prepare({}, chain_tree(3))
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        p.add(rng.integers(0, 50, size=20).tolist())
+        heads = p.into(heads)
+        assert not p.dirty
+        whole = {k: np.asarray(v) for k, v in p.arrays().items()}
+        assert all(np.array_equal(np.asarray(heads[k]), whole[k]) for k in whole)

@@ -6,11 +6,12 @@ followed them in an earlier request (its prompt and output).
 request, direct-mapped (entry = hash mod size; a later n-gram evicts an earlier one at the
 same entry, so the table never holds more than `size`); the engine calls it between calls,
 never inside the decoding loop, and hands the table to the device with `into(heads)` (the
-same shapes each time: nothing recompiles). `PooledNgramDrafter` is the n-gram drafter that
-also looks the context's last n tokens up there (`lookup`: one hash and one gather per row):
-where the pool holds them and the row's own history has no match at least as long, the
-best continuation is the pool's. A hash collision only drafts wrong tokens, which
-verification rejects: the pool changes no output.
+entries written since the last time, scattered into it; the same shapes each time: nothing
+recompiles). `PooledNgramDrafter` is the n-gram drafter that also looks the context's last
+n tokens up there (`lookup`: one hash and one gather per row). The pool's context is `max_n`
+tokens, as long as any match in the row's own history: where it hits, it drafts the best
+continuation. A hash collision only drafts wrong tokens, which verification rejects: the
+pool changes no output.
 
 The carry counts each row's lookups that found an entry (`pool_hits`), the server's
 `medusa_ngram_pool_hits_total`.
@@ -34,7 +35,6 @@ from medusa_jax.drafters.ngram.drafter import (
     NgramDrafter,
     continuations,
     history_with_root,
-    match_lengths,
     tree_tokens,
 )
 from medusa_jax.runtime import pytree as struct
@@ -101,6 +101,7 @@ class NgramPool:
         self.next = np.zeros((self.size, self.width), np.int32)
         self.lock = threading.Lock()
         self.dirty = False  # added to since `into` last ran
+        self._changed: list[np.ndarray] = []  # entries written since then
 
     @property
     def entries(self) -> int:
@@ -124,6 +125,7 @@ class NgramPool:
             self.keys[slot] = h
             self.lens[slot] = lens
             self.next[slot] = cont
+            self._changed.append(slot)
             self.dirty = True
         return count
 
@@ -136,18 +138,47 @@ class NgramPool:
         return [int(t) for t in self.next[s, :self.lens[s]]]
 
     def arrays(self) -> dict:
+        """The whole table, as device arrays."""
         with self.lock:
-            self.dirty = False
+            self.dirty, self._changed = False, []
             return {KEYS: jnp.asarray(self.keys), LENS: jnp.asarray(self.lens),
                     NEXT: jnp.asarray(self.next)}
 
     def into(self, heads) -> BoundParams:
-        """`heads` (the drafter's prepared parameters) with the table as it is now."""
-        return BoundParams({**dict(heads), **self.arrays()}, heads.drafter)
+        """`heads` (the drafter's prepared parameters, holding the table as `into` left it)
+        with the table as it is now: the entries written since are scattered into it (padded
+        to a power of two, so few programs compile), the whole table only where they are
+        more than a quarter of it."""
+        with self.lock:
+            changed = np.unique(np.concatenate(self._changed)) if self._changed else \
+                np.zeros((0,), np.int64)
+            if KEYS not in heads or 4 * len(changed) > self.size:
+                table = None
+            else:
+                pad = max(64, 1 << max(len(changed) - 1, 0).bit_length())
+                at = np.full((pad,), self.size, np.int32)  # past the table: dropped
+                at[:len(changed)] = changed
+                rows = np.minimum(at, self.size - 1)
+                table = _scatter(heads[KEYS], heads[LENS], heads[NEXT], at,
+                                 self.keys[rows], self.lens[rows], self.next[rows])
+                self.dirty, self._changed = False, []
+        if table is None:
+            return BoundParams({**dict(heads), **self.arrays()}, heads.drafter)
+        return BoundParams({**dict(heads), **dict(zip((KEYS, LENS, NEXT), table))},
+                           heads.drafter)
 
     def add_request(self, prompt, tokens) -> int:
         """The engine's hook: a finished request's prompt and output."""
         return self.add(list(prompt) + list(tokens))
+
+
+@jax.jit
+def _scatter(keys, lens, nxt, at, k, n, t):
+    """The table with entries at [U] set to k [U], n [U], t [U, W]; entries past the table
+    are dropped. Not donated: a call in flight and a program being compiled may still hold
+    the table handed out before."""
+    return (keys.at[at].set(k, mode="drop"), lens.at[at].set(n, mode="drop"),
+            nxt.at[at].set(t, mode="drop"))
 
 
 @struct.dataclass
@@ -212,9 +243,10 @@ class PooledNgramDrafter(NgramDrafter):
         last = carry.hist.length
         drafts, found = continuations(hist, last, static.top_k, static.depth, self.max_n,
                                       self.min_n)
-        own_n = jnp.max(match_lengths(hist, last, self.max_n, self.min_n), axis=1)  # [B]
-        hit, nxt, count = lookup(heads, hist, last, self.max_n)
-        use = hit & (own_n < self.max_n)  # the pool's context is the longer one
+        # the pool's context is max_n tokens, as long as any match in the row's own history
+        # can be: where it hits, its continuation is the best (it also drafts with no
+        # second pass over the history)
+        use, nxt, count = lookup(heads, hist, last, self.max_n)
         depth = static.depth
         cont = nxt[:, :depth] if depth <= POOL_WIDTH else \
             jnp.pad(nxt, ((0, 0), (0, depth - POOL_WIDTH)))  # [B, D]
