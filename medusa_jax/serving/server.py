@@ -457,7 +457,7 @@ def create_app(engine: Engine, model_name: str,
                              else "plain"),
                 "drafter": (getattr(engine.drafter, "name", engine.drafter.kind)
                             if engine.medusa else None),
-                "shared_pool": (None if engine.pool is None else
+                "shared_pool": (None if getattr(engine, "pool", None) is None else
                                 {"size": engine.pool.size, "entries": engine.pool.entries}),
                 **compiled}
 

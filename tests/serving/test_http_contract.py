@@ -504,7 +504,8 @@ async def test_health_says_starting_then_ok(stub_engine):
         r = await c.get("/health")
     assert r.status_code == 200
     assert r.json() == {"status": "ok", "slots": 4, "slots_in_use": 0, "queue_depth": 0,
-                        "decoding": "plain", "compiled": 3, "programs": 3, "compiling": None}
+                        "decoding": "plain", "drafter": None, "shared_pool": None,
+                        "compiled": 3, "programs": 3, "compiling": None}
 
 
 async def test_metrics_count_each_finish_reason(stub_engine):
