@@ -113,7 +113,10 @@ class Engine:
       (`keeps_context`) unless it is begun again on the whole prompt's tokens
       (`rebuilds_from_tokens`). A free slot's cache is moved to another free one (the least
       recently used) before its slot takes a new request, so the slots keep what they
-      held."""
+      held.
+    - ngram_shared / ngram_shared_size: the drafter reads a pool shared across requests
+      (its `shared_pool(size)`; `pool`), which the engine writes from each finished
+      request's prompt and output on the host, and hands to the device between calls."""
 
     def __init__(self, model, config: EngineConfig | None = None, *,
                  log: Callable[[str], None] | None = None, **options):
