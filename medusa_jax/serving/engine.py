@@ -127,7 +127,7 @@ class Engine:
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
         heads = model.heads
-        merge = getattr(model, "ngram", None)  # `Medusa.load(ngram=N)`: n-gram chain nodes
+        merge = model.ngram  # `Medusa.load(ngram=N)`: n-gram chain nodes merged (or None)
         if use_medusa and merge is not None:
             heads = registry.merge_ngram(model.heads, merge, *model.ngram_sizes)
         self.drafter = drafter_for(heads) if use_medusa else None
