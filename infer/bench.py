@@ -42,7 +42,11 @@ from medusa_jax.runtime import assets, compile_cache, options, quiet
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, mesh=True)
+    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
+                                      f"{shipped.help_names()} for the embedded model's "
+                                      f"shipped ones, or {shipped.NGRAM!r} for n-gram drafts "
+                                      "(no files; default: the shipped Medusa heads)",
+                        mesh=True)
     p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
                                      "(default: held-out TinyStories openings)")
     p.add_argument("--num-prompts", type=options.positive_int, default=16)
