@@ -307,10 +307,11 @@ class EagleConfig(TrainConfig):
                                    "the reference's)")
     adam_b2: float = option(0.95, "Adam's second-moment decay b2 (default {default}, the "
                                   "reference's)")
-    # the default job's budget (under 10 minutes on 2 cores, report included): a step of the
-    # training-time test costs about 7 drafter layers forward and back, so fewer rows
-    batch_size: int = option(8, "rows (one example each) per optimizer step (default "
-                                "{default})")
+    # the default job's budget (under 10 minutes on 2 cores, report included): a row costs
+    # a drafter layer forward and back per training-time-test step, so 3 steps of 16 rows
+    # (twice the rows of 7 steps of 8 for less compute: the better drafter at 4 and at 16
+    # verified nodes, docs/benchmarks/2026-12-06-eagle3-recipe.md)
+    batch_size: int = option(16, "packed rows per optimizer step (default {default})")
     aux_layers: tuple[int, ...] | None = option(
         None, "the three backbone layers A,B,C (low, mid, high) whose INPUT the drafter "
               "reads, 0 <= A < B < C < L (default: EAGLE's 2,L//2,L-3 from 7 layers, else "
@@ -319,9 +320,9 @@ class EagleConfig(TrainConfig):
     draft_vocab: int | None = option(
         None, "the drafter's vocabulary: the N most frequent label tokens of the training "
               f"rows (default min(V, {EAGLE_DRAFT_VOCAB}))", metavar="N")
-    ttt_steps: int = option(7, "training-time-test steps: the drafter runs on its own "
+    ttt_steps: int = option(3, "training-time-test steps: the drafter runs on its own "
                                "outputs this many times, step i guessing token t+i+2 "
-                               "(default {default}, the reference's)")
+                               "(default {default}; the reference's 7 for larger budgets)")
 
     DEFAULT_STEPS: ClassVar[int] = 400
     RUN_PREFIX: ClassVar[str] = "eagle"
