@@ -31,11 +31,6 @@ def no_decoding(monkeypatch):
     monkeypatch.setattr(api, "medusa_generate", boom)
 
 
-def one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg and "Traceback" not in msg, msg
-    return msg
-
 
 @pytest.mark.parametrize("prompts, kwargs, error, message", [
     # prompts
@@ -93,10 +88,10 @@ def one_line(e: pytest.ExceptionInfo) -> str:
     (["Lily"], dict(tree=5), TypeError, "tree must be a tree name, a JSON file path or a Tree, "
                                         "got int 5"),
 ])
-def test_generate_rejects(model, no_decoding, prompts, kwargs, error, message):
+def test_generate_rejects(model, no_decoding, prompts, kwargs, error, message, one_line_error):
     with pytest.raises(error) as e:
         model.generate(prompts, **kwargs)
-    assert one_line(e) == message
+    assert one_line_error.message(e) == message
 
 
 @pytest.mark.slow
@@ -107,13 +102,14 @@ def test_plain_decoding_may_fill_the_whole_context(model):
     assert 1 <= out[0].new_tokens <= 112
 
 
-def test_generate_checks_the_tree_against_the_vocabulary(model, no_decoding, tmp_path):
+def test_generate_checks_the_tree_against_the_vocabulary(model, no_decoding, tmp_path,
+                                                         one_line_error):
     f = tmp_path / "wide.json"
     f.write_text(json.dumps([[0], [600]]))
     with pytest.raises(ValueError) as e:
         model.generate(["Lily"], tree=f)
-    assert one_line(e) == (f"tree {str(f)!r}: rank 600 is beyond the model's vocabulary of "
-                           f"512 tokens (ranks must be < 512)")
+    assert one_line_error.message(e) == (f"tree {str(f)!r}: rank 600 is beyond the model's "
+                                         f"vocabulary of 512 tokens (ranks must be < 512)")
 
 
 @pytest.mark.slow
@@ -131,16 +127,17 @@ def test_generate_accepts_token_ids_as_arrays_and_tuples(model):
     (dict(param_dtype=None), "param_dtype must be a str such as 'float32' or 'bfloat16', got "
                              "NoneType None"),
 ])
-def test_load_rejects(kwargs, message):
+def test_load_rejects(kwargs, message, one_line_error):
     with pytest.raises(TypeError) as e:
         Medusa.load(**kwargs)
-    assert one_line(e) == message
+    assert one_line_error.message(e) == message
 
 
-def test_load_rejects_an_unknown_heads_dtype():
+def test_load_rejects_an_unknown_heads_dtype(one_line_error):
     with pytest.raises(ValueError) as e:
         Medusa.load(heads="default", heads_dtype="float16")
-    assert one_line(e) == "heads_dtype must be one of float32, bfloat16, got 'float16'"
+    assert one_line_error.message(e) == ("heads_dtype must be one of float32, bfloat16, "
+                                         "got 'float16'")
 
 
 def test_heads_in_bfloat16_draft_and_emit_what_plain_decoding_does():
@@ -158,23 +155,24 @@ def test_heads_in_bfloat16_draft_and_emit_what_plain_decoding_does():
     assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
 
 
-def test_load_names_an_invalid_model_config_not_the_tokenizer(tmp_path):
+def test_load_names_an_invalid_model_config_not_the_tokenizer(tmp_path, one_line_error):
     d = tmp_path / "model"
     shutil.copytree(default_model_dir(), d)
     (d / "config.json").write_text('{"model_type": "llama", "hidden_size": "wide"}')
     with pytest.raises(ValueError) as e:
         Medusa.load(d)
-    assert "config.json" in one_line(e) and "tokenizer" not in str(e.value)
+    assert "config.json" in one_line_error.message(e) and "tokenizer" not in str(e.value)
 
 
-def test_load_model_without_tokenizer(tmp_path):
+def test_load_model_without_tokenizer(tmp_path, one_line_error):
     d = tmp_path / "model"
     shutil.copytree(default_model_dir(), d,
                     ignore=shutil.ignore_patterns("tokenizer*"))
     with pytest.raises(WeightsError) as e:
         Medusa.load(d)
-    assert one_line(e) == (f"{d}: no tokenizer in this folder (looked for tokenizer.json, "
-                           f"tokenizer.model, tokenizer_config.json)")
+    assert one_line_error.message(e) == (f"{d}: no tokenizer in this folder (looked for "
+                                         f"tokenizer.json, tokenizer.model, "
+                                         f"tokenizer_config.json)")
 
 
 # ---- the first minutes

@@ -12,11 +12,6 @@ from medusa_jax.drafters import registry, shipped
 PROMPTS = ["Lily had a red ball. Lily liked the ball. One day Lily", "Once upon a time"]
 
 
-def one_line(e: pytest.ExceptionInfo) -> str:
-    msg = str(e.value)
-    assert "\n" not in msg, msg
-    return msg
-
 
 @pytest.fixture
 def no_loading(monkeypatch):
@@ -39,17 +34,18 @@ def no_loading(monkeypatch):
     (dict(heads="hydra", ngram="3"), TypeError, "ngram must be True, False, None or a number"),
     (dict(heads="hydra", ngram_max=3), ValueError, "use them with heads ngram or ngram"),
 ])
-def test_load_rejects(no_loading, kwargs, error, message):
+def test_load_rejects(no_loading, kwargs, error, message, one_line_error):
     with pytest.raises(error) as e:
         Medusa.load(**kwargs)
-    assert message in one_line(e)
+    assert message in one_line_error.message(e)
 
 
-def test_load_rejects_sizes_larger_than_the_context(no_loading, model_folder):
+def test_load_rejects_sizes_larger_than_the_context(no_loading, model_folder, one_line_error):
     d = model_folder(max_position_embeddings=32)
     with pytest.raises(ValueError) as e:
         Medusa.load(d, heads="ngram", ngram_max=40)
-    assert "ngram_max 40 is larger than the model's context (32 tokens)" in one_line(e)
+    msg = one_line_error.message(e)
+    assert "ngram_max 40 is larger than the model's context (32 tokens)" in msg
 
 
 def test_check_ngram_names_the_context():

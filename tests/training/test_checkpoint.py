@@ -197,10 +197,6 @@ def _truncate_arrays(step_dir):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
-def _one_line(message):
-    assert "\n" not in message and "Traceback" not in message, message
-
-
 def test_restore_falls_back_past_a_corrupt_newest_step(toy_train, two_steps, tmp_path, caplog):
     setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     ckdir = _copy_of(two_steps, tmp_path)
@@ -243,7 +239,8 @@ def test_restore_skips_junk_step_folders(toy_train, two_steps, tmp_path):
     assert (ckdir / "notes" / "todo.txt").is_file()
 
 
-def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, tmp_path):
+def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, tmp_path,
+                                                          one_line_error):
     setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
     for s in ("1", "2"):
@@ -254,13 +251,13 @@ def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, 
         ck.restore(state, shardings, TRAINED)
     ck.close()
     msg = str(e.value)
-    _one_line(msg)
+    one_line_error.message(msg)
     assert msg.startswith(f"{ckdir}: no checkpoint restores")
     assert "step 2: an array file is missing or truncated" in msg and "step 1: " in msg
     assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved or deleted
 
 
-def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path):
+def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path, one_line_error):
     setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
     _truncate_arrays(ckdir / "2")
@@ -268,7 +265,7 @@ def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path):
     ck = Checkpointer(ckdir, create=False)
     with pytest.raises(CheckpointError, match=r"/2: cannot restore this checkpoint") as e:
         ck.restore(state, shardings, TRAINED, step=2)
-    _one_line(str(e.value))
+    one_line_error.message(e)
     with pytest.raises(CheckpointError, match=r"no checkpoint at step 7 \(have: 1, 2\)"):
         ck.restore(state, shardings, TRAINED, step=7)
     ck.close()
@@ -276,7 +273,7 @@ def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path):
 
 @pytest.mark.parametrize("surfaces_in", ["wait", "next save"])
 def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
-        toy_train, two_steps, tmp_path, monkeypatch, caplog, surfaces_in):
+        toy_train, two_steps, tmp_path, monkeypatch, caplog, surfaces_in, one_line_error):
     setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     import errno
 
@@ -302,7 +299,7 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
             state = train(state, step, it, 1)
             ck.save(state, TRAINED, it.position, {})
     msg = str(e.value)
-    _one_line(msg)
+    one_line_error.message(msg)
     assert msg == (f"{ckdir}: saving checkpoint step 3 failed (OSError: [Errno 28] No space "
                    f"left on device: '{ckdir}/3.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp'"
                    f"); step 2 is the last complete checkpoint")
@@ -318,7 +315,7 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])
 
 
-def test_checkpoint_directory_that_is_a_file(tmp_path):
+def test_checkpoint_directory_that_is_a_file(tmp_path, one_line_error):
     f = tmp_path / "ckpt"
     f.write_text("a file where the checkpoint directory should be")
     with pytest.raises(CheckpointError, match=r"ckpt: not a directory, cannot save"):
@@ -326,7 +323,7 @@ def test_checkpoint_directory_that_is_a_file(tmp_path):
     with pytest.raises(CheckpointError, match=r"ckpt/sub: cannot create the checkpoint "
                                               r"directory \(NotADirectoryError") as e:
         Checkpointer(f / "sub")
-    _one_line(str(e.value))
+    one_line_error.message(e)
 
 
 def test_unwritable_checkpoint_directory_during_a_run(toy_train, two_steps, tmp_path):
