@@ -32,6 +32,7 @@ from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree, chain_tree
 from medusa_jax.drafters import shipped
+from medusa_jax.drafters.ngram import pool
 from medusa_jax.model.backbone import Params
 from medusa_jax.runtime import pytree as struct
 
@@ -230,8 +231,8 @@ class NgramDrafter:
     def shared_pool(self, size: int):
         """(this drafter reading a pool shared across requests of `size` entries, the pool:
         `drafters.ngram.pool`); a one-line ValueError when the table would not fit."""
-        from medusa_jax.drafters.ngram.pool import shared_pool  # it builds on this module
-        return shared_pool(self, size)
+        table = pool.NgramPool(size, self.max_n)
+        return PooledNgramDrafter(self.max_n, self.min_n, size=int(size)), table
 
 
 def tree_tokens(drafts: jax.Array, found: jax.Array, root: jax.Array, paths_ranks: tuple
@@ -244,3 +245,67 @@ def tree_tokens(drafts: jax.Array, found: jax.Array, root: jax.Array, paths_rank
     own = jnp.where(found[:, cand], _MATCHED_LOGP + _PER_CANDIDATE_LOGP * cand[None],
                     _UNMATCHED_LOGP)
     return tokens, own.at[:, 0].set(0.0)
+
+
+@struct.dataclass
+class PooledCarry:
+    hist: NgramCarry
+    hits: jax.Array  # [B] int32: lookups that found an entry in the pool
+
+
+@dataclasses.dataclass(frozen=True)
+class PooledNgramDrafter(NgramDrafter):
+    """The n-gram drafter that also reads a shared pool of `size` entries (its parameters:
+    the table, `NgramPool.into`); n-grams of `max_n` tokens are pooled."""
+
+    size: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind} (shared pool of {self.size} entries)"
+
+    def prepare(self, heads, tree, cpu_kernels: bool = False) -> BoundParams:
+        """The bare parameters with an empty table (what `NgramPool.into` fills)."""
+        empty = {pool.KEYS: jnp.zeros((self.size,), jnp.uint32),
+                 pool.LENS: jnp.zeros((self.size,), jnp.int32),
+                 pool.NEXT: jnp.zeros((self.size, pool.POOL_WIDTH), jnp.int32)}
+        return BoundParams({**dict(heads), **empty}, self)
+
+    def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
+        hist = super().begin(params, heads, hidden, aux, tokens, lengths, root, capacity)
+        return PooledCarry(hist=hist, hits=jnp.zeros_like(hist.length))
+
+    def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root, lengths,
+                live):
+        # the lookup the step's proposal made (root tokens[:, 0] after the history), counted
+        found, _, _ = pool.lookup(heads, history_with_root(carry.hist, tokens[:, 0]),
+                             carry.hist.length, self.max_n)
+        hist = super().advance(params, heads, carry.hist, hidden, aux, tokens, acc_len,
+                               next_root, lengths, live)
+        return PooledCarry(hist=hist, hits=carry.hits + (found & live).astype(jnp.int32))
+
+    def append(self, carry, tokens, live):
+        return PooledCarry(hist=super().append(carry.hist, tokens, live), hits=carry.hits)
+
+    def pool_hits(self, carry) -> jax.Array:
+        """[B] int32: each row's lookups that found an entry."""
+        return carry.hits
+
+    def propose(self, params, heads, carry, root, tree, draw=None):
+        static = tree.pool if isinstance(tree, DynamicTree) else tree
+        hist = history_with_root(carry.hist, root)
+        last = carry.hist.length
+        drafts, found = continuations(hist, last, static.top_k, static.depth, self.max_n,
+                                      self.min_n)
+        # the pool's context is max_n tokens, as long as any match in the row's own history
+        # can be: where it hits, its continuation is the best (it also drafts with no
+        # second pass over the history)
+        use, nxt, count = pool.lookup(heads, hist, last, self.max_n)
+        depth = static.depth
+        cont = nxt[:, :depth] if depth <= pool.POOL_WIDTH else \
+            jnp.pad(nxt, ((0, 0), (0, depth - pool.POOL_WIDTH)))  # [B, D]
+        pooled = jnp.where(jnp.arange(depth)[None] < count[:, None], cont, drafts[:, 0])
+        drafts = drafts.at[:, 0].set(jnp.where(use[:, None], pooled, drafts[:, 0]))
+        found = found.at[:, 0].set(found[:, 0] | use)
+        tokens, logp = tree_tokens(drafts, found, root, static.paths_ranks)
+        return tree_proposal(tokens, logp if isinstance(tree, DynamicTree) else None, tree)

@@ -7,11 +7,11 @@ request, direct-mapped (entry = hash mod size; a later n-gram evicts an earlier 
 same entry, so the table never holds more than `size`); the engine calls it between calls,
 never inside the decoding loop, and hands the table to the device with `into(heads)` (the
 entries written since the last time, scattered into it; the same shapes each time: nothing
-recompiles). `PooledNgramDrafter` is the n-gram drafter that also looks the context's last
-n tokens up there (`lookup`: one hash and one gather per row). The pool's context is `max_n`
-tokens, as long as any match in the row's own history: where it hits, it drafts the best
-continuation. A hash collision only drafts wrong tokens, which verification rejects: the
-pool changes no output.
+recompiles). `drafter.PooledNgramDrafter` is the n-gram drafter that also looks the
+context's last n tokens up there (`lookup`: one hash and one gather per row). The pool's
+context is `max_n` tokens, as long as any match in the row's own history: where it hits, it
+drafts the best continuation. A hash collision only drafts wrong tokens, which verification
+rejects: the pool changes no output.
 
 The carry counts each row's lookups that found an entry (`pool_hits`), the server's
 `medusa_ngram_pool_hits_total`.
@@ -19,7 +19,6 @@ The carry counts each row's lookups that found an entry (`pool_hits`), the serve
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 
@@ -28,16 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.drafter import BoundParams
-from medusa_jax.decoding.step import tree_proposal
-from medusa_jax.decoding.tree import DynamicTree
-from medusa_jax.drafters.ngram.drafter import (
-    NgramCarry,
-    NgramDrafter,
-    continuations,
-    history_with_root,
-    tree_tokens,
-)
-from medusa_jax.runtime import pytree as struct
 
 POOL_WIDTH = 8  # tokens kept after each n-gram
 MAX_POOL_BYTES = 4 << 30  # the stated bound on the table, besides the free memory
@@ -181,12 +170,6 @@ def _scatter(keys, lens, nxt, at, k, n, t):
             nxt.at[at].set(t, mode="drop"))
 
 
-@struct.dataclass
-class PooledCarry:
-    hist: NgramCarry
-    hits: jax.Array  # [B] int32: lookups that found an entry in the pool
-
-
 def lookup(heads, hist: jax.Array, last: jax.Array, n: int):
     """hist [B, S] with each row's context ending at last [B] -> (found [B] bool, tokens [B,
     W] int32, their count [B]): the pool's entry for the context's last n tokens."""
@@ -197,68 +180,3 @@ def lookup(heads, hist: jax.Array, last: jax.Array, n: int):
     slot = (h % jnp.uint32(keys.shape[0])).astype(jnp.int32)
     found = (keys[slot] == h) & (lens[slot] > 0) & (last >= n - 1)
     return found, nxt[slot], lens[slot]
-
-
-@dataclasses.dataclass(frozen=True)
-class PooledNgramDrafter(NgramDrafter):
-    """The n-gram drafter that also reads a shared pool of `size` entries (its parameters:
-    the table, `NgramPool.into`); n-grams of `max_n` tokens are pooled."""
-
-    size: int = 1
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind} (shared pool of {self.size} entries)"
-
-    def prepare(self, heads, tree, cpu_kernels: bool = False) -> BoundParams:
-        """The bare parameters with an empty table (what `NgramPool.into` fills)."""
-        empty = {KEYS: jnp.zeros((self.size,), jnp.uint32),
-                 LENS: jnp.zeros((self.size,), jnp.int32),
-                 NEXT: jnp.zeros((self.size, POOL_WIDTH), jnp.int32)}
-        return BoundParams({**dict(heads), **empty}, self)
-
-    def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
-        hist = super().begin(params, heads, hidden, aux, tokens, lengths, root, capacity)
-        return PooledCarry(hist=hist, hits=jnp.zeros_like(hist.length))
-
-    def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root, lengths,
-                live):
-        # the lookup the step's proposal made (root tokens[:, 0] after the history), counted
-        found, _, _ = lookup(heads, history_with_root(carry.hist, tokens[:, 0]),
-                             carry.hist.length, self.max_n)
-        hist = super().advance(params, heads, carry.hist, hidden, aux, tokens, acc_len,
-                               next_root, lengths, live)
-        return PooledCarry(hist=hist, hits=carry.hits + (found & live).astype(jnp.int32))
-
-    def append(self, carry, tokens, live):
-        return PooledCarry(hist=super().append(carry.hist, tokens, live), hits=carry.hits)
-
-    def pool_hits(self, carry) -> jax.Array:
-        """[B] int32: each row's lookups that found an entry."""
-        return carry.hits
-
-    def propose(self, params, heads, carry, root, tree, draw=None):
-        static = tree.pool if isinstance(tree, DynamicTree) else tree
-        hist = history_with_root(carry.hist, root)
-        last = carry.hist.length
-        drafts, found = continuations(hist, last, static.top_k, static.depth, self.max_n,
-                                      self.min_n)
-        # the pool's context is max_n tokens, as long as any match in the row's own history
-        # can be: where it hits, its continuation is the best (it also drafts with no
-        # second pass over the history)
-        use, nxt, count = lookup(heads, hist, last, self.max_n)
-        depth = static.depth
-        cont = nxt[:, :depth] if depth <= POOL_WIDTH else \
-            jnp.pad(nxt, ((0, 0), (0, depth - POOL_WIDTH)))  # [B, D]
-        pooled = jnp.where(jnp.arange(depth)[None] < count[:, None], cont, drafts[:, 0])
-        drafts = drafts.at[:, 0].set(jnp.where(use[:, None], pooled, drafts[:, 0]))
-        found = found.at[:, 0].set(found[:, 0] | use)
-        tokens, logp = tree_tokens(drafts, found, root, static.paths_ranks)
-        return tree_proposal(tokens, logp if isinstance(tree, DynamicTree) else None, tree)
-
-
-def shared_pool(drafter: NgramDrafter, size: int) -> tuple[PooledNgramDrafter, NgramPool]:
-    """The drafter reading a new pool of `size` entries, and that pool (n-grams of the
-    drafter's `max_n` tokens)."""
-    pool = NgramPool(size, drafter.max_n)
-    return PooledNgramDrafter(drafter.max_n, drafter.min_n, size=int(size)), pool
