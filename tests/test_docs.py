@@ -255,3 +255,25 @@ def test_the_check_catches_what_it_should():
     assert _check_span("cfg.hidden_size", base) == []
     assert _check_span("decoding.step.DraftSampler", base) == []
     assert _check_span("decoding.nowhere.DraftSampler", base)
+
+
+# a measured figure: a ratio (`2.19x`, `0.46x-0.49x`) or a time in ms; the guides and the
+# README describe behaviour and link to docs/results.md and the dated logs for these
+FIGURE = re.compile(r"(?<![\w.])\d+\.\d+x(?:-\d+(?:\.\d+)?x)?(?!\w)|\b\d+(?:\.\d+)? ms\b")
+
+
+def test_measured_figures_live_in_the_results_page_and_the_logs():
+    """A figure written in two places goes stale in one of them: outside docs/results.md and
+    docs/benchmarks/, the README and the guides hold no measured ratio or time."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.name == "results.md":
+            continue
+        fenced = False
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if FENCE.match(line):
+                fenced = not fenced
+            if not fenced and FIGURE.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {FIGURE.search(line).group(0)}")
+    assert not found, "measured figures outside docs/results.md and docs/benchmarks/:\n" + \
+        "\n".join(found)
