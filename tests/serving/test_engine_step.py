@@ -75,11 +75,13 @@ def _staggered(engine, prompts, n, **kw):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads", ["medusa", "hydra"])
+@pytest.mark.parametrize("heads", ["hydra"])
 def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
     """3 slots, 7 prompts of different lengths arriving while others decode: each
     request's tokens are offline `medusa_generate`'s (via `Medusa.generate`), which are
-    plain greedy decoding's."""
+    plain greedy decoding's. Medusa heads: tests/serving/test_engine.py's staggered
+    requests; EAGLE-3: tests/drafters/test_eagle3_decoding.py; n-gram:
+    tests/serving/test_engine_ngram.py."""
     model = request.getfixturevalue(heads)
     prompts = _prompts(model)
     assert len({len(p) for p in prompts}) > 3
