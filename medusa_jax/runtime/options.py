@@ -1,11 +1,13 @@
 """Command-line options shared by the entry points in train/ and infer/ (stdlib only).
 
-- `add_config_flags` turns a config dataclass into flags: one `--flag-name` per field, its
-  type from the annotation, its help and choices from the field's metadata (`option`; a
-  subclass rewords inherited help in its `HELP` class attribute).
-  Defaults stay None on the command line, so "given" means typed by the user.
-- `parse_config` builds the config from the flags, or from a run's saved config.json
-  plus the flags allowed to change on `--resume`.
+- `add_config_flags` turns a config dataclass into flags: one `--flag-name` per field (or
+  the name its `option` gives), its type from the annotation, its help and choices from
+  the field's metadata (`option`; a subclass rewords inherited help in its `HELP` class
+  attribute). Defaults stay None on the command line, so "given" means typed by the user
+  (a field whose flag has a default of its own passes the flag's value as it is).
+- `config_from_flags` builds the config from those flags; `parse_config` does so for the
+  training commands, or from a run's saved config.json plus the flags allowed to change
+  on `--resume`. `same_option` declares a field as another config declares it.
 - `int_list` parses "1,4,16"; `errors_to_exit` turns the library's errors into one line;
   `writable_output` and `mesh_spec` check an output path and a mesh spec before any work.
 """
@@ -21,11 +23,29 @@ import types
 import typing
 from pathlib import Path
 
+_UNSET = object()
 
-def option(default, help: str, **flag):
+
+def option(default, help: str, flag: str | tuple[str, ...] | None = None,
+           flag_default=_UNSET, **argparse_kw):
     """A config field with its command-line help (`{default}` is filled in) and any extra
-    argparse keywords (choices, metavar)."""
-    return dataclasses.field(default=default, metadata={"help": help, "flag": flag})
+    argparse keywords (type, choices, metavar, nargs, const; action="store_true" for a
+    switch with no --no- form). `flag`: the flag's name, or names, where they are not the
+    field's (`--prefill-buckets` for `buckets`). `flag_default`: the flag's own default
+    where a command's differs from the field's, or where a flag value stands for None
+    ("never", 0: off); such a flag's value always goes to the config, None included."""
+    names = (flag,) if isinstance(flag, str) else tuple(flag or ())
+    meta = {"help": help, "flag": argparse_kw, "names": names}
+    if flag_default is not _UNSET:
+        meta["flag_default"] = flag_default
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def same_option(cls, name: str):
+    """The field `name` as the config `cls` declares it (default, help, flag): for a config
+    that takes the same option."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return dataclasses.field(default=f.default, metadata=f.metadata)
 
 
 def _base_type(annotation):
@@ -48,18 +68,32 @@ def add_config_flags(ap: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (
         if f.name in skip or "help" not in f.metadata:
             continue
         typ = _base_type(hints[f.name])
-        kw = dict(f.metadata["flag"])
+        kw = dict(f.metadata["flag"], dest=f.name, default=f.metadata.get("flag_default"))
         kw["help"] = helps.get(f.name, f.metadata["help"]).format(default=f.default)
-        flag = "--" + f.name.replace("_", "-")
-        if typing.get_origin(hints[f.name]) is tuple:
-            ap.add_argument(flag, action="append", default=None, **kw)
+        names = f.metadata.get("names") or ("--" + f.name.replace("_", "-"),)
+        if typing.get_origin(hints[f.name]) is tuple and "type" not in kw:
+            ap.add_argument(*names, action="append", **kw)  # one value per flag given
         elif typ is bool:
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, **kw)
+            kw.setdefault("action", argparse.BooleanOptionalAction)
+            ap.add_argument(*names, **kw)
         else:
             if "choices" not in kw:
                 kw.setdefault("metavar", typ.__name__.upper())
             kw.setdefault("type", typ)  # a field's own parser (e.g. `int_list`) wins
-            ap.add_argument(flag, default=None, **kw)
+            ap.add_argument(*names, **kw)
+
+
+def config_from_flags(cls, args: argparse.Namespace):
+    """`cls` from the flags `add_config_flags` made for it: each flag given (a list as a
+    tuple), the field's default for the others. ValueError (one line) from its checks."""
+    given = {}
+    for f in dataclasses.fields(cls):
+        if "help" not in f.metadata or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value is not None or "flag_default" in f.metadata:
+            given[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**given)
 
 
 def add_run_flags(ap: argparse.ArgumentParser):
