@@ -42,34 +42,19 @@ import time
 from pathlib import Path
 
 from medusa_jax import cli
+from medusa_jax.constants import DTYPES
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import assets, compile_cache, hub, options
-from medusa_jax.serving.config import API_KEY_ENV, EngineConfig, ServerConfig
+from medusa_jax.serving.config import (
+    API_KEY_ENV,
+    DEFAULT_MAX_CONTEXT,
+    EngineConfig,
+    ServerConfig,
+)
 
-DEFAULT_MAX_CONTEXT = 4096  # served when a model declares more (--max-context)
 MAX_CONNECTIONS = 1024
 DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answered 503
-
-
-def _buckets(text: str) -> tuple[int, ...]:
-    try:
-        out = tuple(int(x) for x in text.split(","))
-    except ValueError:
-        out = ()
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 64,256, got {text!r}")
-    return out
-
-
-_slot_count = options.int_in(0, what="a slot count, 'auto' or 'never'")
-
-
-def _plain_above(text: str) -> int | str | None:
-    """--plain-above-slots: 'auto', 'never' (None) or a slot count >= 0."""
-    if text in ("auto", "never"):
-        return None if text == "never" else text
-    return _slot_count(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,45 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
                                       "model's shipped ones, or 'ngram' (n-gram drafts, no "
                                       "files; omit for plain decoding)")
     cli.add_ngram_flags(p)
-    p.add_argument("--tree", help="tree name or JSON file of paths, or dynamic:N (default: the "
-                                  "model's tree)")
     # the engine's options as `EngineConfig` declares them (help and checks written once)
     options.add_config_flags(p, EngineConfig)
-    p.add_argument("--max-context", type=options.positive_int, default=None,
-                   help=f"KV cache length per slot, at most the model's context (default: "
-                        f"the model's context up to {DEFAULT_MAX_CONTEXT} tokens; the "
-                        f"programs to compile grow with it)")
-    p.add_argument("--prefill-buckets", type=_buckets, default=None,
-                   help="prompt lengths prefill is compiled for, e.g. 64,256 (default: powers "
-                        "of two from 16, and the context; fewer: a faster start, more "
-                        "padding)")
-    p.add_argument("--slot-buckets", type=_buckets, default=None,
-                   help="slot counts a step is compiled for, e.g. 1,4,16 (default: powers of "
-                        "two below --slots, and --slots): a call computes the smallest that "
-                        "holds the slots in use; fewer: a faster start, more idle rows")
-    p.add_argument("--short-call-ms", type=options.nonnegative_float, default=0.0,
-                   metavar="MS",
-                   help="while a slot is free or a request waits, a call runs only as many "
-                        "of its --steps-per-call steps as fit MS milliseconds at the measured "
-                        "step time: a new request's prefill waits less, at some cost per "
-                        "token (default 0: always all)")
-    p.add_argument("--overlap-ms", type=options.nonnegative_float, default=20.0,
-                   metavar="MS",
-                   help="the next call is dispatched before the current one is read only "
-                        "while calls take less than MS milliseconds; a longer call is read "
-                        "first, so a new request waits behind one call, not two (0: always "
-                        "overlap)")
-    p.add_argument("--plain-above-slots", type=_plain_above, default="auto", metavar="N",
-                   help="with heads: plain steps while more than N slots are live (where a "
-                        "batch of trees costs more than it gains); 'never': always Medusa "
-                        "steps; default 'auto': 4 on CPU with more than 4 slots (not for "
-                        "EAGLE-3 drafters), else never")
-    p.add_argument("--no-prefix-cache", action="store_true",
-                   help="prefill every prompt whole (default: a prompt whose beginning a "
-                        "slot's cache holds, from a live request or a finished one, is "
-                        "prefilled only after it; not with EAGLE-3 heads)")
     options.add_config_flags(p, ServerConfig)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="the backbone's weights and compute dtype (default float32)")
     compile_cache.add_flag(p)
     kernel_flags.add_flag(p)
     return p
@@ -148,15 +99,9 @@ def _descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def from_flags(cls, args):
-    """`cls` (EngineConfig, ServerConfig) from the flags `add_config_flags` made for it (its
-    defaults for those not given); ValueError names a bad value."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.metadata and getattr(args, f.name) is not None})
-
-
 def engine_config(args) -> EngineConfig:
-    return from_flags(EngineConfig, args)
+    """The engine's options from the flags (ValueError names a bad value)."""
+    return options.config_from_flags(EngineConfig, args)
 
 
 def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
@@ -167,14 +112,16 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if args.max_queue is not None and args.max_queue < 0:
         ap.error(f"--max-queue must be >= 0, got {args.max_queue}")
     try:  # validated once, here (`Engine` and the server take them as they are)
-        args.engine, args.server = engine_config(args), from_flags(ServerConfig, args)
+        args.engine = engine_config(args)
+        args.server = options.config_from_flags(ServerConfig, args)
     except ValueError as e:
         ap.error(str(e))
     cli.check_ngram_flags(ap, args)
     if args.engine.ngram_shared and not args.heads:
         ap.error("--ngram-shared needs a drafter that keeps a pool (--heads ngram); plain "
                  "decoding drafts nothing")
-    slots = args.engine.slots
+    eng = args.engine
+    slots = eng.slots
     try:  # folders or hub ids (found in huggingface_hub's cache), as every command takes them
         check_model_paths(args.model, cli.heads_to_check(args.heads), tokenizer=False)
     except (ValueError, OSError) as e:
@@ -182,20 +129,20 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     if args.heads in assets.SHIPPED_HEADS and args.model is not None:
         ap.error(f"--heads {args.heads} is only defined for the embedded model (no --model)")
     context = _model_context(args.model)
-    if context is not None and args.max_context is not None and args.max_context > context:
-        ap.error(f"--max-context {args.max_context} is longer than the model's context "
+    if context is not None and eng.max_context is not None and eng.max_context > context:
+        ap.error(f"--max-context {eng.max_context} is longer than the model's context "
                  f"({context} tokens, max_position_embeddings in its config.json)")
-    limit = args.max_context or (min(context, DEFAULT_MAX_CONTEXT) if context else None)
-    if limit is not None and args.prefill_buckets and max(args.prefill_buckets) > limit:
-        ap.error(f"--prefill-buckets {max(args.prefill_buckets)} is longer than the context "
+    limit = eng.max_context or (min(context, DEFAULT_MAX_CONTEXT) if context else None)
+    if limit is not None and eng.buckets and max(eng.buckets) > limit:
+        ap.error(f"--prefill-buckets {max(eng.buckets)} is longer than the context "
                  f"({limit} tokens)")
-    if isinstance(args.plain_above_slots, int) and not 0 <= args.plain_above_slots < slots:
-        ap.error(f"--plain-above-slots {args.plain_above_slots} must be in 0..{slots - 1} "
+    if isinstance(eng.plain_above, int) and not 0 <= eng.plain_above < slots:
+        ap.error(f"--plain-above-slots {eng.plain_above} must be in 0..{slots - 1} "
                  f"(below --slots)")
-    if isinstance(args.plain_above_slots, int) and args.heads is None:
+    if isinstance(eng.plain_above, int) and args.heads is None:
         ap.error("--plain-above-slots needs --heads (a plain server's steps are plain already)")
-    if args.slot_buckets and max(args.slot_buckets) > slots:
-        ap.error(f"--slot-buckets {max(args.slot_buckets)} is more than --slots ({slots})")
+    if eng.slot_buckets and max(eng.slot_buckets) > slots:
+        ap.error(f"--slot-buckets {max(eng.slot_buckets)} is more than --slots ({slots})")
     soft, srv = _descriptor_limit(), args.server
     if srv.max_connections is None:
         srv = dataclasses.replace(srv, max_connections=min(MAX_CONNECTIONS, max(1, soft // 2))
@@ -258,16 +205,11 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
                             ngram=args.ngram, ngram_max=args.ngram_max,
                             ngram_min=args.ngram_min)
         own = model.cfg.max_position_embeddings
-        max_context = args.max_context or min(own, DEFAULT_MAX_CONTEXT)
+        max_context = args.engine.max_context or min(own, DEFAULT_MAX_CONTEXT)
         if max_context < own:
             log(f"serving a context of {max_context} tokens of the model's {own} "
                 f"(--max-context; each longer window adds programs to compile)")
-        engine = Engine(model, args.engine, tree=args.tree, max_context=max_context,
-                        buckets=args.prefill_buckets, slot_buckets=args.slot_buckets,
-                        plain_above=args.plain_above_slots,
-                        short_call_ms=args.short_call_ms or None,
-                        overlap_ms=args.overlap_ms or None,
-                        prefix_cache=not args.no_prefix_cache, log=log)
+        engine = Engine(model, args.engine, max_context=max_context, log=log)
     except (ValueError, FileNotFoundError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

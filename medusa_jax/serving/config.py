@@ -3,8 +3,9 @@
 `EngineConfig` holds what a user chooses for the engine (`Engine(model, **options)` builds
 one); `layout.Layout` derives the sizes the engine runs with from it and the model.
 `ServerConfig` holds the HTTP side's. Their fields with `option` metadata are
-`infer.serve`'s flags (`runtime.options.add_config_flags`); the constants here are the one
-copy those read (this module imports no JAX, so `--help` stays fast).
+`infer.serve`'s flags (`runtime.options.add_config_flags`, a flag's name where it is not the
+field's, e.g. `--prefill-buckets` for `buckets`); the constants and flag parsers here are the
+one copy those read (this module imports no JAX, so `--help` stays fast).
 """
 
 from __future__ import annotations
@@ -25,6 +26,33 @@ EXTEND_BUCKETS = (1, 4)
 # the same throughput (docs/serving.md, "Against llama-server").
 AUTO_PLAIN_ABOVE = 4
 API_KEY_ENV = "MEDUSA_JAX_API_KEY"  # the API key when --api-key is not given
+DEFAULT_MAX_CONTEXT = 4096  # what infer.serve serves of a model that declares more
+
+
+def bucket_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers (--prefill-buckets, --slot-buckets)."""
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        out = ()
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 64,256, got {text!r}")
+    return out
+
+
+_slot_count = int_in(0, what="a slot count, 'auto' or 'never'")
+
+
+def plain_above_slots(text: str) -> int | str | None:
+    """argparse type of --plain-above-slots: 'auto', 'never' (None) or a slot count >= 0."""
+    if text in ("auto", "never"):
+        return None if text == "never" else text
+    return _slot_count(text)
+
+
+def ms_or_off(text: str) -> float | None:
+    """argparse type: milliseconds >= 0, 0 meaning off (None)."""
+    return nonnegative_float(text) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,35 +70,67 @@ class EngineConfig:
     ngram_shared / ngram_shared_size: a pool of n-grams shared across requests (the
     drafter's `shared_pool`) and its entries."""
 
-    # the fields with `option` metadata are `infer.serve`'s flags as they are (the others
-    # are flags of their own there: a different name, or a default read from the model)
+    # every field but `medusa` is an `infer.serve` flag (the server's --plain-above-slots
+    # default differs from a bare engine's: "auto" against None)
     slots: int = option(8, "requests decoded at once (the static batch; default {default})",
                         type=positive_int)
     medusa: bool | None = None
-    tree: object = None
+    tree: object = option(None, "tree name or JSON file of paths, or dynamic:N (default: the "
+                          "model's tree)", type=str, metavar="TREE")
     steps_per_call: int = option(4, "decoding steps per engine call (tokens reach clients "
                                  "per call; a larger value compiles a larger step program; "
                                  "default {default})", type=positive_int)
-    max_context: int | None = None
+    max_context: int | None = option(None, "KV cache length per slot, at most the model's "
+                                     "context (default: the model's context up to "
+                                     f"{DEFAULT_MAX_CONTEXT} tokens; the programs to compile "
+                                     "grow with it)", type=positive_int, metavar="TOKENS")
     window_block: int = option(128, "attention windows are compiled in multiples of this "
                                "(larger: fewer step programs, more attention work per step; "
                                "default {default})", type=positive_int)
     max_queue: int = option(64, "waiting requests past which new ones get 429 "
                             "(default {default})")
-    buckets: tuple[int, ...] | None = None
+    buckets: tuple[int, ...] | None = option(None, "prompt lengths prefill is compiled for, "
+                                             "e.g. 64,256 (default: powers of two from 16, "
+                                             "and the context; fewer: a faster start, more "
+                                             "padding)", flag="--prefill-buckets",
+                                             type=bucket_list, metavar="N,...")
     acceptance: str = option("rejection", "how sampled requests (temperature > 0) accept the "
                              "tree: rejection (default: lossless, plain sampling's "
                              "distribution) or typical (the Medusa paper's typical "
                              "acceptance: longer accepted spans, lossy)", choices=ACCEPTANCE)
-    slot_buckets: tuple[int, ...] | None = None
-    plain_above: int | str | None = None
+    slot_buckets: tuple[int, ...] | None = option(None, "slot counts a step is compiled for, "
+                                                  "e.g. 1,4,16 (default: powers of two "
+                                                  "below --slots, and --slots): a call "
+                                                  "computes the smallest that holds the slots "
+                                                  "in use; fewer: a faster start, more idle "
+                                                  "rows", type=bucket_list, metavar="N,...")
+    plain_above: int | str | None = option(None, "with heads: plain steps while more than N "
+                                           "slots are live (where a batch of trees costs "
+                                           "more than it gains); 'never': always Medusa "
+                                           "steps; default 'auto': 4 on CPU with more than "
+                                           "4 slots (not for EAGLE-3 drafters), else never",
+                                           flag="--plain-above-slots", flag_default="auto",
+                                           type=plain_above_slots, metavar="N")
     prefill_batch: int = option(4, "at most N waiting requests prefilled in one call "
                                 "(batches of 1, 2, 4 ... N; 1: one at a time, fewer "
                                 "programs; default {default})", type=positive_int,
                                 metavar="N")
-    short_call_ms: float | None = None
-    overlap_ms: float | None = 20.0
-    prefix_cache: bool = True
+    short_call_ms: float | None = option(None, "while a slot is free or a request waits, a "
+                                         "call runs only as many of its --steps-per-call "
+                                         "steps as fit MS milliseconds at the measured step "
+                                         "time: a new request's prefill waits less, at some "
+                                         "cost per token (default 0: always all)",
+                                         type=ms_or_off, metavar="MS")
+    overlap_ms: float | None = option(20.0, "the next call is dispatched before the current "
+                                      "one is read only while calls take less than MS "
+                                      "milliseconds; a longer call is read first, so a new "
+                                      "request waits behind one call, not two (default "
+                                      "{default:g}; 0: always overlap)", flag_default=20.0,
+                                      type=ms_or_off, metavar="MS")
+    prefix_cache: bool = option(True, "a prompt whose beginning a slot's cache holds, from a "
+                                "live request or a finished one, is prefilled only after it "
+                                "(default: on; not with EAGLE-3 heads); --no-prefix-cache: "
+                                "prefill every prompt whole")
     ngram_shared: bool = option(False, "share a pool of n-grams across requests: the tokens "
                                 "that followed each n-gram in finished requests (prompt and "
                                 "output), drafted from where a row's own history has no "
