@@ -26,6 +26,7 @@ configuration, then one per compile, warm-up and repetition.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ from medusa_jax.kernels.flags import add_flag as kernels_flag
 from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import assets, compile_cache, options, quiet
+from medusa_jax.tools.bench_config import BenchConfig
 
 
 def build_parser():
@@ -47,77 +49,9 @@ def build_parser():
                                       f"shipped ones, or {shipped.NGRAM!r} for n-gram drafts "
                                       "(no files; default: the shipped Medusa heads)",
                         mesh=True)
-    p.add_argument("--prompts", help="text lines or MT-Bench/Spec-Bench question.jsonl "
-                                     "(default: held-out TinyStories openings)")
-    p.add_argument("--num-prompts", type=options.positive_int, default=16)
-    p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
-    p.add_argument("--modes", default="greedy", help="comma list of greedy,typical,rejection")
-    p.add_argument("--trees", type=options.name_list, default=None,
-                   help="comma list of tree names/files (default: the model's default tree)")
-    p.add_argument("--batch-size", "--batch-sizes", dest="batch_sizes", type=options.int_list(1),
-                   default=[1],
-                   help="comma list, e.g. 1,4,16: speculation pays less as batches grow")
-    p.add_argument("--cache-phases", type=options.int_list(1), default=None,
-                   help="comma list: the decoders' most attention-window phases, e.g. 1,4 "
-                        "(1: attend over the whole KV cache every step; default: the "
-                        "decoders' own); each value gets its own plain and Medusa rows")
-    p.add_argument("--also-heads", type=options.name_list, default=None, metavar="HEADS,...",
-                   help="comma list of more drafters (Medusa or Hydra heads, EAGLE-3 "
-                        f"drafters; {shipped.help_names()}: the embedded model's "
-                        f"shipped ones; {shipped.NGRAM!r}: n-gram drafts, on a chain unless "
-                        "--trees), each benchmarked against the same plain run, side by "
-                        "side with --heads")
+    # everything else as `BenchConfig` declares it (help and checks written once)
+    options.add_config_flags(p, BenchConfig)
     cli.add_ngram_flags(p)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--reps", type=options.positive_int, default=3)
-    p.add_argument("--no-transformers", action="store_true", help="skip the PyTorch baseline")
-    p.add_argument("--hf-prompts", type=options.positive_int, default=4,
-                   help="prompts for the (slow) transformers baseline, first batch size only")
-    p.add_argument("--hf-reps", type=options.positive_int, default=1)
-    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="results as JSON: on standard output, or into FILE")
-    p.add_argument("--plot", help="write a PNG of tokens/step and speedup")
-    p.add_argument("--random-weights", action="store_true",
-                   help="step-time curve of a random backbone of --shape (no decoding)")
-    p.add_argument("--heads-cost", action="store_true",
-                   help="with --random-weights: time the Medusa heads alone at --shape's hidden "
-                        "size and vocabulary, per-head vs shared vs reduced-vocabulary "
-                        "projections (one token, float32)")
-    p.add_argument("--breakdown", action="store_true",
-                   help="where a decoding step's time goes: kernels of the compiled step and "
-                        "the time each stage adds (plain and each --trees tree; greedy, batch 1)")
-    p.add_argument("--step-curve", action="store_true",
-                   help="step-time curve of --model (default: the embedded model), no decoding")
-    p.add_argument("--hardware-report", action="store_true",
-                   help="whether Medusa pays on this device at --shape (random weights, "
-                        "--dtype): bandwidth, matrix peak, the pass time for T = 1 ... 65 "
-                        "tokens against its bound at two cache fills, loop and compile "
-                        "costs, and the speedup the shipped heads' tokens/step predicts")
-    p.add_argument("--compare-layouts", action="store_true",
-                   help="plain greedy decoding of --model with its layers stacked and scanned "
-                        "against the decoding layout (per-layer weights), alternating")
-    p.add_argument("--report-layers", type=options.int_list(1), default=[1, 2],
-                   help="with --hardware-report: layer counts to measure (the shape's depth "
-                        "is extrapolated linearly from them; default 1,2)")
-    p.add_argument("--report-contexts", type=options.int_list(1), default=[512, 4096],
-                   help="with --hardware-report: cache fills to measure (default 512,4096)")
-    p.add_argument("--report-tokens", type=options.int_list(1), default=[1, 5, 9, 17, 33, 65],
-                   help="with --hardware-report: tokens per pass to measure (default "
-                        "1,5,9,17,33,65: plain decoding and trees of 4 ... 64 nodes)")
-    p.add_argument("--shape", default="llama-110m")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--tree-sizes", type=options.int_list(0), default=[0, 4, 8, 16, 32, 64, 128])
-    p.add_argument("--prefix", type=options.positive_int, default=256,
-                   help="context length for the step curve")
-    p.add_argument("--layers", type=options.positive_int, default=None,
-                   help="with --random-weights: per-device memory of Medusa decoding of "
-                        "--shape on --mesh, measured with this many layers and extrapolated "
-                        "to all (parameters, heads, KV cache, compiled temporaries)")
-    p.add_argument("--context", type=options.positive_int, default=2048,
-                   help="KV cache length for --layers (default 2048)")
-    p.add_argument("--compare-kernels", action="store_true",
-                   help="with --step-curve: time every pass with this project's CPU kernel "
-                        "and with XLA's products, alternating, in one process")
     kernels_flag(p)
     compile_cache.add_flag(p)
     return p
@@ -192,7 +126,7 @@ def step_curve(args) -> int:
             cfg, params = load_pretrained(args.model, param_dtype=args.dtype,
                                           compute_dtype=args.dtype, decoding_layout=True)
             label = str(args.model or "stories260K")
-    sizes = sorted(set([0] + args.tree_sizes))
+    sizes = sorted({0, *args.tree_sizes})
     print("measuring bandwidth and matrix peak ...", file=sys.stderr)
     bandwidth, peak = measure_bandwidth(dtype=args.dtype), measure_peak(dtype=args.dtype)
     from medusa_jax import kernels
@@ -359,17 +293,15 @@ def breakdown(args) -> int:
 
 
 def check_args(ap: argparse.ArgumentParser, args) -> None:
-    """Everything that can be checked before JAX is imported and any work starts: --modes
-    and --temperature, the --json and --plot outputs, --model and --heads (paths or hub
-    ids, config.json, the weights' headers). Errors are one line, exit status 2."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes:
-        ap.error(f"--modes {args.modes!r}: give at least one of {', '.join(cli.DECODE_MODES)}")
-    for m in modes:
-        if m not in cli.DECODE_MODES:
-            ap.error(f"--modes: {m!r} is not one of {', '.join(cli.DECODE_MODES)}")
-    if any(m != "greedy" for m in modes) and not args.temperature > 0:
-        ap.error(f"--temperature must be > 0 for --modes {args.modes}, got {args.temperature}")
+    """Everything that can be checked before JAX is imported and any work starts: the
+    config (`BenchConfig`: --modes, --temperature, ...), the --json and --plot outputs,
+    --model and --heads (paths or hub ids, config.json, the weights' headers). Errors are
+    one line, exit status 2. `args` then holds the config's values (lists as tuples)."""
+    try:
+        cfg = options.config_from_flags(BenchConfig, args)
+    except ValueError as e:
+        ap.error(str(e))
+    vars(args).update(dataclasses.asdict(cfg), mode_list=cfg.mode_list)
     try:
         if args.prompts:  # read again when the prompts are used; a bad file fails here
             from medusa_jax.text.prompt_files import read_prompt_file
@@ -429,7 +361,7 @@ def main(argv=None) -> int:
         return breakdown(args)
     from medusa_jax.decoding.decode import check_fits
 
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]  # checked: check_args
+    modes = args.mode_list  # checked: check_args
     prompts = cli.read_prompts(args.prompts, args.num_prompts)
     model = cli.load_with_heads(args.model, args.heads, args.mesh, args.heads_dtype,
                                 ngram_max=args.ngram_max, ngram_min=args.ngram_min)
@@ -531,7 +463,7 @@ def _bench_batch(args, model, ids, prompts, modes, trees, common, results, bs, p
     if first is not None:  # later --cache-phases values: speedup against the first
         row["speedup"] = round(plain.tokens_per_second / first["tokens_per_second"], 3)
     results.append(row)
-    if not args.no_transformers and bs == args.batch_sizes[0] and first is None:
+    if args.transformers and bs == args.batch_sizes[0] and first is None:
         # transformers is slow on this model: time it on the first --hf-prompts prompts,
         # against our plain decoding of the same prompts
         sub = ids[: args.hf_prompts]

@@ -14,12 +14,11 @@ import json
 import sys
 
 from medusa_jax import cli
+from medusa_jax.decoding.config import DecodeConfig
 from medusa_jax.drafters import shipped
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import compile_cache, options, quiet
-
-MODES = cli.DECODE_MODES  # acceptance.MODES, without importing JAX before the arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,17 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
                         mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
-    p.add_argument("--mode", choices=MODES, default="greedy")
-    p.add_argument("--tree", help="tree name or JSON file of paths (default: the model's tree; "
-                                  "--heads ngram: a chain)")
+    options.add_config_flags(p, DecodeConfig)  # --mode, --tree, --max-new-tokens, ...
     cli.add_ngram_flags(p)
-    p.add_argument("--max-new-tokens", type=options.positive_int, default=128)
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=options.seed_int, default=0)
-    p.add_argument("--batch-size", type=options.positive_int, default=8)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     compile_cache.add_flag(p)
     kernel_flags.add_flag(p)
@@ -53,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.tree and not args.heads:
+    try:  # validated once, here
+        cfg = options.config_from_flags(DecodeConfig, args)
+    except ValueError as e:
+        ap.error(str(e))
+    if cfg.tree and not args.heads:
         ap.error("--tree needs --heads (without heads, decoding is plain and uses no tree)")
     cli.check_ngram_flags(ap, args)
     prompts = list(args.prompt or [])
@@ -61,8 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         prompts += [p for p, _ in cli.read_prompts(args.prompts_file, flag="--prompts-file")]
     if not prompts:
         prompts = ["Once upon a time"]
-    if args.mode != "greedy" and not args.temperature > 0:
-        ap.error(f"--temperature must be > 0 for --mode {args.mode}, got {args.temperature}")
     try:  # paths (and hub ids) before JAX: a wrong one fails at once
         check_model_paths(args.model, cli.heads_to_check(args.heads))
     except (ValueError, OSError) as e:
@@ -74,14 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from medusa_jax.api import Medusa
 
     try:
-        model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
-                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype,
+        model = Medusa.load(args.model, args.heads, param_dtype=cfg.dtype,
+                            compute_dtype=cfg.dtype, heads_dtype=args.heads_dtype,
                             mesh=args.mesh, ngram=args.ngram, ngram_max=args.ngram_max,
                             ngram_min=args.ngram_min)
-        kwargs = dict(max_new_tokens=args.max_new_tokens, mode=args.mode, tree=args.tree,
-                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                      seed=args.seed, batch_size=args.batch_size)
-        results = model.generate(prompts, **kwargs)
+        results = model.generate(prompts, **cfg.generate_args())
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

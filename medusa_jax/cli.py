@@ -7,11 +7,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from medusa_jax.constants import HEADS_DTYPES, MODES
+from medusa_jax.constants import HEADS_DTYPES
 from medusa_jax.drafters import shipped
 from medusa_jax.runtime.options import errors_to_exit, mesh_spec
-
-DECODE_MODES = MODES  # the name the commands used before `constants`
 
 
 def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
