@@ -18,27 +18,26 @@ GEMMA_TYPES = ("gemma", "gemma2", "gemma3_text")  # "gemma3" (multimodal): its t
 
 # The defaults of transformers' Gemma config classes (configuration_gemma*.py), for the fields
 # a checkpoint's config.json may leave out (Gemma 3's text_config is often a handful of keys).
+_GEMMA2_DEFAULTS = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
+                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                        max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=2,
+                        eos_token_id=1, tie_word_embeddings=True, rope_theta=10000.0,
+                        query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=30.0, attn_logit_softcapping=50.0)
 _GEMMA_DEFAULTS = {
     "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576,
                   num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=16,
                   head_dim=256, hidden_act="gelu_pytorch_tanh", max_position_embeddings=8192,
                   rms_norm_eps=1e-6, bos_token_id=2, eos_token_id=1, tie_word_embeddings=True,
                   rope_theta=10000.0),
-    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                   num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                   head_dim=256, hidden_activation="gelu_pytorch_tanh",
-                   max_position_embeddings=8192, rms_norm_eps=1e-6, bos_token_id=2,
-                   eos_token_id=1, tie_word_embeddings=True, rope_theta=10000.0,
-                   query_pre_attn_scalar=256, sliding_window=4096,
-                   final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
-    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                        head_dim=256, hidden_activation="gelu_pytorch_tanh",
-                        max_position_embeddings=131072, rms_norm_eps=1e-6, bos_token_id=2,
-                        eos_token_id=1, tie_word_embeddings=True, rope_theta=1000000.0,
-                        rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
-                        sliding_window=4096, final_logit_softcapping=None,
-                        sliding_window_pattern=6),
+    "gemma2": _GEMMA2_DEFAULTS,
+    # Gemma 3's text model: Gemma 2's sizes, a larger vocabulary and context, local layers
+    # with their own rotary base, one global layer in six, no softcapping
+    "gemma3_text": dict(_GEMMA2_DEFAULTS, vocab_size=262208, max_position_embeddings=131072,
+                        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                        sliding_window_pattern=6, final_logit_softcapping=None,
+                        attn_logit_softcapping=None),
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
