@@ -11,7 +11,7 @@ the server."""
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Callable, Literal, Union, get_args
 
 from pydantic import (
     BaseModel,
@@ -40,6 +40,19 @@ def _invalid(message: str) -> PydanticCustomError:
 
 def _refused(why: str = "is not supported by this server") -> PydanticCustomError:
     return _invalid(f"{FIELD} {why}")
+
+
+def _refuse_if(refuse: Callable[[Any], bool], *fields: str,
+               why: str = "is not supported by this server"):
+    """The validator of parameters this server knows but does not implement: a value that
+    changes nothing passes, one for which `refuse(value)` holds is refused by name."""
+
+    def check(cls, value):
+        if refuse(value):
+            raise _refused(why)
+        return value
+
+    return field_validator(*fields)(check)
 
 
 class _Object(BaseModel):
@@ -145,19 +158,9 @@ class GenerationRequest(_Object):
             raise _invalid(f"{FIELD} takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stop
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value):
-        if value != 0:
-            raise _refused("is not supported by this server (only 0)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, bias):
-        if bias:
-            raise _refused()
-        return bias
+    _no_penalty = _refuse_if(lambda v: v != 0, "presence_penalty", "frequency_penalty",
+                             why="is not supported by this server (only 0)")
+    _no_bias = _refuse_if(bool, "logit_bias")
 
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -206,26 +209,9 @@ class CompletionRequest(GenerationRequest):
             raise _invalid(f"{FIELD}: one prompt per request (a batch is not supported)")
         raise _invalid(f"{FIELD} must be a string or a list of token ids")
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_of_one(cls, value):
-        if value != 1:
-            raise _refused()
-        return value
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value != 0:
-            raise _refused()
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise _refused("is not supported by this server (no insertion)")
-        return value
+    _one_of_one = _refuse_if(lambda v: v != 1, "best_of")
+    _no_logprobs = _refuse_if(lambda v: v != 0, "logprobs")
+    _no_suffix = _refuse_if(bool, "suffix", why="is not supported by this server (no insertion)")
 
     def sampling(self) -> dict:
         return super().sampling() | {"echo": self.echo}
@@ -259,33 +245,12 @@ class ChatCompletionRequest(GenerationRequest):
             raise _invalid(f"{FIELD} takes at most 16 keys")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value:
-            raise _refused()
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, value):
-        if value != 0:
-            raise _refused()
-        return value
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise _refused("are not supported by this server (no function calling)")
-        return value
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_calls(cls, value):
-        if value != "none":
-            raise _refused("is not supported by this server (no function calling)")
-        return value
+    _no_logprobs = _refuse_if(bool, "logprobs")
+    _no_top_logprobs = _refuse_if(lambda v: v != 0, "top_logprobs")
+    _no_tools = _refuse_if(bool, "tools", "functions",
+                           why="are not supported by this server (no function calling)")
+    _no_calls = _refuse_if(lambda v: v != "none", "tool_choice", "function_call",
+                           why="is not supported by this server (no function calling)")
 
     @field_validator("response_format")
     @classmethod
@@ -295,17 +260,10 @@ class ChatCompletionRequest(GenerationRequest):
                            f'server (only "text")')
         return fmt
 
-    @field_validator("modalities")
-    @classmethod
-    def _text_out(cls, value):
-        if value != ["text"]:
-            raise _refused('is not supported by this server (only ["text"])')
-        return value
-
-    @field_validator("audio", "prediction")
-    @classmethod
-    def _nothing(cls, value):
-        raise _refused()  # null is absent: any value is one this server cannot honour
+    _text_out = _refuse_if(lambda v: v != ["text"], "modalities",
+                           why='is not supported by this server (only ["text"])')
+    # null is absent: any value is one this server cannot honour
+    _nothing = _refuse_if(lambda v: True, "audio", "prediction")
 
     def max_new_tokens(self) -> int | None:
         if self.max_completion_tokens is not None:
