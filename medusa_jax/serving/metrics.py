@@ -14,6 +14,31 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
+# The engine's counters without labels: the attribute of `Metrics` that reads one back ->
+# (the metric's name, its help).
+_TOTALS = {
+    "slot_steps": ("medusa_slot_steps", "Decoding steps of live slots"),
+    "step_tokens": ("medusa_step_tokens", "Tokens those steps emitted"),
+    "calls": ("medusa_step_calls", "Engine step calls"),
+    "plain_calls": ("medusa_plain_step_calls",
+                    "Engine step calls of plain steps under load (--plain-above-slots)"),
+    "resizes": ("medusa_cache_resizes",
+                "Times the slots' KV cache was resized to the next attention window"),
+    "prefix_hits": ("medusa_prefix_cache_hits",
+                    "Prompts prefilled after a prefix a slot's cache held"),
+    "prefix_tokens": ("medusa_prefix_cache_tokens", "Prompt tokens taken from the prefix cache"),
+    "pool_hits": ("medusa_ngram_pool_hits",
+                  "Decoding steps whose context the shared n-gram pool held (--ngram-shared)"),
+    "pool_ngrams": ("medusa_ngram_pool_ngrams",
+                    "N-grams of finished requests written to the shared pool"),
+}
+
+
+def _total(attr: str) -> property:
+    """The value of `_TOTALS[attr]`'s counter."""
+    name, doc = _TOTALS[attr]
+    return property(lambda self: self._value(name), doc=doc)
+
 
 class Metrics:
     """The engine's counters, in a registry of their own (`registry`). slot_buckets /
@@ -21,19 +46,8 @@ class Metrics:
 
     def __init__(self, slot_buckets=(), prefill_batches=()):
         self.registry = r = CollectorRegistry()
-        self._slot_steps = Counter("medusa_slot_steps", "Decoding steps of live slots",
-                                   registry=r)
-        self._step_tokens = Counter("medusa_step_tokens", "Tokens those steps emitted",
-                                    registry=r)
-        self._calls = Counter("medusa_step_calls", "Engine step calls", registry=r)
-        self._plain_calls = Counter("medusa_plain_step_calls", "Engine step calls of plain "
-                                    "steps under load (--plain-above-slots)", registry=r)
-        self._resizes = Counter("medusa_cache_resizes", "Times the slots' KV cache was "
-                                "resized to the next attention window", registry=r)
-        self._prefix_hits = Counter("medusa_prefix_cache_hits", "Prompts prefilled after a "
-                                    "prefix a slot's cache held", registry=r)
-        self._prefix_tokens = Counter("medusa_prefix_cache_tokens", "Prompt tokens taken "
-                                      "from the prefix cache", registry=r)
+        self._totals = {attr: Counter(name, doc, registry=r)
+                        for attr, (name, doc) in _TOTALS.items()}
         self._by_slots = Counter("medusa_step_calls_by_slots", "Engine step calls by the "
                                  "slot bucket they computed (the rows a call pays for)",
                                  ["slots"], registry=r)
@@ -42,10 +56,6 @@ class Metrics:
                                  registry=r)
         self._by_batch = Counter("medusa_prefill_calls_by_batch", "Prefill calls by the "
                                  "prompts they prefilled together", ["prompts"], registry=r)
-        self._pool_hits = Counter("medusa_ngram_pool_hits", "Decoding steps whose context "
-                                  "the shared n-gram pool held (--ngram-shared)", registry=r)
-        self._pool_ngrams = Counter("medusa_ngram_pool_ngrams", "N-grams of finished "
-                                    "requests written to the shared pool", registry=r)
         for n in slot_buckets:
             self._by_slots.labels(slots=str(n))
         for n in prefill_batches:
@@ -61,29 +71,29 @@ class Metrics:
 
     def extended(self, cached: int):
         """A prompt prefilled after `cached` tokens of the prefix cache."""
-        self._prefix_hits.inc()
-        self._prefix_tokens.inc(cached)
+        self._totals["prefix_hits"].inc()
+        self._totals["prefix_tokens"].inc(cached)
 
     def dispatched(self, slots: int, steps: int, plain: bool):
         """A step call over `slots` slots, of `steps` steps at most."""
-        self._calls.inc()
+        self._totals["calls"].inc()
         self._by_slots.labels(slots=str(slots)).inc()
         self._by_steps.labels(steps=str(steps)).inc()
         if plain:
-            self._plain_calls.inc()
+            self._totals["plain_calls"].inc()
 
     def pooled(self, hits: int = 0, ngrams: int = 0):
         """The shared n-gram pool: lookups that hit, n-grams written."""
-        self._pool_hits.inc(hits)
-        self._pool_ngrams.inc(ngrams)
+        self._totals["pool_hits"].inc(hits)
+        self._totals["pool_ngrams"].inc(ngrams)
 
     def resized(self):
-        self._resizes.inc()
+        self._totals["resizes"].inc()
 
     def stepped(self, slot_steps: int, tokens: int):
         """A call read back: its live slots' steps and the tokens they emitted."""
-        self._slot_steps.inc(slot_steps)
-        self._step_tokens.inc(tokens)
+        self._totals["slot_steps"].inc(slot_steps)
+        self._totals["step_tokens"].inc(tokens)
 
     # --- values
 
@@ -98,15 +108,10 @@ class Metrics:
                     out[int(s.labels[label])] = int(s.value)
         return out
 
-    slot_steps = property(lambda self: self._value("medusa_slot_steps"))
-    step_tokens = property(lambda self: self._value("medusa_step_tokens"))
-    calls = property(lambda self: self._value("medusa_step_calls"))
-    plain_calls = property(lambda self: self._value("medusa_plain_step_calls"))
-    resizes = property(lambda self: self._value("medusa_cache_resizes"))
-    prefix_hits = property(lambda self: self._value("medusa_prefix_cache_hits"))
-    prefix_tokens = property(lambda self: self._value("medusa_prefix_cache_tokens"))
-    pool_hits = property(lambda self: self._value("medusa_ngram_pool_hits"))
-    pool_ngrams = property(lambda self: self._value("medusa_ngram_pool_ngrams"))
+    slot_steps, step_tokens, calls = _total("slot_steps"), _total("step_tokens"), _total("calls")
+    plain_calls, resizes = _total("plain_calls"), _total("resizes")
+    prefix_hits, prefix_tokens = _total("prefix_hits"), _total("prefix_tokens")
+    pool_hits, pool_ngrams = _total("pool_hits"), _total("pool_ngrams")
     calls_by_slots = property(lambda self: self._by("medusa_step_calls_by_slots", "slots"))
     calls_by_steps = property(lambda self: self._by("medusa_step_calls_by_steps", "steps"))
     prefills_by_batch = property(lambda self: self._by("medusa_prefill_calls_by_batch",
