@@ -68,6 +68,15 @@ def _layout(name: str) -> property:
     return property(lambda self: getattr(self.layout, name), doc=f"`Layout.{name}`")
 
 
+def _scheduler(name: str, settable: bool = False) -> property:
+    """The scheduler's setting `name`, read (and, `settable`, changed) on the engine."""
+    def write(self, value):
+        setattr(self.scheduler, name, value)
+
+    return property(lambda self: getattr(self.scheduler, name), write if settable else None,
+                    doc=f"`Scheduler.{name}`")
+
+
 class Engine:
     """Continuous batching over `slots` slots of `model` (a `medusa_jax.api.Medusa`); the
     options are `EngineConfig`'s (pass one as `config`, or its fields as keywords).
@@ -183,25 +192,9 @@ class Engine:
     prefill_batches, plain_above = _layout("prefill_batches"), _layout("plain_above")
     prefix_cache = _layout("prefix_cache")
 
-    @property
-    def max_queue(self) -> int:
-        return self.scheduler.max_queue
-
-    @property
-    def short_call_ms(self) -> float | None:
-        return self.scheduler.short_call_ms
-
-    @short_call_ms.setter
-    def short_call_ms(self, value: float | None):
-        self.scheduler.short_call_ms = value
-
-    @property
-    def overlap_ms(self) -> float | None:
-        return self.scheduler.overlap_ms
-
-    @overlap_ms.setter
-    def overlap_ms(self, value: float | None):
-        self.scheduler.overlap_ms = value
+    max_queue = _scheduler("max_queue")
+    short_call_ms = _scheduler("short_call_ms", settable=True)
+    overlap_ms = _scheduler("overlap_ms", settable=True)
 
     @property
     def cache_window(self) -> int:
