@@ -38,16 +38,7 @@ from medusa_jax.model.cache import KVCache
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
 from medusa_jax.runtime import xla_options
-from medusa_jax.serving.layout import (
-    ExtendKey,
-    InsertKey,
-    Layout,
-    MoveKey,
-    PrefillKey,
-    ResizeKey,
-    StepKey,
-    describe,
-)
+from medusa_jax.serving import layout as lo  # the program keys and sizes
 
 # the background warm-up waits while requests run (compiling competes with them for the
 # CPU and the GIL), but no longer than this per program under a steady load
@@ -259,7 +250,7 @@ class Programs:
     `() -> Rows`, a default one-row sampling; busy: `() -> bool`; stopped: `() -> bool`
     (a warm-up gives up); log: a line per compiled program."""
 
-    def __init__(self, model, layout: Layout, *, drafter, tree, row: Callable[[], Rows],
+    def __init__(self, model, layout: lo.Layout, *, drafter, tree, row: Callable[[], Rows],
                  busy: Callable[[], bool], stopped: Callable[[], bool],
                  log: Callable[[str], None] | None = None):
         self.model, self.cfg, self.layout = model, model.cfg, layout
@@ -370,7 +361,7 @@ class Programs:
         if self._jits is None:
             self._setup()
         j, m = self._jits, self.model
-        if isinstance(key, InsertKey) and key.prefill not in j["pre_info"]:
+        if isinstance(key, lo.InsertKey) and key.prefill not in j["pre_info"]:
             self.get(key.prefill)  # insert is lowered against its output
         self.compiling = key
         t0 = time.perf_counter()
@@ -392,7 +383,7 @@ class Programs:
 
     def _lower(self, key, j: dict, m):
         """Lower and compile `key`'s program against abstract shapes."""
-        if isinstance(key, PrefillKey):
+        if isinstance(key, lo.PrefillKey):
             n = key.batch
             lowered = j["prefill"].lower(
                 m.params, self.heads, np.zeros((n, key.bucket), np.int32),
@@ -400,10 +391,10 @@ class Programs:
                 stack_rows([self._row()] * n))
             j["pre_info"][key] = lowered.out_info
             return lowered.compile()
-        if isinstance(key, InsertKey):
+        if isinstance(key, lo.InsertKey):
             return j["insert"].lower(j["states"][key.window], j["pre_info"][key.prefill],
                                      np.int32(0), np.int32(0)).compile()
-        if isinstance(key, ExtendKey):  # and the insert of what it prefilled
+        if isinstance(key, lo.ExtendKey):  # and the insert of what it prefilled
             state = j["states"][key.window]
             lowered = j["extend"].lower(m.params, self.heads, state.cache,
                                         np.zeros((1, key.bucket), np.int32), np.int32(1),
@@ -414,14 +405,14 @@ class Programs:
                                         self.drafter.keeps_context else None)
             return (lowered.compile(), j["insert"].lower(
                 state, lowered.out_info, np.int32(0), np.int32(0)).compile())
-        if isinstance(key, MoveKey):
+        if isinstance(key, lo.MoveKey):
             return j["move"].lower(j["states"][key.window], np.int32(0), np.int32(0)).compile()
-        if isinstance(key, ResizeKey):
+        if isinstance(key, lo.ResizeKey):
             out = j["states"][key.dst]
             return jax.jit(functools.partial(resize, capacity=key.dst),
                            out_shardings=jax.tree.map(lambda x: x.sharding, out)).lower(
                 j["states"][key.src]).compile()
-        if isinstance(key, StepKey):
+        if isinstance(key, lo.StepKey):
             return j["step"].lower(m.params, self.heads, j["states"][key.window], np.int32(1),
                                    cfg=self.cfg, drafter=self.drafter, tree=self.tree,
                                    k=self.layout.k, window=key.window, rows=key.slots,
@@ -441,4 +432,5 @@ class Programs:
         compiling (the program being compiled, or None)."""
         now = self.compiling
         return {"ready": self.ready.is_set(), "compiled": len(self._compiled),
-                "programs": len(self.keys), "compiling": None if now is None else describe(now)}
+                "programs": len(self.keys),
+                "compiling": None if now is None else lo.describe(now)}
