@@ -205,14 +205,17 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 
 def cached_attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
-                     new_mask):
+                     new_mask, extra=None):
     """Attention over the committed cache plus the T new tokens: the scores of the two are
     concatenated, never the keys, so the cache is only read. The backbone's layers and the
     EAGLE-3 drafter's (`drafters.eagle3.heads.layer`) both attend with it.
 
     q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
     only: the new tokens are written once after all layers); prefix_mask [B, T, S];
-    new_mask [B, T, T]. k_cache None: an empty cache. Returns [B, T, NH*D].
+    new_mask [B, T, T]. k_cache None: an empty cache. `extra`: None, or (k, v [B, KVH, N,
+    D], mask [B, T, N]) a third block of N keys read between the cache and the new tokens
+    (the EAGLE-3 drafter's tree nodes drafted so far), so neither block is copied into the
+    other. Returns [B, T, NH*D].
     """
     b, t, _, d = q.shape
     kvh, g = cfg.num_kv_heads, cfg.q_per_kv
@@ -226,16 +229,20 @@ def cached_attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix
         s = _softcap(s, cfg.attn_softcap).reshape(b, kvh, g, t, -1)
         return jnp.where(mask[:, None, None], s, neg)
 
-    if k_cache is None:  # empty cache (prefill, training): the new tokens only
+    blocks = ([] if k_cache is None else [(k_cache, v_cache, prefix_mask)]) \
+        + ([] if extra is None else [extra]) + [(k_new, v_new, new_mask)]
+    if len(blocks) == 1:  # empty cache (prefill, training): the new tokens only
         probs = jax.nn.softmax(scores(k_new, new_mask), axis=-1)
         probs = probs.astype(v_new.dtype).reshape(b, kvh, g * t, -1)
         out = jnp.einsum("bkqs,bksd->bkqd", probs, v_new)
     else:
-        s = jnp.concatenate([scores(k_cache, prefix_mask), scores(k_new, new_mask)], axis=-1)
+        s = jnp.concatenate([scores(k, m) for k, _, m in blocks], axis=-1)
         probs = jax.nn.softmax(s, axis=-1).astype(v_new.dtype).reshape(b, kvh, g * t, -1)
-        cap = k_cache.shape[2]
-        out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :cap], v_cache)
-               + jnp.einsum("bkqs,bksd->bkqd", probs[..., cap:], v_new))  # [B, KVH, G*T, D]
+        out, at = None, 0
+        for k, v, _ in blocks:  # each block's values by its own slice of the probabilities
+            n = k.shape[2]
+            part = jnp.einsum("bkqs,bksd->bkqd", probs[..., at:at + n], v)
+            out, at = (part if out is None else out + part), at + n  # [B, KVH, G*T, D]
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 

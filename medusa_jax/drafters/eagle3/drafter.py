@@ -37,8 +37,9 @@ from medusa_jax.runtime import pytree as struct
 
 @struct.dataclass
 class Eagle3Carry:
-    k: jax.Array  # [B, S, KVH, D] the drafter's keys (rotated) of the committed entries
-    v: jax.Array  # [B, S, KVH, D]
+    # heads first, the layout the attention reads in place (no per-call transposed copy)
+    k: jax.Array  # [B, KVH, S, D] the drafter's keys (rotated) of the committed entries
+    v: jax.Array  # [B, KVH, S, D]
     out: jax.Array  # [B, H] the layer's output at entry length-1 (predicts the depth-1 nodes)
     length: jax.Array  # [B] int32 entries committed (= the backbone's cache length)
 
@@ -46,7 +47,7 @@ class Eagle3Carry:
 def init_carry(c: eagle3.Eagle3Config, batch: int, capacity: int, dtype=jnp.float32
                ) -> Eagle3Carry:
     """An empty carry with room for `capacity` entries per row."""
-    kv = jnp.zeros((batch, capacity, c.num_kv_heads, c.head_dim), dtype)
+    kv = jnp.zeros((batch, c.num_kv_heads, capacity, c.head_dim), dtype)
     return Eagle3Carry(k=kv, v=kv, out=jnp.zeros((batch, c.hidden_size), dtype),
                        length=jnp.zeros((batch,), jnp.int32))
 
@@ -59,7 +60,7 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
     `embed`: tokens [B, T] -> [B, T, H] (the backbone's embedding). Size the carry to the
     backbone's cache: the backbone's own writes keep length + T within it."""
     b, t = next_tokens.shape
-    s = carry.k.shape[1]
+    s = carry.k.shape[2]
     hidden = eagle3.features(heads, aux.astype(carry.out.dtype))
     pos = carry.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
@@ -75,18 +76,18 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
 
 
 def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B, S, ...], new [B, T, ...]: row b's T entries go to slots starts[b] ... (the
-    caller keeps starts[b] + T <= S for the rows it reads). One in-place update per row, as
+    """cache [B, KVH, S, D], new [B, KVH, T, D]: row b's T entries go to slots starts[b] ...
+    (the caller keeps starts[b] + T <= S for the rows it reads). One in-place update per row, as
     the backbone writes its cache (`backbone.MAX_UNROLLED_ROWS`). Under a mesh a scatter
     here is partitioned into all-gathers over parts of `model`, which run beside the
     backbone's collectives; on XLA:CPU's simulated devices such concurrent collectives can
     hold every thread of the shared pool while they wait for each other."""
     if cache.shape[0] > MAX_UNROLLED_ROWS:
-        return jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, 0))(
+        return jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, 1))(
             cache, new, starts)
     zero = jnp.zeros((), jnp.int32)
     for b in range(cache.shape[0]):
-        at = (jnp.int32(b), starts[b].astype(jnp.int32)) + (zero,) * (cache.ndim - 2)
+        at = (jnp.int32(b), zero, starts[b].astype(jnp.int32), zero)
         cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], at)
     return cache
 
@@ -128,11 +129,12 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
     and the distribution they were drawn from [B, N, V], both over the target
     vocabulary)."""
     b = root.shape[0]
-    s, h = carry.k.shape[1], carry.out.shape[-1]
+    s, h = carry.k.shape[2], carry.out.shape[-1]
     dt = carry.out.dtype
     tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
     logp = jnp.zeros((b, num_nodes), jnp.float32)
-    tree_k = jnp.zeros((b, num_nodes) + carry.k.shape[2:], carry.k.dtype)
+    # the nodes' keys/values, a block apart from the context's: [B, KVH, N, D]
+    tree_k = jnp.zeros(carry.k.shape[:2] + (num_nodes, carry.k.shape[3]), carry.k.dtype)
     tree_v = jnp.zeros_like(tree_k)
     outs = jnp.zeros((b, num_nodes, h), dt).at[:, 0].set(carry.out)
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
@@ -144,12 +146,13 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
             mask = jnp.concatenate([jnp.broadcast_to(ctx, (b, e, s)),
                                     jnp.broadcast_to(jnp.asarray(step.seen), (b, e, num_nodes)),
                                     jnp.broadcast_to(jnp.eye(e, dtype=bool), (b, e, e))], -1)
+            # three key blocks (context, tree so far, these nodes), scores concatenated:
+            # the context cache is only read, never copied at each depth
             out, k_new, v_new = eagle3.layer(
                 heads, c, embed(tokens[:, step.parents]), outs[:, step.grand], pos,
-                jnp.concatenate([carry.k, tree_k], 1), jnp.concatenate([carry.v, tree_v], 1),
-                mask)
-            tree_k = tree_k.at[:, step.parents].set(k_new.astype(tree_k.dtype))
-            tree_v = tree_v.at[:, step.parents].set(v_new.astype(tree_v.dtype))
+                carry.k, carry.v, mask, extra=(tree_k, tree_v))
+            tree_k = tree_k.at[:, :, step.parents].set(k_new.astype(tree_k.dtype))
+            tree_v = tree_v.at[:, :, step.parents].set(v_new.astype(tree_v.dtype))
             outs = outs.at[:, step.parents].set(out)
         logits = eagle3.draft_logits(heads, c, outs[:, step.parents])  # [B, E, Vd]
         if draw is None:

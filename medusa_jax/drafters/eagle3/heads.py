@@ -391,29 +391,35 @@ def _residual_and_mlp(params: Params, c: Eagle3Config, hidden: jax.Array, o: jax
 
 def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
           positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-          mask: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+          mask: jax.Array, extra: tuple | None = None
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The drafter's decoder layer over T new positions.
 
     x_embed [B, T, H] the backbone's embeddings of the tokens, hidden [B, T, H] the features
     (`features` at the root, the layer's previous output below it), positions [B, T] their
-    rotary positions, k_cache / v_cache [B, S, KVH, D] the keys (rotated) and values of S
-    earlier positions (S may be 0), mask [B or 1, T, S + T] bool: which of the S cached then
-    the T new positions each query sees. Returns (out [B, T, H] before the final norm: the
-    next step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, T, KVH, D] for
-    the caller's cache)."""
+    rotary positions, k_cache / v_cache [B, KVH, S, D] the keys (rotated) and values of S
+    earlier positions (S may be 0; heads first, the backbone attention's layout, so they
+    are read as they lie), `extra` None or (k, v [B, KVH, N, D]) N more earlier positions
+    (a tree's nodes drafted so far: a block of their own, so the S are never copied), mask
+    [B or 1, T, S + N + T] bool: which of the S cached, the N extra, then the T new
+    positions each query sees. Returns (out [B, T, H] before the final norm: the next
+    step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, KVH, T, D] for the
+    caller's cache)."""
     b, t, _ = hidden.shape
     dt = hidden.dtype
     q, k, v = _qkv(params, c, x_embed, hidden, positions)
-    s = k_cache.shape[1]
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
+    s = k_cache.shape[2]
+    n = 0 if extra is None else extra[0].shape[2]
 
-    def heads_first(x):  # [B, *, KVH, D] -> [B, KVH, *, D], the backbone attention's layout
-        return x.astype(dt).transpose(0, 2, 1, 3)
+    def cast(x):
+        return x.astype(dt)
 
     # the backbone's attention (softmax in float32, as the reference upcasts)
     o = backbone.cached_attention(
-        _model_cfg(c), q, heads_first(k), heads_first(v),
-        heads_first(k_cache) if s else None, heads_first(v_cache) if s else None,
-        mask[..., :s], mask[..., s:])  # [B, T, NH*D]
+        _model_cfg(c), q, k, v, cast(k_cache) if s else None, cast(v_cache) if s else None,
+        mask[..., :s], mask[..., s + n:],
+        (cast(extra[0]), cast(extra[1]), mask[..., s:s + n]) if n else None)  # [B, T, NH*D]
     return _residual_and_mlp(params, c, hidden, o.reshape(b, t, c.num_heads, c.head_dim)), k, v
 
 
