@@ -19,6 +19,9 @@ from medusa_jax.serving import engine as engine_mod
 from medusa_jax.serving.engine import Engine, generate_offline
 
 CONTEXT, BUCKETS, WINDOW, NEW = 128, (64,), 64, 24
+# these tests check what a drafter and an acceptance rule do in slots, not the engine's
+# buckets (test_engine.py): one slot count, one prefill batch, programs compiled as needed
+FEW_PROGRAMS = dict(prefill_batch=1, prefix_cache=False)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
     offline = [g.token_ids for g in model.generate(prompts, max_new_tokens=NEW)]
     assert offline == _plain_greedy(model, prompts, NEW)
     e = Engine(model, slots=3, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               max_queue=64).start()
+               max_queue=64, slot_buckets=(3,), **FEW_PROGRAMS).start("lazy")
     try:
         assert type(e.drafter).kind == heads
         assert _staggered(e, prompts, NEW) == offline
@@ -101,7 +104,7 @@ def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
 def test_dynamic_tree_slots_equal_offline_greedy(medusa):
     prompts = _prompts(medusa, 4)
     e = Engine(medusa, slots=2, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               tree="dynamic:8").start()
+               tree="dynamic:8", slot_buckets=(2,), **FEW_PROGRAMS).start("lazy")
     try:
         assert generate_offline(e, prompts, NEW) == _plain_greedy(medusa, prompts, NEW)
     finally:
@@ -125,7 +128,7 @@ def test_typical_acceptance_slots_equal_offline_typical(medusa):
         offline.append(np.asarray(o.tokens[0, :int(o.num_new[0])]).tolist())
     greedy = _plain_greedy(medusa, prompts, NEW)
     e = Engine(medusa, slots=3, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               acceptance="typical").start()
+               acceptance="typical", slot_buckets=(3,), **FEW_PROGRAMS).start("lazy")
     try:
         both = generate_offline(e, prompts + prompts, NEW)  # all greedy first
         assert both == greedy + greedy

@@ -46,7 +46,8 @@ def server(_started, offline):
     return proc, url
 
 
-def _launch(heads: str = "default", slots: int = SLOTS, buckets: str = "16,64"):
+def _launch(heads: str = "default", slots: int = SLOTS, buckets: str = "16,64",
+            warmup: str = "background"):
     """`python -m infer.serve --heads HEADS` with the engine shapes of test_engine (and a
     16-token bucket, which the rest of a prompt after a cached prefix takes):
     (process, url)."""
@@ -55,7 +56,7 @@ def _launch(heads: str = "default", slots: int = SLOTS, buckets: str = "16,64"):
     proc = subprocess.Popen(
         [sys.executable, "-m", "infer.serve", "--heads", heads, "--slots", str(slots),
          "--max-context", str(CONTEXT), "--prefill-buckets", buckets, "--window-block", "64",
-         "--max-queue", str(QUEUE), "--port", str(port)], cwd=ROOT, env=env,
+         "--max-queue", str(QUEUE), "--warmup", warmup, "--port", str(port)], cwd=ROOT, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -463,7 +464,7 @@ def test_an_eagle3_server_gives_plain_greedy_tokens():
     greedy completions give plain greedy decoding's tokens."""
     from medusa_jax.api import Medusa
 
-    proc, url = _launch("eagle", slots=2, buckets="64")
+    proc, url = _launch("eagle", slots=2, buckets="64", warmup="lazy")  # its programs only
     try:
         plain = Medusa.load().generate(PROMPTS[:3], max_new_tokens=NEW, medusa=False,
                                        batch_size=3)
