@@ -174,6 +174,13 @@ def drafter_for(heads: Params, head_fn=None) -> Drafter:
 HEADS_DTYPES = ("float32", "bfloat16")
 
 
+def refuse_head_fn(head_fn, what: str) -> None:
+    """`Drafter.from_head_fn` of a kind without Medusa heads: a head function is refused in
+    one line (`what`: what the parameters are instead)."""
+    if head_fn is not None:
+        raise ValueError(f"head_fn is a Medusa head function, but {what}; leave head_fn unset")
+
+
 def check_heads_dtype(dtype, name: str = "heads dtype") -> None:
     """A one-line ValueError naming `name` unless `dtype` is one of `HEADS_DTYPES`."""
     if dtype not in HEADS_DTYPES:

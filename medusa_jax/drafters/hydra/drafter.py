@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from medusa_jax import kernels
-from medusa_jax.decoding.drafter import FromLastHidden
+from medusa_jax.decoding.drafter import FromLastHidden, refuse_head_fn
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
 from medusa_jax.drafters.hydra import heads as hydra
@@ -60,9 +60,7 @@ class HydraDrafter(FromLastHidden):
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "HydraDrafter":
-        if head_fn is not None:
-            raise ValueError("head_fn is a Medusa head function, but these are Hydra heads "
-                             "(they draft along the tree's paths); leave head_fn unset")
+        refuse_head_fn(head_fn, "these are Hydra heads (they draft along the tree's paths)")
         return cls()
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams
+from medusa_jax.decoding.drafter import BoundParams, refuse_head_fn
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree, chain_tree
 from medusa_jax.drafters import shipped
@@ -166,9 +166,7 @@ class NgramDrafter:
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "NgramDrafter":
-        if head_fn is not None:
-            raise ValueError("head_fn is a Medusa head function, but the n-gram drafter has "
-                             "no heads; leave head_fn unset")
+        refuse_head_fn(head_fn, "the n-gram drafter has no heads")
         return cls()
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
