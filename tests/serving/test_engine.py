@@ -27,8 +27,7 @@ from medusa_jax.serving.layout import InsertKey, PrefillKey, StepKey
 from medusa_jax.serving.programs import key_data, stack_rows
 from medusa_jax.serving.scheduler import Step
 
-# the server tests use the same engine shapes: their compiled programs come from the cache;
-# the engines compile each program when a test first needs it (warm-ups have their own test)
+# the server tests use the same engine shapes: their compiled programs come from the cache
 SLOTS, CONTEXT, BUCKETS, WINDOW, NEW = 4, 128, (64,), 64, 24
 
 
@@ -51,7 +50,7 @@ def reference(model, prompts):
 @pytest.fixture(scope="module")
 def medusa_engine(model):
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               max_queue=4096).start("lazy")
+               max_queue=4096).start()
     yield e
     e.stop()
 
@@ -59,7 +58,7 @@ def medusa_engine(model):
 @pytest.fixture(scope="module")
 def plain_engine(model):
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               medusa=False).start("lazy")
+               medusa=False).start()
     yield e
     e.stop()
 
@@ -110,9 +109,6 @@ def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_eng
         assert len(prompts[0]) + 4 + e.fed <= 64  # a request that fits the narrow window
         assert _cache_width(e) == e.cache_window == 128 and e.metrics.resizes >= 1
         resizes = e.metrics.resizes
-        # the engines compile lazily, and a call takes a compiled program that holds its
-        # slots over one still to compile: the narrow one-slot step first
-        e.compile([StepKey(64, 1)])
         assert generate_offline(e, [prompts[0]], 4) == [reference[0][:4]]
         assert _cache_width(e) == e.cache_window == 64 and e.metrics.resizes == resizes + 1
 
@@ -199,7 +195,7 @@ def test_plain_steps_under_load_keep_offline_tokens(model, medusa_engine, prompt
     (the drafter's carry left as it was); as requests come and go the calls switch both
     ways, and every request keeps offline decoding's tokens."""
     e = Engine(model, slots=SLOTS, max_context=CONTEXT, buckets=BUCKETS, window_block=WINDOW,
-               plain_above=1).start("lazy")
+               plain_above=1).start()
     try:
         a = _submit(e, prompts[0], 90)  # alone: Medusa steps
         _started(a[1])
