@@ -205,12 +205,11 @@ class ServerConfig:
                                     "previous answer on a kept-alive connection); else 408 "
                                     "and the connection closes (default 30)", type=seconds,
                                     metavar="SECONDS")
-    max_connections: int | None = option(None, "open connections at most: past it a new "
-                                         "connection closes the oldest one not running a "
-                                         "request (idle, or still sending), or gets 503 when "
-                                         "all run one (default: 1024, or half the descriptor "
-                                         "limit (ulimit -n) when that is less)",
-                                         type=positive_int, metavar="N")
+    max_connections: int | None = option(
+        None, "open connections at most: past it a new connection closes the oldest one not "
+        "running a request (idle, or still sending), or gets 503 when all run one (default: "
+        "1024, or half the descriptor limit (ulimit -n) when that is less)",
+        type=positive_int, metavar="N")
     api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on /v1/ (401 "
                                  "otherwise; /health and /metrics stay open); default: "
                                  f"${API_KEY_ENV} if set, else none", metavar="KEY")
