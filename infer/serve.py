@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 from medusa_jax import cli
-from medusa_jax.constants import DTYPES
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import assets, compile_cache, hub, options
@@ -68,8 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
     # the engine's options as `EngineConfig` declares them (help and checks written once)
     options.add_config_flags(p, EngineConfig)
     options.add_config_flags(p, ServerConfig)
-    p.add_argument("--dtype", choices=DTYPES, default="float32",
-                   help="the backbone's weights and compute dtype (default float32)")
     compile_cache.add_flag(p)
     kernel_flags.add_flag(p)
     return p
@@ -200,8 +197,8 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
     from medusa_jax.serving.server import create_app
 
     try:
-        model = Medusa.load(args.model, args.heads, param_dtype=args.dtype,
-                            compute_dtype=args.dtype, heads_dtype=args.heads_dtype,
+        model = Medusa.load(args.model, args.heads, param_dtype=args.server.dtype,
+                            compute_dtype=args.server.dtype, heads_dtype=args.heads_dtype,
                             ngram=args.ngram, ngram_max=args.ngram_max,
                             ngram_min=args.ngram_min)
         own = model.cfg.max_position_embeddings

@@ -13,7 +13,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from medusa_jax.runtime.options import int_in, nonnegative_float, option, positive_int
+from medusa_jax.constants import DTYPES
+from medusa_jax.decoding.config import DecodeConfig
+from medusa_jax.runtime.options import (
+    int_in,
+    nonnegative_float,
+    option,
+    positive_int,
+    same_option,
+)
 
 ACCEPTANCE = ("rejection", "typical")  # how a Medusa engine's sampled rows accept a tree
 WARMUPS = ("all", "background", "lazy")  # `Engine.start`: when the programs compile
@@ -192,6 +200,7 @@ class ServerConfig:
     None: chosen from the descriptor limit at start-up; api_key None: $MEDUSA_JAX_API_KEY
     if set; served_model_name None: the model folder's name."""
 
+    dtype: str = same_option(DecodeConfig, "dtype")  # the backbone's, as infer.generate's
     warmup: str = option("background", "when the programs compile: background (default: "
                          "the first request's programs first, /health 'starting' until "
                          "then, the rest while serving), lazy (each when a request first "
@@ -225,5 +234,7 @@ class ServerConfig:
         if self.warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, "
                              f"got {self.warmup!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
