@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -113,7 +114,8 @@ class Tree:
     @classmethod
     def load(cls, spec: str | Path, num_heads: int | None = None, *,
              vocab_size: int | None = None) -> "Tree":
-        """A published tree by name, or a JSON file holding a list of paths
+        """A published tree by name, "chainN" (the top-1 chain of N nodes), or a JSON file
+        holding a list of paths
         (or an object with a "paths" field), or "dynamic:N[:POOL]" (a `DynamicTree`).
         `vocab_size`: see `from_paths`."""
         if str(spec).startswith(DynamicTree.PREFIX):
@@ -122,6 +124,15 @@ class Tree:
         if str(spec) in trees:
             return cls.from_paths(trees[str(spec)], num_heads, name=str(spec),
                                   vocab_size=vocab_size)
+        chain = re.fullmatch(r"chain(\d+)", str(spec))
+        if chain and not Path(spec).is_file():
+            # "chain4": the top-1 chain of 4 nodes (the shape an autoregressive drafter
+            # drafts best at a small verification budget)
+            depth = int(chain.group(1))
+            if depth < 1:
+                raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
+            return cls.from_paths([[0] * d for d in range(1, depth + 1)], num_heads,
+                                  name=str(spec), vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
@@ -133,8 +144,8 @@ class Tree:
                                   vocab_size=vocab_size)
         path = Path(spec)
         if not path.is_file():
-            raise ValueError(
-                f"tree {str(spec)!r} is neither a file nor a known tree; known: {', '.join(trees)}")
+            raise ValueError(f"tree {str(spec)!r} is neither a file nor a known tree; known: "
+                             f"{', '.join(trees)}, chainN, dynamic:N")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:

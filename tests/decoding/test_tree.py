@@ -80,6 +80,18 @@ def test_chain_tree():
     assert np.array_equal(t.mask, np.tril(np.ones((4, 4), bool)))
 
 
+def test_chain_by_name(tmp_path, monkeypatch):
+    assert Tree.load("chain3") == chain_tree(3)
+    assert Tree.load("chain3").name == "chain3"
+    with pytest.raises(ValueError, match="at least 1 node"):
+        Tree.load("chain0")
+    with pytest.raises(ValueError, match="depth 5 but there are only 4"):
+        Tree.load("chain5", num_heads=4)
+    monkeypatch.chdir(tmp_path)  # a file of that name is the user's tree, not the chain
+    (tmp_path / "chain2").write_text("[[0], [1]]")
+    assert Tree.load("chain2") == Tree.from_paths([[0], [1]])
+
+
 def test_hostile_tree_files(tmp_path):
     f = tmp_path / "str.json"
     f.write_text('{"paths": "abc"}')
