@@ -57,6 +57,7 @@ def test_a_packed_row_trains_as_its_examples_alone():
     lab = jnp.asarray([[0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1]], bool)
     packed = {"tokens": tokens, "segments": seg, "positions": pos, "loss_mask": lab}
 
+    @jax.jit  # one program per row length (3): op by op it dispatches hundreds of kernels
     def run(batch, a, tgt):
         logits = eagle3.ttt_logits(heads, c, table, a, batch["tokens"], batch["segments"] > 0,
                                    STEPS, segments=batch["segments"],
