@@ -13,7 +13,8 @@ rounds it so that nearby limits share a program).
 Attention reads every cache slot its mask covers, so both loops run in a few phases
 (`cache_phases`): each phase is its own `while_loop` whose steps attend over a static
 leading window of the cache just wide enough for that phase (one cache buffer throughout;
-shapes stay static; the step is compiled once per phase).
+shapes stay static; the step is compiled once per phase). A drafter's own cache is cut to
+the window with it (`Drafter.window`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from medusa_jax import kernels
 from medusa_jax.decoding import step
-from medusa_jax.decoding.drafter import drafter_for
+from medusa_jax.decoding.drafter import carry_window, drafter_for, put_leading
 from medusa_jax.decoding.sampling import Rows, Sampling
 
 # the stages, for callers that run or test them one by one
@@ -131,16 +132,19 @@ def cache_phases(start: int, final: int, per_step: int, block: int | None = None
     return tuple(caps) + (final,)
 
 
-def run_phases(step, carry, windows: tuple[int, ...], per_step: int):
+def run_phases(step, carry, windows: tuple[int, ...], per_step: int, drafter=None):
     """`while_loop(not all done, step)` in cache phases: phase i calls `step(c, window=
     windows[i])` while every row's next step fits in that many slots (lengths + per_step <=
     window); the last phase (the whole cache) runs until every row is done. The carry is a
-    `DecodeState`, or holds one as `.state`."""
+    `DecodeState`, or holds one as `.state`; a `drafter`'s carry (`draft`) is cut to each
+    phase's window with the cache (`Drafter.window`), so its own attention reads only it."""
     def state(c):
         return getattr(c, "state", c)
 
-    def with_cache(c, cache):
+    def with_cache(c, cache, draft):
         s = state(c).replace(cache=cache)
+        if draft is not None:
+            s = s.replace(draft=draft)
         return c.replace(state=s) if hasattr(c, "state") else s
 
     c = carry
@@ -153,11 +157,14 @@ def run_phases(step, carry, windows: tuple[int, ...], per_step: int):
             return go if last else go & (jnp.max(s.cache.lengths) + per_step <= window)
 
         full = state(c).cache
+        draft = getattr(state(c), "draft", None) if drafter is not None else None
         if window < full.capacity:  # the phase's loop carries only its window
-            c = with_cache(c, full.leading(full.lengths.shape[0], window))
+            c = with_cache(c, full.leading(full.lengths.shape[0], window),
+                           carry_window(drafter, draft, window))
         c = jax.lax.while_loop(cond, functools.partial(step, window=window), c)
         if window < full.capacity:
-            c = with_cache(c, full.put_leading(state(c).cache))
+            c = with_cache(c, full.put_leading(state(c).cache),
+                           put_leading(draft, getattr(state(c), "draft", None)))
     return c
 
 
@@ -277,7 +284,8 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     run = Run(state=state, out=jnp.zeros((b, max_new_tokens + tree.depth + 1), jnp.int32))
     windows = cache_phases(tokens.shape[1], state.cache.capacity, tree.num_nodes,
                            max_phases=max_cache_phases)
-    run = run_phases(functools.partial(drive, one), run, windows, tree.num_nodes)
+    run = run_phases(functools.partial(drive, one), run, windows, tree.num_nodes,
+                     drafter_for(heads, head_fn))
     s = run.state
     return Output(tokens=run.out[:, :max_new_tokens], num_new=s.count, steps=s.steps,
                   accept_hist=s.hist)

@@ -7,8 +7,10 @@ prefill (`begin`: the prompt's hidden states, and the inputs of the backbone lay
 drafter names in `aux_layers`) and after each commit (`advance`: the same along the accepted
 path, with its tokens and the next root). Drafters that read only the last accepted token's
 hidden state (Medusa, Hydra) implement `start` and take `begin`/`advance` from
-`FromLastHidden`. Drafters are frozen dataclasses: hashable, so they are static arguments
-of the jitted decoders.
+`FromLastHidden`. A drafter with its own cache over the context cuts it to the backbone's
+attention window where the decoders cut theirs (`window`; `put_leading` writes it back).
+Drafters are frozen dataclasses: hashable, so they are static arguments of the jitted
+decoders.
 
 Parameters may carry their drafter (`BoundParams`: a dict with a `drafter`, static in the
 pytree): a drafter whose configuration the tensors' shapes do not hold (EAGLE-3's aux layers,
@@ -103,6 +105,14 @@ class Drafter(Protocol):
         """Only where `follows_plain_steps`: after a plain step, tokens [B] the token each
         row committed (its root), live [B] the rows that stepped -> the carry with them."""
 
+    def window(self, carry, slots: int):
+        """The carry with its context (what it keeps per committed position, if anything)
+        cut, or zero-padded at the end, to `slots` positions, as the backbone's cache is to
+        an attention window: only a row's first `length` positions hold anything. The
+        decoders cut the carry with it where they cut the cache (a cache phase, a serving
+        call, a resize) and write it back with `put_leading`. A carry without a context
+        comes back as it is (the default for a drafter without `window`)."""
+
 
 class FromLastHidden:
     """`begin` and `advance` of a drafter whose carry is `start(params, heads, hidden [B, H]
@@ -121,6 +131,27 @@ class FromLastHidden:
                 lengths, live):
         return self.start(params, heads, hidden[jnp.arange(hidden.shape[0]), acc_len],
                           lengths)
+
+    def window(self, carry, slots: int):
+        return carry  # no context: the last hidden state's output only
+
+
+def carry_window(drafter, carry, slots: int):
+    """`drafter.window(carry, slots)`: the carry's context cut or padded to `slots`
+    positions; the carry as it is for a drafter without one (or no carry: plain)."""
+    fn = getattr(drafter, "window", None)
+    return carry if carry is None or fn is None else fn(carry, slots)
+
+
+def put_leading(full, sub):
+    """`sub` (a carry, or any pytree of `full`'s structure whose leaves are leading blocks of
+    `full`'s: fewer rows, a narrower context) written over the start of `full`'s leaves (in
+    place when `full` is donated or dead afterwards); a leaf of the same shape is `sub`'s."""
+    def at(a, b):
+        if a.shape == b.shape:
+            return b.astype(a.dtype)
+        return jax.lax.dynamic_update_slice(a, b.astype(a.dtype), (0,) * a.ndim)
+    return None if full is None else jax.tree.map(at, full, sub)
 
 
 class BoundParams(dict):

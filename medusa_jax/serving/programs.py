@@ -10,7 +10,8 @@ first requests are served, or each when first needed:
   - `extend` (the prefix cache): a prompt whose first tokens are in a slot's cache already
     is prefilled only after them, from a copy of that slot's cache row, then `insert`ed;
     `move` copies a slot's cache row to another;
-  - `resize`: the slots' cache to another attention window;
+  - `resize`: the slots' cache (and a drafter's own cache, `Drafter.window`) to another
+    attention window;
   - `engine_step`: K shared steps (`decoding.step`, the offline decoders' step) for the
     first R slots in one call, each slot at its own length; returns a fixed [R, K*W] token
     buffer and per-slot counts (W: a step's tokens at most).
@@ -31,6 +32,7 @@ import numpy as np
 
 from medusa_jax import kernels
 from medusa_jax.decoding import step
+from medusa_jax.decoding.drafter import carry_window, put_leading
 from medusa_jax.decoding.sampling import Rows
 from medusa_jax.decoding.step import DecodeState, batch_axis, follows_plain_steps, static_tree
 from medusa_jax.model.backbone import is_decoding_layout
@@ -102,11 +104,13 @@ def take_row(pre: DecodeState, row: jax.Array, axis: int) -> DecodeState:
 
 
 def insert(state: DecodeState, pre: DecodeState, slot: jax.Array, row: jax.Array, *,
-           axis: int) -> DecodeState:
+           axis: int, drafter=None) -> DecodeState:
     """Put row `row` of a prefilled batch into slot `slot` (int32 scalars); `axis`: the
-    drafter carry's batch axis. A first token that ends the request leaves the slot idle
-    (the host hands it out)."""
+    drafter carry's batch axis; `drafter`'s carry is fitted to the slots' window
+    (`Drafter.window`: the prompt is within it). A first token that ends the request leaves
+    the slot idle (the host hands it out)."""
     pre = take_row(pre, row, axis)
+    pre = pre.replace(draft=carry_window(drafter, pre.draft, state.cache.capacity))
     cache = state.cache.put_row(pre.cache, slot)  # its first P slots: a prefill's
     cache = cache.replace(lengths=cache.lengths.at[slot].set(pre.cache.lengths[0]))
     set_row = lambda a, b: a.at[slot].set(b[0])  # noqa: E731
@@ -138,30 +142,32 @@ def extend(params, heads, cache: KVCache, tokens: jax.Array, start: jax.Array,
                                    draft_capacity=capacity, prompt=prompt)
 
 
-def leading_rows(s: DecodeState, rows: int, window: int, axis: int) -> DecodeState:
+def leading_rows(s: DecodeState, rows: int, window: int, axis: int,
+                 drafter=None) -> DecodeState:
     """The first `rows` slots of `s`, their caches cut to the first `window` slots (all a
-    step attends or writes there); `axis`: the drafter carry's batch axis."""
+    step attends or writes there), `drafter`'s own cache too (`Drafter.window`); `axis`:
+    the drafter carry's batch axis."""
     head = lambda a: a[:rows]  # noqa: E731
-    draft = None if s.draft is None else jax.tree.map(
-        lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=axis), s.draft)
+    draft = None if s.draft is None else carry_window(drafter, jax.tree.map(
+        lambda a: jax.lax.slice_in_dim(a, 0, rows, axis=axis), s.draft), window)
     return s.replace(cache=s.cache.leading(rows, window), draft=draft,
                      **{f: jax.tree.map(head, getattr(s, f)) for f in _ROW_FIELDS})
 
 
-def put_leading_rows(full: DecodeState, sub: DecodeState, axis: int) -> DecodeState:
+def put_leading_rows(full: DecodeState, sub: DecodeState) -> DecodeState:
     """`leading_rows`' inverse: write `sub` back over the first slots of `full` (donated,
     so in place)."""
-    draft = None if full.draft is None else jax.tree.map(
-        lambda a, b: jax.lax.dynamic_update_slice_in_dim(a, b, 0, axis), full.draft, sub.draft)
+    draft = put_leading(full.draft, sub.draft)
     put = {f: jax.tree.map(lambda a, b: a.at[:b.shape[0]].set(b), getattr(full, f),
                            getattr(sub, f)) for f in _ROW_FIELDS}
     return full.replace(cache=full.cache.put_leading(sub.cache), draft=draft, **put)
 
 
-def resize(s: DecodeState, *, capacity: int) -> DecodeState:
-    """`s` with each slot's cache `capacity` slots long (the drafter carry keeps its own
-    length)."""
-    return s.replace(cache=s.cache.resized(capacity))
+def resize(s: DecodeState, *, capacity: int, drafter=None) -> DecodeState:
+    """`s` with each slot's cache `capacity` slots long, `drafter`'s own cache too
+    (`Drafter.window`): the slots' memory follows the window."""
+    return s.replace(cache=s.cache.resized(capacity),
+                     draft=carry_window(drafter, s.draft, capacity))
 
 
 def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelConfig, drafter,
@@ -193,7 +199,7 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
     # cache at every step, the window cut once per call does not.
     part = rows < s.root.shape[0] or window < s.cache.capacity
     if part:
-        s = leading_rows(s, rows, window, axis)
+        s = leading_rows(s, rows, window, axis, drafter)
     b = s.root.shape[0]
 
     def more(carry):  # a call whose slots have all finished stops: its other steps are idle
@@ -214,7 +220,7 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
         hits = jnp.sum(drafter.pool_hits(s.draft) - drafter.pool_hits(s0.draft))
     out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
                   lengths=s.cache.lengths, done=s.done, pool_hits=hits)
-    return (put_leading_rows(full, s, axis) if part else s), out
+    return (put_leading_rows(full, s) if part else s), out
 
 
 def stack_rows(rows: list[Rows]) -> Rows:
@@ -297,24 +303,29 @@ class Programs:
             pre = jax.eval_shape(prefill_fn, m.params, self.heads,
                                  np.zeros((1, lay.buckets[0]), np.int32),
                                  np.ones((1,), np.int32), key_data(0), row1)
+            # (its own cache, if any, as wide as the slots' first window)
             draft = None
             if self.drafter is not None:
                 axis = batch_axis(self.drafter)
+                pre_draft = jax.eval_shape(
+                    lambda d: carry_window(self.drafter, d, lay.windows[0]), pre.draft)
                 draft = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-                    x.shape[:axis] + (lay.slots,) + x.shape[axis + 1:], x.dtype), pre.draft)
+                    x.shape[:axis] + (lay.slots,) + x.shape[axis + 1:], x.dtype), pre_draft)
             state = jax.jit(init_state, static_argnums=(0, 2, 3, 4, 6))(
                 cfg, m.params, lay.slots, lay.windows[0], lay.width, row1, draft)
         # the programs are lowered against the state's shapes at each window, never the
         # live (donated) state
         specs = {w: jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                                    sharding=x.sharding),
-                                 jax.eval_shape(functools.partial(resize, capacity=w), state),
+                                 jax.eval_shape(functools.partial(
+                                     resize, capacity=w, drafter=self.drafter), state),
                                  state)
                  for w in lay.windows}
         self.state = state
         self._jits = dict(
             states=specs, pre_info={}, prefill=prefill_fn,
-            insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter)),
+            insert=jax.jit(functools.partial(insert, axis=batch_axis(self.drafter),
+                                             drafter=self.drafter),
                            donate_argnums=(0,)),
             extend=jax.jit(functools.partial(extend, cfg=cfg, drafter=self.drafter,
                                              tree=self.tree, capacity=lay.capacity)),
@@ -409,7 +420,7 @@ class Programs:
             return j["move"].lower(j["states"][key.window], np.int32(0), np.int32(0)).compile()
         if isinstance(key, lo.ResizeKey):
             out = j["states"][key.dst]
-            return jax.jit(functools.partial(resize, capacity=key.dst),
+            return jax.jit(functools.partial(resize, capacity=key.dst, drafter=self.drafter),
                            out_shardings=jax.tree.map(lambda x: x.sharding, out)).lower(
                 j["states"][key.src]).compile()
         if isinstance(key, lo.StepKey):

@@ -52,6 +52,19 @@ def init_carry(c: eagle3.Eagle3Config, batch: int, capacity: int, dtype=jnp.floa
                        length=jnp.zeros((batch,), jnp.int32))
 
 
+def fit_context(carry: Eagle3Carry, slots: int) -> Eagle3Carry:
+    """The carry with room for `slots` entries: its keys/values cut, or zero-padded at the
+    end (only a row's first `length` entries hold anything, the rest are masked)."""
+    s = carry.k.shape[2]
+    if slots == s:
+        return carry
+    if slots < s:
+        fit = lambda a: jax.lax.slice_in_dim(a, 0, slots, axis=2)  # noqa: E731
+    else:
+        fit = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, slots - s), (0, 0)))  # noqa: E731
+    return carry.replace(k=fit(carry.k), v=fit(carry.v))
+
+
 def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux: jax.Array,
            next_tokens: jax.Array, n_valid: jax.Array) -> Eagle3Carry:
     """Append up to T entries per row: aux [B, T, 3*Ht] the backbone's features of T tokens
@@ -254,6 +267,11 @@ class Eagle3Drafter:
     @staticmethod
     def enlarge(heads: Params, src: ModelConfig, dst: ModelConfig, grow) -> BoundParams:
         return enlarge(heads, src, dst, grow)
+
+    def window(self, carry: Eagle3Carry, slots: int) -> Eagle3Carry:
+        """The carry over the backbone cache's window of `slots` slots: a step then attends
+        over that many entries, not the whole context (entry p sits at slot p)."""
+        return fit_context(carry, slots)
 
     def depth(self, heads) -> None:
         return None  # any depth: the drafter runs on its own outputs
