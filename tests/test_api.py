@@ -140,6 +140,7 @@ def test_load_rejects_an_unknown_heads_dtype(one_line_error):
                                          "got 'float16'")
 
 
+@pytest.mark.slow
 def test_heads_in_bfloat16_draft_and_emit_what_plain_decoding_does():
     """heads_dtype="bfloat16": the heads' matrices in bfloat16, their biases as they were;
     greedy decoding still emits plain decoding's tokens, and the heads still draft."""

@@ -95,6 +95,7 @@ def test_the_pytorch_notice_of_transformers_is_silenced(monkeypatch, capsys):
     assert os.environ[quiet.ADVISORY] == ""
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_decoding_sets_the_switch_before_transformers_is_imported():
     code = ("import os, sys\nfrom medusa_jax.text.tokenizer import tokenizer_class\n"

@@ -119,6 +119,7 @@ def test_a_lock_left_by_a_killed_process_is_not_in_the_way(tmp_path):
     lock.release()
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
     empty = tmp_path / "empty.jsonl"
@@ -134,6 +135,7 @@ def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
 # ---- the second signal is never lost, and says what it stopped (in-process)
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_two_signals_during_one_long_call_are_two(tmp_path):
     """Signals that arrive while the main thread is inside one C call (a compile, a batch of

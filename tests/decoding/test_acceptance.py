@@ -51,6 +51,7 @@ def test_rejection_sampling_matches_plain_sampling_distribution(toy_lm, toy_medu
     assert hist[2:].sum() > 0.2 * hist.sum()
 
 
+@pytest.mark.slow
 def test_typical_acceptance_is_lossy_and_the_test_detects_it(toy_lm, toy_medusa, chi_square_ok):
     CFG, PROMPT, ROWS, TREE = toy_lm.CFG, toy_lm.PROMPT, toy_lm.ROWS, toy_lm.TREE
     params, heads = toy_medusa
@@ -63,6 +64,7 @@ def test_typical_acceptance_is_lossy_and_the_test_detects_it(toy_lm, toy_medusa,
     assert not ok and ratio > 10
 
 
+@pytest.mark.slow
 def test_typical_thresholds_and_tie_break(toy_lm):
     from medusa_jax.decoding.acceptance import typical
 
@@ -79,6 +81,7 @@ def test_typical_thresholds_and_tie_break(toy_lm):
     assert int(acc[0]) == 0  # 0.2/6 = 0.033 is below the threshold
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=0.01), dict(top_k=2, top_p=0.5)],
                          ids=["top_k=1", "top_p=0.01", "top_k=2-top_p=0.5"])
 def test_typical_never_accepts_a_token_top_k_or_top_p_removes(toy_lm, filters):
@@ -105,6 +108,7 @@ def test_typical_never_accepts_a_token_top_k_or_top_p_removes(toy_lm, filters):
         assert int(acc[0]) == 1 and int(root[0]) == int(jnp.argmax(logits[0, 1]))
 
 
+@pytest.mark.slow
 def test_typical_with_top_k_1_decodes_as_plain_greedy(toy_lm, toy_medusa):
     """The issue's case end to end: typical acceptance at top-k 1 keeps only the argmax at
     every node, so its output is plain greedy decoding's, token for token (and without the
@@ -150,6 +154,7 @@ def test_sampled_drafts_stay_lossless_over_skipped_ranks_and_an_exhausted_suppor
         assert hist[2:].sum() > 0.1 * hist.sum()  # drafts were accepted
 
 
+@pytest.mark.slow
 def test_rejection_drafted_rule_on_a_hand_computable_node():
     """One node, target p = (0.5, 0.3, 0.2), draft q = (0.2, 0.8, 0): x1 = token 1 is
     accepted with min(1, 0.3 / 0.8) = 0.375; then p' = max(p - q, 0) = (0.3, 0, 0.2) / 0.5

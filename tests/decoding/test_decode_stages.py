@@ -54,6 +54,7 @@ def test_propose_candidates_reads_each_node_from_its_heads_rank():
             assert cand[b, i] == order[len(path) - 1, b, path[-1]], (b, path)
 
 
+@pytest.mark.slow
 def test_verify_on_a_chain_equals_a_causal_forward(params):
     chain = Tree.from_paths([[0], [0, 0], [0, 0, 0]])
     cache = _prefilled(params, [[1, 2, 3, 4], [5, 6, 7, 8]])
@@ -69,6 +70,7 @@ def test_verify_on_a_chain_equals_a_causal_forward(params):
     assert int(cache.lengths[0]) == 4  # verify commits nothing
 
 
+@pytest.mark.slow
 def test_each_row_follows_its_own_acceptance_rule(params):
     """`accept_rows`, the acceptance the step runs: rows of a batch in different modes each
     get what their mode's rule gives them alone."""

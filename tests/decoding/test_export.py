@@ -61,6 +61,7 @@ def _inputs():
             jax.eval_shape(lambda: jax.random.key(0)))
 
 
+@pytest.mark.slow
 def test_generate_lowers_for_gpu_and_tpu(model):
     params, _ = model
     exp = jax.export.export(generate, platforms=PLATFORMS)(
@@ -69,6 +70,7 @@ def test_generate_lowers_for_gpu_and_tpu(model):
     assert "stablehlo.while" in _check(exp)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["greedy", "typical", "rejection"])
 def test_medusa_generate_lowers_for_gpu_and_tpu(model, mode):
     params, heads = model
@@ -78,6 +80,7 @@ def test_medusa_generate_lowers_for_gpu_and_tpu(model, mode):
     assert _check(exp).count("stablehlo.while") >= 1
 
 
+@pytest.mark.slow
 def test_sharded_medusa_generate_lowers_for_gpu_and_tpu(model):
     params, heads = model
     mesh = sharding.make_mesh("data=2,model=4")
@@ -97,6 +100,7 @@ def _batch():
             "loss_mask": jax.ShapeDtypeStruct((8, 16), jnp.bool_)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["medusa1", "medusa2"])
 def test_train_steps_lower_for_gpu_and_tpu(method):
     params = jax.eval_shape(lambda k: init_params(CFG, k), jax.random.key(0))

@@ -33,6 +33,7 @@ def test_length_bucket():
     assert length_bucket(65, room=10) == 65  # nor below the limit itself
 
 
+@pytest.mark.slow
 def test_one_program_for_every_temperature_filter_seed_and_limit(toy_lm, toy_medusa):
     CFG, TREE = toy_lm.CFG, toy_lm.TREE
     params, heads = toy_medusa
@@ -61,6 +62,7 @@ def test_one_program_for_every_temperature_filter_seed_and_limit(toy_lm, toy_med
     assert medusa_generate._cache_size() == size
 
 
+@pytest.mark.slow
 def test_greedy_rows_decode_as_the_static_greedy_decoder(toy_lm, toy_medusa):
     CFG, TREE = toy_lm.CFG, toy_lm.TREE
     params, heads = toy_medusa

@@ -102,6 +102,7 @@ def test_the_kind_is_known_by_its_parameters(toy):
     assert registry.kind_of(heads) == KIND and registry.depth_of(heads) == 3
 
 
+@pytest.mark.slow
 def test_offline_greedy_equals_plain_greedy(toy):
     from medusa_jax import Medusa
 
@@ -142,6 +143,7 @@ def test_enlarge_pads_the_toy_heads(toy):
     np.testing.assert_array_equal(out["toy_proj"][:, :m.cfg.hidden_size], heads["toy_proj"])
 
 
+@pytest.mark.slow
 def test_bench_and_tree_search(toy):
     from medusa_jax.decoding.tree import Tree
     from medusa_jax.tools import bench, tree_search

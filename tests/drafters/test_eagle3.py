@@ -305,6 +305,7 @@ def max_diff(a, b):
 # ----------------------------------------------------------------------------- parity
 
 
+@pytest.mark.slow
 def test_vocab_maps_are_the_reference_scandata(drafter):
     _, counts = drafter
     d2t, t2d = eagle3.vocab_maps(counts, VD)
@@ -313,6 +314,7 @@ def test_vocab_maps_are_the_reference_scandata(drafter):
     eagle3.check_draft_ids(d2t, t2d, V)
 
 
+@pytest.mark.slow
 def test_layer_and_draft_logits_match_the_reference_with_a_cache_and_a_tree_mask(drafter):
     """A causal prefix of T positions, then 4 tree nodes (root 0 with children 1, 2; node 3
     under 1) on top of its cache, each at its depth's position."""
@@ -367,6 +369,7 @@ def ttt_inputs(seed=4):
     return aux, tokens, target, loss_mask, attention_mask, embed
 
 
+@pytest.mark.slow
 def test_training_time_test_losses_accuracies_and_gradients_match_the_reference(drafter):
     heads, _ = drafter
     aux, tokens, target, loss_mask, attn, embed = ttt_inputs()
@@ -417,6 +420,7 @@ def test_a_fresh_drafter_starts_as_the_references():
     assert abs(float(np.std(small["lm_head"])) - 0.02) < 0.005
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft_vocab", [VD, V])
 def test_the_training_recipes_loss_is_the_references(draft_vocab):
     """The recipe's loss (`training.recipes.eagle3.ttt_loss`: the backbone's side computed
@@ -470,6 +474,7 @@ def test_the_training_recipes_loss_is_the_references(draft_vocab):
 # ----------------------------------------------------------------------------- the layout
 
 
+@pytest.mark.slow
 def test_write_read_round_trip_and_the_reference_loads_what_we_write(tmp_path, drafter):
     heads, _ = drafter
     files = formats.write_eagle3(heads, tmp_path, CFG, model_cfg=BACKBONE, base_model="toy")
@@ -765,6 +770,7 @@ def drafted(drafter):
                 params=params, d=d, carry=carry, ours=np.asarray(ours), logp=np.asarray(logp))
 
 
+@pytest.mark.slow
 def test_draft_tree_equals_the_reference_drafting_each_path_alone(drafted):
     x = drafted
     ref = torch_model(x["heads"])
@@ -833,6 +839,7 @@ def test_no_step_copies_the_context_cache(drafter):
         assert copies == [], (name, copies)
 
 
+@pytest.mark.slow
 def test_the_drafter_is_registered_and_travels_bound_to_its_parameters(drafted,
                                                                        one_line_error):
     x = drafted
@@ -864,6 +871,7 @@ def test_the_drafter_is_registered_and_travels_bound_to_its_parameters(drafted,
         assert chosen[0] == 0 and sorted(chosen[1:]) == sorted(best)
 
 
+@pytest.mark.slow
 def test_training_time_test_learns_on_the_backbones_own_features(stories):
     """The embedded stories260K (5 layers: aux layers 1, 2, 4 by hand) feeds its features
     and logits to the TTT loss (3 steps here) of a drafter over its 128 most frequent tokens;

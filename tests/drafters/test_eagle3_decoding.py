@@ -33,6 +33,7 @@ def drafter(stories):
     return bind(eagle3.init_eagle3(jax.random.key(1), c, counts, std=0.2), c, cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [TREE, DynamicTree(Tree.load("mc_sim_7b_63:32"), 8)],
                          ids=["static", "dynamic"])
 def test_greedy_equals_plain_greedy(stories, drafter, story_plain, tree):
@@ -45,6 +46,7 @@ def test_greedy_equals_plain_greedy(stories, drafter, story_plain, tree):
     assert hist[2:].sum() > 0  # some drafts accepted: the commit path past the root ran
 
 
+@pytest.mark.slow
 def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committed_tokens(
         stories, drafter, story_plain):
     """After prefill and 6 Medusa steps (rows of lengths 3 and 7, some drafts accepted), the
@@ -99,6 +101,7 @@ def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committe
         assert float(jnp.max(jnp.abs(want.v[r, :, :n] - s.draft.v[r, :, :n]))) < 1e-4
 
 
+@pytest.mark.slow
 def test_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, walks_into_unverified):
     """EAGLE-3's dynamic proposal (its choice from the drafter's own log-probabilities) marks
     the pool nodes it did not choose as unverified; even when the target puts almost all mass
@@ -175,6 +178,7 @@ def test_our_artifact_and_the_published_layout_load_bound_and_decode_alike(
                    "3-layer")
 
 
+@pytest.mark.slow
 def test_the_serving_engine_gives_offline_tokens(stories, drafter, story_plain):
     from medusa_jax.api import Medusa
     from medusa_jax.serving.engine import Engine, generate_offline  # noqa: F401
@@ -205,6 +209,7 @@ def test_the_serving_engine_gives_offline_tokens(stories, drafter, story_plain):
         Engine(m, slots=2, max_context=128, plain_above=1)
 
 
+@pytest.mark.slow
 def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, story_plain):
     """`--heads eagle`: the drafter `train.eagle` trains by default, bound to its config by
     load_heads; greedy output identical, and over two tokens per step on the 16 nodes

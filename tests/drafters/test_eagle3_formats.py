@@ -109,6 +109,7 @@ def decode_rows(stories, story_plain, heads):
     return story_plain.rows(out), np.asarray(out.accept_hist).sum(0).tolist()
 
 
+@pytest.mark.slow
 def test_traineagle3_output_loads(tmp_path, stories, story_plain, shipped, one_line_error):
     """The reference trainer's own output: refused with a one-line error on the 5-layer
     backbone (its config names no aux layers, the rule needs 7), loaded with the aux layers
@@ -173,6 +174,7 @@ def test_published_checkpoint_config_loads(tmp_path, stories, shipped):
     assert meta["source_layout"] == "eagle3"
 
 
+@pytest.mark.slow
 def test_specforge_output_loads_and_decodes_as_the_shipped_drafter(tmp_path, stories,
                                                                   story_plain, shipped):
     """SpecForge's export with eagle_config (ids of the layers whose output it reads: ours

@@ -15,6 +15,7 @@ CFG = ModelConfig(model_type="llama", vocab_size=40, hidden_size=16, intermediat
                   max_position_embeddings=32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_heads_start_as_exact_copies_of_the_base_logits(tied):
     cfg = CFG.replace(tie_word_embeddings=tied)
@@ -29,6 +30,7 @@ def test_heads_start_as_exact_copies_of_the_base_logits(tied):
         np.testing.assert_array_equal(head_logits[k], logits)
 
 
+@pytest.mark.slow
 def test_blocks_of_a_head_get_their_own_parameters():
     params = init_params(CFG, jax.random.key(0), std=0.3)
     heads = init_heads(CFG, params, HeadsConfig(num_heads=2, num_layers=2))

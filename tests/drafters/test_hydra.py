@@ -72,6 +72,7 @@ def test_hydra_rejection_sampling_is_lossless(toy_lm, tiny_hydra, chi_square_ok,
     assert hist[2:].sum() > 0.05 * hist.sum()  # drafts are accepted, the test has teeth
 
 
+@pytest.mark.slow
 def test_hydra_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, tiny_hydra,
                                                                       walks_into_unverified):
     """Hydra's dynamic proposal marks the pool nodes it did not choose as unverified; even

@@ -23,6 +23,7 @@ NGRAM = BoundParams({}, NgramDrafter())
 BRANCHED = Tree.from_paths([[0], [1], [2], [0, 0], [1, 0], [0, 0, 0], [0, 1], [0, 0, 0, 0]])
 
 
+@pytest.mark.slow
 def test_match_lengths_and_continuations_by_hand():
     #            0  1  2  3  4  5  6  7  8  9
     hist = [[5, 6, 7, 8, 5, 6, 7, 0, 0, 0],  # context ends at 6: "5 6 7"
@@ -51,6 +52,7 @@ def test_match_lengths_and_continuations_by_hand():
     assert drafts[3].tolist() == [[4] * 5] * 2 and not found[3].any()
 
 
+@pytest.mark.slow
 def test_carry_begin_advance_and_the_tree_layout():
     d = NgramDrafter()
     tokens = jnp.asarray([[1, 2, 3, 0], [7, 8, 0, 0]], jnp.int32)
@@ -72,6 +74,7 @@ def test_carry_begin_advance_and_the_tree_layout():
     assert cand.tolist() == [0, 0, 1, 0, 2, 1, 2] and depth.tolist() == [0, 1, 1, 2, 2, 2, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [chain_tree(5), BRANCHED, DynamicTree(BRANCHED, 4)],
                          ids=["chain", "branched", "dynamic"])
 def test_ngram_greedy_equals_plain_greedy(stories, story_plain, tree):
@@ -86,6 +89,7 @@ def test_ngram_greedy_equals_plain_greedy(stories, story_plain, tree):
         assert story_plain.rows(one) == story_plain.rows_plain[:1]
 
 
+@pytest.mark.slow
 def test_ngram_drafts_repetitive_text(stories):
     """Prompts that repeat a sentence: the model goes on looping, and the drafts (the
     loop's continuation) are accepted several at a time."""
@@ -106,6 +110,7 @@ def toy_params(toy_lm):
     return jax.jit(lambda k: init_params(toy_lm.CFG, k, std=0.6))(jax.random.key(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1], ids=["t1", "t0.7-topk-topp"])
 def test_ngram_rejection_sampling_is_lossless(toy_lm, toy_params, chi_square_ok, which):
     """Deterministic drafts (the history's continuations) accepted by the target's
@@ -132,6 +137,7 @@ def test_head_fn_is_refused(one_line_error):
     one_line_error(ValueError, lambda: NgramDrafter.from_head_fn(lambda *a: None), "head_fn")
 
 
+@pytest.mark.slow
 def test_empty_heads_are_the_ngram_kind(stories, story_plain):
     """The kind is registered: parameters with no tensors decode with the n-gram drafter."""
     from medusa_jax.drafters import registry

@@ -56,6 +56,7 @@ def test_bad_input_is_a_one_line_error(one_line_error, stories):
         "depth 8", "Medusa heads")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, tree", [
     ("medusa", Tree.load("stories260K_cpu")),
     ("hydra", DynamicTree(Tree.load("mc_sim_7b_63:16"), 6)),

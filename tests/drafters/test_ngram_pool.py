@@ -53,6 +53,7 @@ def test_a_pool_that_does_not_fit_is_refused_in_one_line(monkeypatch):
         NgramDrafter().shared_pool(11)
 
 
+@pytest.mark.slow
 def test_device_hash_and_lookup_agree_with_the_host():
     ctx = np.random.default_rng(0).integers(0, 32000, size=(5, 4))
     assert np.array_equal(np.asarray(hash_device(jnp.asarray(ctx, jnp.int32))),
@@ -66,6 +67,7 @@ def test_device_hash_and_lookup_agree_with_the_host():
     assert nxt[0, :int(count[0])].tolist() == [4, 5, 6]
 
 
+@pytest.mark.slow
 def test_the_pool_drafts_where_the_row_has_no_match_and_counts_its_hits():
     drafter, p = NgramDrafter(max_n=3).shared_pool(64)
     p.add([1, 2, 3, 4, 5, 6, 7])
@@ -81,6 +83,7 @@ def test_the_pool_drafts_where_the_row_has_no_match_and_counts_its_hits():
     assert isinstance(after.hist, NgramCarry) and int(after.hist.length[0]) == 8
 
 
+@pytest.mark.slow
 def test_colliding_entries_never_change_an_output(medusa_default):
     """A pool whose entries hold the contexts of the very outputs decoded next, but wrong
     tokens after them (as a hash collision would): every lookup hits and drafts wrong

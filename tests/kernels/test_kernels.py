@@ -45,6 +45,7 @@ def test_products_equal_xla_to_float32_rounding(dtype, transposed):
         assert np.all(np.abs(y - xla) <= 4 * k * 2.0 ** -24 * scale + 1e-30), (m, k, n)
 
 
+@pytest.mark.slow
 def test_a_row_does_not_depend_on_the_other_rows():
     """Bit for bit: a token's result is the same in a 1-token pass and in a 65-token one,
     whichever tile and thread it falls in (what keeps greedy Medusa equal to plain)."""
@@ -229,6 +230,7 @@ def test_attention_lowers_to_xla_on_other_platforms():
     assert kernels.ATTENTION_TARGET not in gpu and "dot_general" in gpu
 
 
+@pytest.mark.slow
 def test_attention_is_marked_for_wide_heads_of_wrapped_backbones(stories, small_weights_too):
     """The embedded model's heads are 8 wide: its products may be wrapped, but it attends
     with XLA; a backbone with 16-wide heads attends with the kernel, and unwrapping drops

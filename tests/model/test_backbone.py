@@ -53,6 +53,7 @@ def _hf_and_ours(arch, folder, **config):
     return model, *load_pretrained(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_logit_parity_with_transformers(arch, tmp_path):
     model, cfg, params = _hf_and_ours(arch, tmp_path)
@@ -123,6 +124,7 @@ def test_cache_decoding_matches_full_forward_with_ragged_rows(narrow):
     assert int(cache.lengths[0]) != int(cache.lengths[1])
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_runs_and_stays_close(stories):
     cfg, params, tok = stories
     ids = np.array([tok.encode("Once upon a time, there was a little girl")])
@@ -183,6 +185,7 @@ def test_decoding_layout_gives_the_same_logits_and_round_trips(arch, tmp_path):
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.all(a == b)), back, params)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied, big", [(True, False), (True, True), (False, False)],
                          ids=["small-tied", "large-tied", "untied"])
 def test_a_small_tied_embedding_gets_a_contiguous_output_layer_on_the_cpu(
@@ -257,6 +260,7 @@ def test_per_layer_cache_gives_the_same_logits_and_entries():
 AUX = (2, 0, 3)  # out of order, layer 0 (the embedding) and the last layer of 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama-gqa-untied", "qwen2-bias"])
 def test_aux_layers_are_transformers_hidden_states(arch, tmp_path):
     """`aux_layers` returns the inputs of those layers, which are transformers'
@@ -292,6 +296,7 @@ def test_aux_layers_are_transformers_hidden_states(arch, tmp_path):
                                        rtol=0, err_msg=f"{name} step")
 
 
+@pytest.mark.slow
 def test_aux_layers_on_the_training_path_with_remat():
     """`forward_uncommitted` as training calls it (empty cache, rematerialised layers, no
     logits) returns the same features as `forward`, and they carry gradients."""
@@ -323,6 +328,7 @@ def test_aux_layers_on_the_training_path_with_remat():
     assert float(jnp.abs(grads["layers"]["wq"][3]).max()) == 0
 
 
+@pytest.mark.slow
 def test_no_aux_layers_lowers_to_the_same_program():
     """aux_layers=() is the plain forward pass: the same lowered program, both layouts, for
     `forward`, `forward_scratch` and `forward_uncommitted`."""

@@ -178,6 +178,7 @@ def test_cached_decoding_matches_transformers_past_the_window(models, arch):
             cache = cache.advance(jnp.ones(2, jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma", "gemma2"])
 def test_aux_layers_are_transformers_hidden_states(models, arch):
     """The inputs of layers (2, 0) (layer 0's: the scaled embedding) are transformers'

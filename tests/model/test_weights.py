@@ -49,6 +49,7 @@ def test_embedded_default_loads(stories):
     assert (default_model_dir() / "LICENSE").is_file()
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_equals_single_file(small_model_dir, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(small_model_dir)
     model.save_pretrained(tmp_path, max_shard_size="20KB")

@@ -75,6 +75,7 @@ def test_a_missing_id_offline_is_one_line_saying_so(cache):
                             f"HF_HUB_OFFLINE=1 forbids downloading it")
 
 
+@pytest.mark.slow
 def test_model_and_heads_ids_load_and_decode_as_the_folders_do(cache):
     from medusa_jax.api import Medusa
 

@@ -123,6 +123,7 @@ def test_generate_second_run_loads_from_the_cache(tmp_path):
     assert text(second) == text(first)
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["--no-compile-cache", compile_cache.ENV_OFF])
 def test_the_cache_can_be_turned_off(tmp_path, how):
@@ -138,6 +139,7 @@ def test_the_cache_can_be_turned_off(tmp_path, how):
     assert "note:" not in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 @pytest.mark.parametrize("how", ["a file", "read-only", "unwritable"])
 def test_an_unusable_cache_folder_never_breaks_a_run(tmp_path, how):
@@ -245,6 +247,7 @@ def test_bfloat16_checkpoint_loads(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_distill_prints_compile_apart(tmp_path, capsys):
     from train.distill import main
 

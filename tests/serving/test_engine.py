@@ -97,6 +97,7 @@ def _cache_width(e) -> int:
     return e.state.cache.capacity
 
 
+@pytest.mark.slow
 def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_engine, prompts,
                                                         reference):
     """90 new tokens: both engines move from the 64-slot window to the 128-slot one, the
@@ -113,6 +114,7 @@ def test_long_generations_cross_attention_windows_alike(medusa_engine, plain_eng
         assert _cache_width(e) == e.cache_window == 64 and e.metrics.resizes == resizes + 1
 
 
+@pytest.mark.slow
 def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, prompts,
                                                               reference):
     ref = reference[1]
@@ -125,6 +127,7 @@ def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, pro
     assert medusa_engine.metrics.step_tokens > 1.3 * medusa_engine.metrics.slot_steps
 
 
+@pytest.mark.slow
 def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, prompts, reference):
     long = [_submit(medusa_engine, p, NEW) for p in prompts[:SLOTS]]
     time.sleep(0.02)
@@ -173,6 +176,7 @@ def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, p
     assert d[3][0] in ("cancelled", "length") and d[1] == long_d[:len(d[1])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_a_step_at_every_window_copies_no_cache(which, request):
     """A step attends over the whole cache the slots hold (kept at the window's length), so
@@ -261,6 +265,7 @@ def _burst(engine, prompts, max_tokens, **kw):
     return [out for _, out, _, _ in runs]
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     kw = dict(temperature=0.9, top_k=20, seed=1234)
     a = generate_offline(medusa_engine, [prompts[0]], NEW, **kw)[0]
@@ -275,6 +280,7 @@ def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     assert a == b == burst[1] and a != c
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, prompts,
                                                                 reference):
@@ -294,6 +300,7 @@ def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, 
     assert e.metrics.prefill_calls - calls < n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, model, prompts,
                                                               reference):
@@ -318,6 +325,7 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
     assert e.status()["compiled"] == compiled
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, reference):
     """With every call counted long (each read before the next is dispatched), staggered
@@ -333,6 +341,7 @@ def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, r
         e.overlap_ms = old
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["decoding", "standard"])
 def test_insert_puts_each_row_of_a_batched_prefill_as_its_own_prefill(model, prompts, layout):
     """Row j of a prefill over several prompts, inserted into a slot, gives that slot what a
@@ -452,6 +461,7 @@ def test_max_context_past_the_model_is_refused(model):
         Engine(model, slots=2, max_context=model.cfg.max_position_embeddings + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warmup", ["background", "lazy"])
 def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, prompts, reference,
                                                                     warmup):

@@ -59,6 +59,7 @@ def ngram_engine(base, **kw):
                   prefill_batch=1, slot_buckets=(SLOTS,), tree=chain_tree(4), **kw)
 
 
+@pytest.mark.slow
 def test_ngram_engine_keeps_the_prefix_cache_and_plain_greedy_tokens(base, prompts):
     e = ngram_engine(base).start("lazy")
     try:
@@ -94,6 +95,7 @@ def test_ngram_engine_follows_plain_steps_above_plain_above(base, prompts):
         e.stop()
 
 
+@pytest.mark.slow
 def test_merged_engine_keeps_plain_greedy_tokens_with_a_cached_prefix(base, prompts):
     heads = merged(base.heads, 3)
     m = with_heads(base, heads)
@@ -125,6 +127,7 @@ def test_a_drafter_that_keeps_context_and_cannot_follow_plain_steps_is_refused(b
     assert not e.prefix_cache
 
 
+@pytest.mark.slow
 def test_a_shared_pool_speeds_up_a_repeated_prompt_and_keeps_its_text(base, prompts):
     """--ngram-shared: the second time a prompt comes, its output's n-grams are in the pool
     (written when the first finished), so it drafts them: more tokens per step, the same
@@ -155,6 +158,7 @@ def test_a_shared_pool_needs_a_drafter_that_keeps_one(base):
         ngram_engine(base, ngram_shared=True, ngram_shared_size=1 << 40)
 
 
+@pytest.mark.slow
 def test_a_model_loaded_with_ngram_serves_merged_drafts(base, prompts):
     """`Medusa.load(ngram=N)` (`infer.serve --ngram N`): the engine merges the chain into
     the drafter's tree."""

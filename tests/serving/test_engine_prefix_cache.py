@@ -54,6 +54,7 @@ def run(engine, prompt, n=NEW, **kw):
     return req, out
 
 
+@pytest.mark.slow
 def test_a_repeated_prompt_and_a_follow_up_turn_start_after_their_cached_prefix(engine, model,
                                                                               prompts):
     p = prompts[0]
@@ -72,6 +73,7 @@ def test_a_repeated_prompt_and_a_follow_up_turn_start_after_their_cached_prefix(
     assert m.prefix_hits == hits + 2 and m.prefix_tokens >= again.cached + turn.cached
 
 
+@pytest.mark.slow
 def test_prompts_taking_turns_keep_each_others_cache(engine, model, prompts):
     """A, then B in A's slot (A's cache moves to a free slot first), then A again: it reads
     that slot while B's cache moves into it (after the read), so B again finds it there."""
@@ -83,6 +85,7 @@ def test_prompts_taking_turns_keep_each_others_cache(engine, model, prompts):
         assert req.cached == len(p) - 1 and out == offline(model, p)
 
 
+@pytest.mark.slow
 def test_a_prompt_starting_with_a_live_requests_prompt_reads_that_slot(engine, model, prompts):
     p = prompts[2]
     follow = p + prompts[3][1:6]
@@ -104,6 +107,7 @@ def test_a_prompt_starting_with_a_live_requests_prompt_reads_that_slot(engine, m
     assert out["follow"][0].cached >= len(p)
 
 
+@pytest.mark.slow
 def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, prompts):
     p = prompts[4]
     run(engine, p)
@@ -127,6 +131,7 @@ def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, 
     assert req.cached == 0 and out == offline(model, q)
 
 
+@pytest.mark.slow
 def test_a_narrower_cache_keeps_only_what_it_holds(engine, model, prompts):
     p = prompts[6]
     _, long = run(engine, p, 90)  # the cache grows to the 128-slot window

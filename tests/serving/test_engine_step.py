@@ -187,6 +187,7 @@ def test_the_engine_has_no_decoder_and_no_layer_branches_on_a_drafter_kind():
             assert not re.search(r"is_hydra|hydra\.(?!drafter:)", f.read_text()), f
 
 
+@pytest.mark.slow
 def test_greedy_offline_programs_hold_no_sampling(medusa):
     """Offline rows that all decode greedily compile without the filters of sampling (no
     sort) and without per-step PRNG work; a sampled decode has them."""

@@ -261,6 +261,7 @@ def _hub_cache(tmp_path: Path, repo_id: str) -> Path:
     return tmp_path / "hub"
 
 
+@pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_cached_hub_id_is_a_model(tmp_path):
     """--model owner/name from huggingface_hub's cache, offline: read before JAX is

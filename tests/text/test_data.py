@@ -116,6 +116,7 @@ def test_eos_label_survives_packing(tok):
 # ----------------------------------------------------------------------------- files
 
 
+@pytest.mark.slow
 def test_sharegpt_alpaca_text_and_skipped_counts(tmp_path, tok):
     f1 = write_jsonl(tmp_path / "a.jsonl", [
         sharegpt(("human", "Tell me"), ("gpt", "A story.")),

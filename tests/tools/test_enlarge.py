@@ -112,6 +112,7 @@ def written(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_transformers_reads_the_written_model_with_the_same_logits(stories, written):
     import torch
     from transformers import AutoModelForCausalLM
@@ -124,6 +125,7 @@ def test_transformers_reads_the_written_model_with_the_same_logits(stories, writ
     assert (written / "LICENSE").is_file() and (written / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_enlarged_model_and_heads_decode_the_same_tokens_per_step(written, medusa_default):
     """Plain greedy and Medusa greedy (the enlarged heads) give the original's tokens, and
     Medusa the same accepted lengths step by step."""

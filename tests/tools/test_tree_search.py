@@ -24,6 +24,7 @@ def _all_trees(size, acc):
             yield [list(p) for p in combo]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
 def test_greedy_growth_is_optimal_on_small_cases(size):
     acc = ACC[:, :3]

@@ -197,6 +197,7 @@ def _truncate_arrays(step_dir):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+@pytest.mark.slow
 def test_restore_falls_back_past_a_corrupt_newest_step(toy_train, two_steps, tmp_path, caplog):
     setup, toy_rows, train = toy_train.setup, toy_train.toy_rows, toy_train.train
     ckdir = _copy_of(two_steps, tmp_path)
@@ -221,6 +222,7 @@ def test_restore_falls_back_past_a_corrupt_newest_step(toy_train, two_steps, tmp
     ck.close()
 
 
+@pytest.mark.slow
 def test_restore_skips_junk_step_folders(toy_train, two_steps, tmp_path):
     setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)
@@ -239,6 +241,7 @@ def test_restore_skips_junk_step_folders(toy_train, two_steps, tmp_path):
     assert (ckdir / "notes" / "todo.txt").is_file()
 
 
+@pytest.mark.slow
 def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, tmp_path,
                                                           one_line_error):
     setup = toy_train.setup
@@ -257,6 +260,7 @@ def test_restore_without_an_intact_checkpoint_is_one_line(toy_train, two_steps, 
     assert sorted(p.name for p in ckdir.iterdir()) == ["1", "2"]  # nothing moved or deleted
 
 
+@pytest.mark.slow
 def test_explicit_step_does_not_fall_back(toy_train, two_steps, tmp_path, one_line_error):
     setup = toy_train.setup
     ckdir = _copy_of(two_steps, tmp_path)

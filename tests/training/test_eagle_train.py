@@ -43,6 +43,7 @@ def _inputs(b=3, t=12, seed=1):
 STEPS = 4  # three later steps: their keys on the diagonal, two of them from the cache
 
 
+@pytest.mark.slow
 def test_a_packed_row_trains_as_its_examples_alone():
     """Packed rows: the training-time test of two examples sharing a row gives each of them
     the logits, per-step counted positions and loss it has alone in a row of its own (the
@@ -143,6 +144,7 @@ def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
         np.testing.assert_array_equal(maps[n], np.asarray(state.params["heads"][n]))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_a_step_on_a_mesh_equals_the_one_device_step(tiny, one_device_step):
     """The one trainer's data/fsdp mesh (8 simulated devices, the rows split 8 ways; the

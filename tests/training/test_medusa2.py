@@ -130,6 +130,7 @@ def test_lm_only_rows_train_the_lm_term_but_not_the_heads():
     assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g["backbone"])) > 1e-4
 
 
+@pytest.mark.slow
 def test_head_weight_schedules_and_heads_train_the_backbone():
     sine = medusa2.head_weight_schedule(medusa2.LossConfig(head_schedule="sine",
                                                            head_ramp_steps=100))
@@ -200,6 +201,7 @@ def test_teacher_is_frozen_and_has_no_optimizer_state(kl_trainer):
         assert isinstance(s.mu["teacher"], optax.MaskedNode)
 
 
+@pytest.mark.slow
 def test_exported_backbone_loads_in_transformers_with_equal_logits(ce_trainer, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig

@@ -152,6 +152,7 @@ def test_eagle3_two_processes_equal_one_process(tmp_path, data_file):
     _close(_result(tmp_path / "two"), _result(tmp_path / "one"))
 
 
+@pytest.mark.slow
 def test_unreachable_coordinator_fails_in_one_line(tmp_path, data_file):
     t0 = time.time()
     p = subprocess.run(
@@ -166,6 +167,7 @@ def test_unreachable_coordinator_fails_in_one_line(tmp_path, data_file):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_a_coordinator_address_that_is_not_this_machine_fails_process_0_in_one_line(
         tmp_path, data_file):
     """Process 0 runs the coordinator: an address of another machine (192.0.2.1, TEST-NET-1)

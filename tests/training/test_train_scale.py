@@ -97,6 +97,7 @@ def _largest_intermediate(jaxpr) -> int:
     return most
 
 
+@pytest.mark.slow
 def test_chunked_loss_and_its_gradient_never_hold_all_logits():
     _, heads = trained_heads()
     b, t, chunk = 8, 32, 4  # a chunk's logits [K, 8, 4, V] outsize every parameter
@@ -116,6 +117,7 @@ def test_chunked_loss_and_its_gradient_never_hold_all_logits():
     assert heads["proj"].size <= chunked <= K * b * chunk * CFG.vocab_size < everything
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shared", [False, True])
 def test_vocab_chunked_loss_equals_unchunked_loss_metrics_and_gradients(shared):
     """Over 8 vocabulary chunks (columns j, j + 8, ...): the same loss, metrics and
@@ -220,6 +222,7 @@ def test_gradient_accumulation_equals_one_larger_batch():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_frozen_backbone_in_passes_of_a_few_rows_equals_one_pass(monkeypatch):
     bb, _ = trained_heads()
     batch = random_batch(b=8)
@@ -235,6 +238,7 @@ def test_frozen_backbone_in_passes_of_a_few_rows_equals_one_pass(monkeypatch):
     np.testing.assert_allclose(np.asarray(parts), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_shared_projection_heads_train_only_their_blocks_and_export_to_vllm(tmp_path):
     from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.training.recipes.medusa1 import Medusa1, Medusa1Config
@@ -389,6 +393,7 @@ def test_medusa2_refuses_reduced_vocabulary_heads(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_backbone_gradients():
     bb, _ = trained_heads()
     batch = random_batch(b=2)

@@ -16,6 +16,7 @@ def bits(x):
     return np.asarray(x).view(np.uint32)
 
 
+@pytest.mark.slow
 def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state(toy_train):
     make_params, random_batch = toy_train.make_params, toy_train.random_batch
     setup = toy_train.setup
@@ -40,6 +41,7 @@ def test_backbone_frozen_heads_trained_and_no_backbone_optimizer_state(toy_train
     assert len(jax.tree.leaves(adam[0].mu)) == len(jax.tree.leaves(params["heads"]))
 
 
+@pytest.mark.slow
 def test_no_backbone_gradient(toy_train):
     CFG, make_params, random_batch = toy_train.CFG, toy_train.make_params, toy_train.random_batch
     params = make_params()
@@ -125,6 +127,7 @@ def test_sharding_rules_shard_only_divisible_dims():
         sharding.check_batch_size(6, mesh)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 def test_sharded_step_equals_single_device(toy_train):
     random_batch, setup = toy_train.random_batch, toy_train.setup
