@@ -45,12 +45,60 @@ def pytest_configure(config):
             jax.config.update(name, value)
 
 
+# The files that hold the suite's longest tests (--durations of whole runs on an empty
+# compilation cache), longest first. `--dist loadfile` hands them out before the others:
+# xdist's own order (most tests first) leaves files of a few long tests for the end, where
+# one worker can be left running one of them while the other has nothing to do.
+LONG_FILES = (
+    "tests/serving/test_engine.py",
+    "tests/drafters/test_eagle3_decoding.py",
+    "tests/decoding/test_tensor_parallel.py",
+    "tests/training/test_multihost.py",
+    "tests/decoding/test_acceptance.py",
+    "tests/training/test_train_scale.py",
+    "tests/tools/test_bench_report.py",
+    "tests/commands/test_interrupts.py",
+    "tests/training/test_eagle_train.py",
+    "tests/tools/test_enlarge.py",
+    "tests/training/test_medusa2.py",
+    "tests/serving/test_engine_step.py",
+    "tests/commands/test_train_e2e.py",
+    "tests/serving/test_engine_ngram.py",
+    "tests/training/test_hydra_train.py",
+    "tests/test_api_ngram.py",
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with LONG_FILES first (other modes: xdist's own scheduler)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongFilesFirst(LoadFileScheduling):
+        ordered = False
+
+        def _assign_work_unit(self, node):
+            if not self.ordered:  # the first call: the queue of files is complete
+                self.ordered = True
+                for scope in reversed(LONG_FILES):
+                    if scope in self.workqueue:
+                        self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongFilesFirst(config, log)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _release_compiled_programs():
     """After each test file, drop the programs JAX keeps compiled in this process (the
     persistent cache still holds them). XLA:CPU maps a few memory regions per loaded
     program, and a worker that kept every program of its files reached the kernel's limit
-    on mappings (vm.max_map_count, 65,530 here) and aborted inside a compile."""
+    on mappings (vm.max_map_count, 65,530 here) and aborted inside a compile. Dropping the
+    caches frees the programs they alone hold; a full garbage collection (for programs a
+    reference cycle still holds) walks the whole heap of torch, transformers and JAX, so it
+    runs only once the mappings near half the limit."""
     yield
     import gc
     import sys
@@ -58,7 +106,18 @@ def _release_compiled_programs():
     jax = sys.modules.get("jax")  # files that never import JAX stay without it
     if jax is not None:
         jax.clear_caches()
-        gc.collect()
+        if _mappings() > 32_000:
+            gc.collect()
+
+
+def _mappings() -> int:
+    """This process's memory mappings (Linux), or a large number where they cannot be read
+    (so the collection runs after every file, as it would without the count)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 1 << 30
 
 
 @pytest.fixture(scope="session")
