@@ -66,6 +66,11 @@ LONG_FILES = (
     "tests/serving/test_engine_ngram.py",
     "tests/training/test_hydra_train.py",
     "tests/test_api_ngram.py",
+    "tests/serving/test_serve.py",
+    "tests/decoding/test_bfloat16.py",
+    "tests/test_api_compiles.py",
+    "tests/decoding/test_decode_stages.py",
+    "tests/tools/test_bench_ngram.py",
 )
 
 
