@@ -81,15 +81,19 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    if not hasattr(LoadFileScheduling, "_assign_work_unit"):  # xdist's internals moved:
+        return None  # its own order (slower, never wrong)
+
     class LongFilesFirst(LoadFileScheduling):
         ordered = False
 
         def _assign_work_unit(self, node):
-            if not self.ordered:  # the first call: the queue of files is complete
-                self.ordered = True
+            queue = getattr(self, "workqueue", None)
+            if not self.ordered and hasattr(queue, "move_to_end"):
+                self.ordered = True  # the first call: the queue of files is complete
                 for scope in reversed(LONG_FILES):
-                    if scope in self.workqueue:
-                        self.workqueue.move_to_end(scope, last=False)
+                    if scope in queue:
+                        queue.move_to_end(scope, last=False)
             super()._assign_work_unit(node)
 
     return LongFilesFirst(config, log)
