@@ -57,6 +57,7 @@ def test_window_cuts_pads_and_writes_back_the_drafters_cache():
     assert carry_window(object(), carry, 6) is carry
 
 
+@pytest.mark.slow
 def test_offline_phases_draft_over_their_window_and_equal_plain_greedy(
         stories, recording, story_plain, monkeypatch):
     cfg, params, _ = stories
@@ -73,6 +74,7 @@ def test_offline_phases_draft_over_their_window_and_equal_plain_greedy(
     assert sorted(set(SEEN)) == list(windows)
 
 
+@pytest.mark.slow
 def test_the_engine_drafts_over_the_window_and_gives_offline_tokens(
         stories, recording, story_plain):
     from medusa_jax.api import Medusa
