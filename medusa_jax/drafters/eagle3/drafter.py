@@ -28,7 +28,7 @@ import numpy as np
 
 from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
-from medusa_jax.decoding.tree import DynamicTree, Tree, chain_tree, tree_plan
+from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.model.backbone import MAX_UNROLLED_ROWS, Params
 from medusa_jax.model.config import ModelConfig
@@ -190,13 +190,6 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
     return tokens, (logp if want_logp else None), (None if draw is None else (draws, logq))
 
 
-# The tree an EAGLE-3 drafter decodes with unless told: a chain of this many nodes. Drafting
-# depth by depth, it accepts more per step along one line than across a branched tree of the
-# same size (measured on the embedded model and llama-110m:
-# docs/benchmarks/2026-12-06-eagle3-trees.md).
-DEFAULT_CHAIN = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     """`config`: the drafter's (its aux layers, norm eps, rope; None: `config_of` defaults),
@@ -282,11 +275,6 @@ class Eagle3Drafter:
 
     def depth(self, heads) -> None:
         return None  # any depth: the drafter runs on its own outputs
-
-    @property
-    def default_tree(self) -> Tree:
-        """What it decodes with unless told (`--tree` or `tree=`): a chain."""
-        return chain_tree(DEFAULT_CHAIN)
 
     def propose(self, params, heads, carry, root, tree, draw=None) -> Proposal:
         static = tree.pool if isinstance(tree, DynamicTree) else tree
