@@ -9,3 +9,10 @@ MODES = ("greedy", "typical", "rejection")
 # (`--heads-dtype`); jax.numpy's names
 DTYPES = ("float32", "bfloat16")
 HEADS_DTYPES = ("float32", "bfloat16")
+
+
+def check_dtype(value) -> None:
+    """A one-line ValueError naming --dtype unless `value` is one of DTYPES (the configs'
+    check of a value given in code; the flag's choices check the command line)."""
+    if value not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {value!r}")

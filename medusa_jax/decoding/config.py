@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from medusa_jax.constants import DTYPES, MODES
+from medusa_jax.constants import DTYPES, MODES, check_dtype
 from medusa_jax.runtime.options import option, positive_int, seed_int
 
 
@@ -62,8 +62,7 @@ class DecodeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, "
                                  f"got {value!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
 
     def generate_args(self) -> dict:
         """The keyword arguments of `Medusa.generate` (all but the dtype, a loading one)."""

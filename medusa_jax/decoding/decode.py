@@ -279,13 +279,12 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
     b = tokens.shape[0]
     state, heads = medusa_init(params, heads, cfg, tokens, lengths, key, tree, sampling,
                                max_new_tokens, head_fn, eos, rows)
-    one = functools.partial(step.medusa_step, params, cfg, drafter_for(heads, head_fn), heads,
-                            tree)
+    drafter = drafter_for(heads, head_fn)
+    one = functools.partial(step.medusa_step, params, cfg, drafter, heads, tree)
     run = Run(state=state, out=jnp.zeros((b, max_new_tokens + tree.depth + 1), jnp.int32))
     windows = cache_phases(tokens.shape[1], state.cache.capacity, tree.num_nodes,
                            max_phases=max_cache_phases)
-    run = run_phases(functools.partial(drive, one), run, windows, tree.num_nodes,
-                     drafter_for(heads, head_fn))
+    run = run_phases(functools.partial(drive, one), run, windows, tree.num_nodes, drafter)
     s = run.state
     return Output(tokens=run.out[:, :max_new_tokens], num_new=s.count, steps=s.steps,
                   accept_hist=s.hist)

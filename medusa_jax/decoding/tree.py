@@ -128,11 +128,9 @@ class Tree:
         if chain and not Path(spec).is_file():
             # "chain4": the top-1 chain of 4 nodes (the shape an autoregressive drafter
             # drafts best at a small verification budget)
-            depth = int(chain.group(1))
-            if depth < 1:
+            if int(chain.group(1)) < 1:
                 raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
-            return cls.from_paths([[0] * d for d in range(1, depth + 1)], num_heads,
-                                  name=str(spec), vocab_size=vocab_size)
+            return chain_tree(int(chain.group(1)), num_heads, vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
@@ -257,9 +255,11 @@ class Tree:
         return np.arange(self.top_k)[None, :] <= last[:, None]
 
 
-def chain_tree(depth: int) -> Tree:
-    """The top-1 chain of the given depth: the smallest useful tree."""
-    return Tree.from_paths([[0] * d for d in range(1, depth + 1)], name=f"chain{depth}")
+def chain_tree(depth: int, num_heads: int | None = None, *,
+               vocab_size: int | None = None) -> Tree:
+    """The top-1 chain of the given depth ("chainN"): the smallest useful tree."""
+    return Tree.from_paths([[0] * d for d in range(1, depth + 1)], num_heads,
+                           name=f"chain{depth}", vocab_size=vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from medusa_jax.constants import DTYPES
+from medusa_jax.constants import check_dtype
 from medusa_jax.decoding.config import DecodeConfig
 from medusa_jax.runtime.options import (
     int_in,
@@ -234,7 +234,6 @@ class ServerConfig:
         if self.warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, "
                              f"got {self.warmup!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_dtype(self.dtype)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key must not be empty")
