@@ -269,12 +269,13 @@ def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask, kernel: bool = 
     return out.reshape(b, kvh, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, cfg.num_heads * d)
 
 
-def _qkv(cfg: ModelConfig, x, layer, rope, kv_dtype):
-    """The attention block's input half. x [B, T, H], rope a `rope_table` -> (q
-    [B, T, NH, D] after rope, k, v [B, KVH, T, D] in `kv_dtype`, k after rope)."""
-    b, t, _ = x.shape
-    dt = x.dtype
-    h = _norm(cfg, x, layer["attn_norm"])
+def attention_inputs(cfg: ModelConfig, h, layer, rope, kv_dtype):
+    """The attention block's input half over its normalised input h [B, T, I] (I = H: a
+    backbone layer's `attn_norm` of the residual stream; 2H: the EAGLE-3 drafter's two
+    normalised inputs side by side), rope a `rope_table` -> (q [B, T, NH, D] after rope,
+    k, v [B, KVH, T, D] in `kv_dtype`, k after rope)."""
+    b, t, _ = h.shape
+    dt = h.dtype
     if "wqkv" in layer:  # `decoding_layout`: one product for q, k and v
         qkv = kernels.matmul(h, layer["wqkv"])
         if cfg.attention_bias:
@@ -306,7 +307,7 @@ _ACTIVATIONS = {"silu": jax.nn.silu,
                 "gelu": lambda x: jax.nn.gelu(x, approximate=False)}
 
 
-def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
+def residual_and_mlp(cfg: ModelConfig, x, attn, layer):
     """The output projection of attention [B, T, NH*D] into the residual stream, then the
     MLP block (gated: silu for Llama, GeGLU for Gemma). Gemma 2/3 also normalise each
     block's output before adding it (`sandwich_norms`)."""
@@ -325,18 +326,29 @@ def _residual_and_mlp(cfg: ModelConfig, x, attn, layer):
     return x + m
 
 
-def _layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_mask):
-    """One decoder layer over a cache it only reads. x [B, T, H]; k_cache, v_cache
-    [B, KVH, S, D] or None (empty). Returns (x, this layer's new keys and values
-    [B, KVH, T, D])."""
+def decoder_layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_mask,
+                  extra=None, attn_input=None):
+    """One decoder layer over a cache it only reads: the backbone's layers and the EAGLE-3
+    drafter's (`drafters.eagle3.heads.layer`, its weights in this layout) are this function.
+
+    x [B, T, H] the residual stream; layer the weights (`attn_norm`, `wq`/`wk`/`wv` or
+    `wqkv`, `wo`, `mlp_norm`, the MLP's); k_cache, v_cache [B, KVH, S, D] or None (empty);
+    rope a `rope_table` of the new tokens' positions; prefix_mask [B, T, S], new_mask
+    [B, T, T] and `extra` as `cached_attention`'s. `attn_input` [B, T, I]: what q, k and v
+    are projected from instead of `attn_norm(x)` (the EAGLE-3 drafter's normalised
+    embedding and feature, 2H wide); x stays the residual. Returns (x, this layer's new keys
+    and values [B, KVH, T, D])."""
     dt = x.dtype
     kv_dtype = dt if k_cache is None else k_cache.dtype
-    q, k, v = _qkv(cfg, x, layer, rope, kv_dtype)
+    h = _norm(cfg, x, layer["attn_norm"]) if attn_input is None else attn_input.astype(dt)
+    q, k, v = attention_inputs(cfg, h, layer, rope, kv_dtype)
     if k_cache is not None:
         k_cache, v_cache = k_cache.astype(dt), v_cache.astype(dt)
+    if extra is not None:
+        extra = (extra[0].astype(dt), extra[1].astype(dt), extra[2])
     attn = cached_attention(cfg, q, k.astype(dt), v.astype(dt), k_cache, v_cache, prefix_mask,
-                      new_mask)
-    return _residual_and_mlp(cfg, x, attn, layer), k, v
+                            new_mask, extra)
+    return residual_and_mlp(cfg, x, attn, layer), k, v
 
 
 def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache, inv_freq,
@@ -378,7 +390,8 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
             captured[i] = x
         dt = x.dtype
         kc, vc = cache.k[i], cache.v[i]
-        q, k, v = _qkv(cfg, x, layer, ropes[kinds[i]], kc.dtype)
+        q, k, v = attention_inputs(cfg, _norm(cfg, x, layer["attn_norm"]), layer,
+                                   ropes[kinds[i]], kc.dtype)
         kc, vc = _write_layer(kc, k, cache.lengths), _write_layer(vc, v, cache.lengths)
         ks.append(kc), vs.append(vc), new_k.append(k), new_v.append(v)
         if empty_cache:  # prefill: the new tokens attend each other only
@@ -388,7 +401,7 @@ def _forward_per_layer_cache(params, cfg, x, positions, mask, cache, empty_cache
             kw, vw = (kc, vc) if window == kc.shape[1] else (kc[:, :window], vc[:, :window])
             attn = _attention_flat(cfg, q, kw.astype(dt), vw.astype(dt), masks[kinds[i]],
                                    kernel=use_kernel)
-        x = _residual_and_mlp(cfg, x, attn, layer)
+        x = residual_and_mlp(cfg, x, attn, layer)
     aux = _concat_aux(captured, aux_layers) if aux_layers else None
     return (x, jnp.stack(new_k), jnp.stack(new_v), cache.replace(k=tuple(ks), v=tuple(vs)),
             aux)
@@ -506,7 +519,8 @@ def forward_uncommitted(
     def one_layer(x, layer, kc, vc, pm, nm, inv_freq):
         if kc is not None and window < kc.shape[2]:
             kc, vc = kc[:, :, :window], vc[:, :, :window]
-        x, k, v = _layer(cfg, x, layer, kc, vc, rope_table(positions, inv_freq), pm, nm)
+        x, k, v = decoder_layer(cfg, x, layer, kc, vc, rope_table(positions, inv_freq), pm,
+                                nm)
         return x, (k, v)
 
     if remat:

@@ -22,11 +22,13 @@ and key-value heads of size D, F intermediate, V the backbone's vocabulary):
     lm_head         [H, Vd]
     d2t             [Vd] int32 (target id - draft id)      t2d [V] bool
 
-`layer` is the one decoder layer with its own KV cache over drafted positions, attending with
-the backbone's own `cached_attention` (the cache only read); the caller passes the
-attention mask (a causal mask, the training-time-test mask, or a tree mask: just
-another mask). `ttt_logits` is the reference trainer's training-time test: the drafter run
-on its own outputs for 7 steps (its loss, step i's weighted 0.8**i: `training.recipes.eagle3`).
+`layer` is the one decoder layer with its own KV cache over drafted positions: the backbone's
+own `backbone.decoder_layer` (its weights in that layout, `layer_weights`; q, k and v
+projected from the normalised 2H input, `attention_input`), attending with the backbone's
+`cached_attention` (the cache only read); the caller passes the attention mask (a causal
+mask, the training-time-test mask, or a tree mask: just another mask). `ttt_logits` is the
+reference trainer's training-time test: the drafter run on its own outputs for 7 steps (its
+loss, step i's weighted 0.8**i: `training.recipes.eagle3`).
 """
 
 from __future__ import annotations
@@ -331,13 +333,41 @@ def check(heads: Params, model_cfg: ModelConfig | None, c: Eagle3Config,
 
 
 def _model_cfg(c: Eagle3Config) -> ModelConfig:
-    """A stand-in ModelConfig carrying only what `backbone.rope_frequencies` and
-    `backbone.cached_attention` read (heads, head size, rope; no softcap, 1/sqrt(D))."""
+    """The drafter's layer as a backbone layer's configuration: what `backbone.decoder_layer`
+    reads (heads, head size, norm eps, rope; a Llama layer: silu MLP, no bias, softcap or
+    sandwich norms, 1/sqrt(D))."""
     return ModelConfig(model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
                        intermediate_size=c.intermediate_size, num_layers=1,
                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
                        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
-                       rope_theta=c.rope_theta, rope_scaling=tuple(c.rope_scaling))
+                       rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                       rope_scaling=tuple(c.rope_scaling))
+
+
+def layer_weights(params: Params, dtype) -> dict:
+    """The drafter's layer weights in the backbone layer's layout (`backbone.decoder_layer`):
+    q, k, v [2H, NH*D] / [2H, KVH*D] and wo [NH*D, H] (the stored [in, heads, D] blocks,
+    reshaped in place), `post_attn_norm` as the layer's `mlp_norm`; cast to `dtype`, the
+    activations'. No `attn_norm`: the caller passes the normalised input (`attention_input`)."""
+    def flat_out(w):  # [I, N, D] -> [I, N*D]
+        return w.reshape(w.shape[0], -1).astype(dtype)
+
+    wo = params["wo"]
+    return {"wq": flat_out(params["wq"]), "wk": flat_out(params["wk"]),
+            "wv": flat_out(params["wv"]),
+            "wo": wo.reshape(-1, wo.shape[-1]).astype(dtype),
+            "mlp_norm": params["post_attn_norm"],
+            "w_gate": params["w_gate"].astype(dtype), "w_up": params["w_up"].astype(dtype),
+            "w_down": params["w_down"].astype(dtype)}
+
+
+def attention_input(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
+                    ) -> jax.Array:
+    """[B, T, 2H]: the embedding and the feature normalised apart (`input_norm`,
+    `hidden_norm`), concatenated embedding first: what the layer projects q, k, v from."""
+    dt, eps = hidden.dtype, c.rms_norm_eps
+    return jnp.concatenate([backbone.rms_norm(x_embed.astype(dt), params["input_norm"], eps),
+                            backbone.rms_norm(hidden, params["hidden_norm"], eps)], axis=-1)
 
 
 def rope_frequencies(c: Eagle3Config) -> jax.Array:
@@ -363,32 +393,6 @@ def causal_mask(num: int) -> jax.Array:
     return jnp.tril(jnp.ones((num, num), bool))[None]
 
 
-def _qkv(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
-         positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The layer's input side: the embedding and the feature normalised apart, concatenated
-    embedding first, projected to q [B, T, NH, D] and k, v [B, T, KVH, D] (q, k rotated)."""
-    dt, eps = hidden.dtype, c.rms_norm_eps
-    e = backbone.rms_norm(x_embed.astype(dt), params["input_norm"], eps)
-    x = jnp.concatenate([e, backbone.rms_norm(hidden, params["hidden_norm"], eps)], axis=-1)
-    q = jnp.einsum("bti,ind->btnd", x, params["wq"].astype(dt))
-    k = jnp.einsum("bti,ind->btnd", x, params["wk"].astype(dt))
-    v = jnp.einsum("bti,ind->btnd", x, params["wv"].astype(dt))
-    inv_freq = rope_frequencies(c)
-    return backbone.apply_rope(q, positions, inv_freq), backbone.apply_rope(k, positions,
-                                                                            inv_freq), v
-
-
-def _residual_and_mlp(params: Params, c: Eagle3Config, hidden: jax.Array, o: jax.Array
-                      ) -> jax.Array:
-    """The layer's output side: attention output o [B, T, NH, D] -> the layer's output
-    [B, T, H] (the feature as the residual, then the MLP)."""
-    dt = hidden.dtype
-    x = hidden + jnp.einsum("btnd,ndh->bth", o, params["wo"].astype(dt))
-    y = backbone.rms_norm(x, params["post_attn_norm"], c.rms_norm_eps)
-    y = jax.nn.silu(y @ params["w_gate"].astype(dt)) * (y @ params["w_up"].astype(dt))
-    return x + y @ params["w_down"].astype(dt)
-
-
 def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array,
           positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
           mask: jax.Array, extra: tuple | None = None
@@ -405,22 +409,14 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     positions each query sees. Returns (out [B, T, H] before the final norm: the next
     step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, KVH, T, D] for the
     caller's cache)."""
-    b, t, _ = hidden.shape
-    dt = hidden.dtype
-    q, k, v = _qkv(params, c, x_embed, hidden, positions)
-    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, KVH, T, D]
     s = k_cache.shape[2]
     n = 0 if extra is None else extra[0].shape[2]
-
-    def cast(x):
-        return x.astype(dt)
-
-    # the backbone's attention (softmax in float32, as the reference upcasts)
-    o = backbone.cached_attention(
-        _model_cfg(c), q, k, v, cast(k_cache) if s else None, cast(v_cache) if s else None,
-        mask[..., :s], mask[..., s + n:],
-        (cast(extra[0]), cast(extra[1]), mask[..., s:s + n]) if n else None)  # [B, T, NH*D]
-    return _residual_and_mlp(params, c, hidden, o.reshape(b, t, c.num_heads, c.head_dim)), k, v
+    rope = backbone.rope_table(positions, rope_frequencies(c))
+    return backbone.decoder_layer(
+        _model_cfg(c), hidden, layer_weights(params, hidden.dtype), k_cache if s else None,
+        v_cache if s else None, rope, mask[..., :s], mask[..., s + n:],
+        (extra[0], extra[1], mask[..., s:s + n]) if n else None,
+        attn_input=attention_input(params, c, x_embed, hidden))
 
 
 def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
@@ -477,28 +473,31 @@ def _ttt_layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.
     b, t, _ = hidden.shape
     dt = hidden.dtype
     nh, kvh, d = c.num_heads, c.num_kv_heads, c.head_dim
-    q, k, v = _qkv(params, c, x_embed, hidden, positions)
+    cfg, weights = _model_cfg(c), layer_weights(params, dt)
+    rope = backbone.rope_table(positions, rope_frequencies(c))
+    q, k, v = backbone.attention_inputs(cfg, attention_input(params, c, x_embed, hidden),
+                                        weights, rope, dt)  # k, v [B, KVH, T, D]
     first = k0 is None
     k0, v0 = (k, v) if first else (k0, v0)
     dk, dv = ([] if first else [*diag_k, k]), ([] if first else [*diag_v, v])
     qg = q.reshape(b, t, kvh, nh // kvh, d)
     scale = 1.0 / math.sqrt(d)
-    s0 = jnp.einsum("btkgd,bskd->bkgts", qg, k0.astype(dt),
+    s0 = jnp.einsum("btkgd,bksd->bkgts", qg, k0,
                     preferred_element_type=jnp.float32) * scale  # [B, KVH, G, T, T]
     s0 = jnp.where(causal[:, None, None], s0, jnp.finfo(jnp.float32).min)
     if dk:
-        sd = jnp.stack([jnp.einsum("btkgd,btkd->bkgt", qg, kj.astype(dt),
+        sd = jnp.stack([jnp.einsum("btkgd,bktd->bkgt", qg, kj,
                                    preferred_element_type=jnp.float32) for kj in dk],
                        -1) * scale  # [B, KVH, G, T, i]
         p = jax.nn.softmax(jnp.concatenate([s0, sd], -1), axis=-1).astype(dt)
         p0, pd = p[..., :t], p[..., t:]
-        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
-        o = o + sum(jnp.einsum("bkgt,btkd->btkgd", pd[..., j], vj.astype(dt))
+        o = jnp.einsum("bkgts,bksd->btkgd", p0, v0)
+        o = o + sum(jnp.einsum("bkgt,bktd->btkgd", pd[..., j], vj)
                     for j, vj in enumerate(dv))
     else:
         p0 = jax.nn.softmax(s0, axis=-1).astype(dt)
-        o = jnp.einsum("bkgts,bskd->btkgd", p0, v0.astype(dt))
-    return _residual_and_mlp(params, c, hidden, o.reshape(b, t, nh, d)), k, v
+        o = jnp.einsum("bkgts,bksd->btkgd", p0, v0)
+    return backbone.residual_and_mlp(cfg, hidden, o.reshape(b, t, nh * d), weights), k, v
 
 
 def ttt_logits(heads: Params, c: Eagle3Config, embed_table: jax.Array, aux: jax.Array,
