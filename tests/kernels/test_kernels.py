@@ -163,6 +163,40 @@ def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too, h
     assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
 
 
+@pytest.mark.slow
+def test_greedy_eagle3_equals_plain_with_the_kernel(stories, small_weights_too):
+    """The EAGLE-3 drafter in the backbone's decoding layout (`eagle3.decoding_layout`):
+    its layer's, fc's and lm_head's products on the kernel, its drafts those of XLA's
+    products to float32 rounding, and greedy decoding plain's."""
+    from medusa_jax.api import Medusa
+    from medusa_jax.drafters.eagle3 import heads as eagle3
+
+    m = Medusa.load(heads="eagle")
+    assert kernels.active(m.params)
+    fast = eagle3.decoding_layout(m.heads)
+    wrapped = [k for k, w in {**fast, **fast[eagle3.LAYER]}.items()
+               if kernels.is_kernel_weight(w)]
+    assert sorted(wrapped) == ["fc", "lm_head", "w_down", "w_gate_up", "wo", "wqkv"]
+    c = eagle3.config_of(m.heads)
+    rng = np.random.default_rng(0)
+    t, h = 3, c.hidden_size
+    emb = jnp.asarray(rng.standard_normal((1, t, h)), jnp.float32)
+    hid = jnp.asarray(rng.standard_normal((1, t, h)), jnp.float32)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    empty = jnp.zeros((1, c.num_kv_heads, 0, c.head_dim), jnp.float32)
+    outs = [eagle3.draft_logits(p, c, eagle3.layer(p, c, emb, hid, pos, empty, empty,
+                                                   eagle3.causal_mask(t))[0])
+            for p in (fast, dict(m.heads))]
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
+    prompts = ["Once upon a time", "The little dog"]
+    drafted = m.generate(prompts, max_new_tokens=48)
+    m.params = kernels.unwrap(m.params)
+    plain = m.generate(prompts, max_new_tokens=48, medusa=False)
+    for a, b in zip(drafted, plain):
+        assert a.token_ids == b.token_ids
+    assert sum(g.tokens_per_step for g in drafted) / 2 > 1.5
+
+
 # ----------------------------------------------------------------------------- attention
 
 

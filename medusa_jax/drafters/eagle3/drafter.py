@@ -237,7 +237,8 @@ class Eagle3Drafter:
         return lambda tokens: params["embed"][tokens]
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
-        return heads  # one layer: nothing to drop; no CPU-kernel layout (plain products)
+        # one layer: nothing to drop; on the CPU kernel, the backbone's decoding layout
+        return BoundParams(eagle3.decoding_layout(heads), self) if cpu_kernels else heads
 
     def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity: int
               ) -> Eagle3Carry:

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import kernels
 from medusa_jax.drafters.io import check_float_tensors
 from medusa_jax.model import backbone
 from medusa_jax.model.backbone import Params
@@ -348,17 +349,43 @@ def layer_weights(params: Params, dtype) -> dict:
     """The drafter's layer weights in the backbone layer's layout (`backbone.decoder_layer`):
     q, k, v [2H, NH*D] / [2H, KVH*D] and wo [NH*D, H] (the stored [in, heads, D] blocks,
     reshaped in place), `post_attn_norm` as the layer's `mlp_norm`; cast to `dtype`, the
-    activations'. No `attn_norm`: the caller passes the normalised input (`attention_input`)."""
+    activations' (None: as stored). No `attn_norm`: the caller passes the normalised input
+    (`attention_input`). Parameters prepared for decoding carry theirs (`decoding_layout`)."""
+    if LAYER in params:
+        return params[LAYER]
+
     def flat_out(w):  # [I, N, D] -> [I, N*D]
-        return w.reshape(w.shape[0], -1).astype(dtype)
+        return w.reshape(w.shape[0], -1).astype(dtype or w.dtype)
 
     wo = params["wo"]
     return {"wq": flat_out(params["wq"]), "wk": flat_out(params["wk"]),
             "wv": flat_out(params["wv"]),
-            "wo": wo.reshape(-1, wo.shape[-1]).astype(dtype),
+            "wo": wo.reshape(-1, wo.shape[-1]).astype(dtype or wo.dtype),
             "mlp_norm": params["post_attn_norm"],
-            "w_gate": params["w_gate"].astype(dtype), "w_up": params["w_up"].astype(dtype),
-            "w_down": params["w_down"].astype(dtype)}
+            **{n: params[n].astype(dtype or params[n].dtype)
+               for n in ("w_gate", "w_up", "w_down")}}
+
+
+LAYER = "layer"  # the key of a decoding-layout layer (`decoding_layout`)
+
+
+def decoding_layout(heads: Params) -> Params:
+    """The parameters as the decoders run them on the CPU kernel: the layer's weights in
+    the backbone's decoding layout (q, k, v in one `wqkv`, gate and up in one `w_gate_up`)
+    under `LAYER`, and the layer's, `fc`'s and `lm_head`'s products of at least the
+    kernel's minimum size wrapped for it (`kernels.KernelWeight`), as the backbone's are.
+    Training never sees this layout."""
+    w = layer_weights(heads, None)
+    layer = {"wqkv": jnp.concatenate([w["wq"], w["wk"], w["wv"]], axis=1), "wo": w["wo"],
+             "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1),
+             "w_down": w["w_down"], "mlp_norm": w["mlp_norm"]}
+
+    def wrap(a):
+        return kernels.KernelWeight.pack(a) if kernels.wants(a) else a
+
+    out = dict(heads, fc=wrap(heads["fc"]), lm_head=wrap(heads["lm_head"]))
+    out[LAYER] = {k: a if k == "mlp_norm" else wrap(a) for k, a in layer.items()}
+    return out
 
 
 def attention_input(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
@@ -378,6 +405,8 @@ def rope_frequencies(c: Eagle3Config) -> jax.Array:
 def features(heads: Params, aux: jax.Array) -> jax.Array:
     """aux [..., 3*Ht] (the backbone's low, mid, high features, concatenated in that order)
     -> the drafter's input feature [..., H] (`fc`, no bias)."""
+    if kernels.is_kernel_weight(heads["fc"]):
+        return kernels.matmul(aux, heads["fc"]).astype(aux.dtype)
     return jnp.einsum("...i,ih->...h", aux, heads["fc"].astype(aux.dtype))
 
 
@@ -408,7 +437,7 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
     [B or 1, T, S + N + T] bool: which of the S cached, the N extra, then the T new
     positions each query sees. Returns (out [B, T, H] before the final norm: the next
     step's `hidden`, and the input of `draft_logits`; k_new, v_new [B, KVH, T, D] for the
-    caller's cache)."""
+    caller's cache, in the cache's dtype, the activations' when S = 0, as the backbone's)."""
     s = k_cache.shape[2]
     n = 0 if extra is None else extra[0].shape[2]
     rope = backbone.rope_table(positions, rope_frequencies(c))
@@ -422,6 +451,8 @@ def layer(params: Params, c: Eagle3Config, x_embed: jax.Array, hidden: jax.Array
 def draft_logits(heads: Params, c: Eagle3Config, out: jax.Array) -> jax.Array:
     """out [..., H] (a `layer` output) -> logits over the draft vocabulary [..., Vd] float32."""
     x = backbone.rms_norm(out, heads["final_norm"], c.rms_norm_eps)
+    if kernels.is_kernel_weight(heads["lm_head"]):
+        return kernels.matmul(x, heads["lm_head"]).astype(jnp.float32)
     return jnp.einsum("...h,hv->...v", x, heads["lm_head"].astype(x.dtype),
                       preferred_element_type=jnp.float32)
 
