@@ -114,8 +114,8 @@ class Tree:
     @classmethod
     def load(cls, spec: str | Path, num_heads: int | None = None, *,
              vocab_size: int | None = None) -> "Tree":
-        """A published tree by name, "chainN" (the top-1 chain of N nodes), or a JSON file
-        holding a list of paths
+        """A published tree by name, "chainN" (the top-1 chain of N nodes), "deepD" (a pool
+        for dynamic trees, `deep_tree`), or a JSON file holding a list of paths
         (or an object with a "paths" field), or "dynamic:N[:POOL]" (a `DynamicTree`).
         `vocab_size`: see `from_paths`."""
         if str(spec).startswith(DynamicTree.PREFIX):
@@ -131,6 +131,11 @@ class Tree:
             if int(chain.group(1)) < 1:
                 raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
             return chain_tree(int(chain.group(1)), num_heads, vocab_size=vocab_size)
+        deep = re.fullmatch(r"deep(\d+)", str(spec))
+        if deep and not Path(spec).is_file():
+            if int(deep.group(1)) < 1:
+                raise ValueError(f"tree {spec!r}: a deep pool has depth at least 1")
+            return deep_tree(int(deep.group(1)), num_heads, vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
@@ -143,7 +148,7 @@ class Tree:
         path = Path(spec)
         if not path.is_file():
             raise ValueError(f"tree {str(spec)!r} is neither a file nor a known tree; known: "
-                             f"{', '.join(trees)}, chainN, dynamic:N")
+                             f"{', '.join(trees)}, chainN, deepD, dynamic:N")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as e:
@@ -260,6 +265,32 @@ def chain_tree(depth: int, num_heads: int | None = None, *,
     """The top-1 chain of the given depth ("chainN"): the smallest useful tree."""
     return Tree.from_paths([[0] * d for d in range(1, depth + 1)], num_heads,
                            name=f"chain{depth}", vocab_size=vocab_size)
+
+
+# deep_tree's cost of a node: its depth below the first level plus twice its rank sum
+DEEP_BUDGET = 8
+
+
+def deep_tree(depth: int, num_heads: int | None = None, *,
+              vocab_size: int | None = None) -> Tree:
+    """"deepD": a pool for dynamic trees ("dynamic:N:deepD") down to depth D: the rank
+    paths r_1 .. r_d (d <= D) with (d - 1) + 2 (r_1 + ... + r_d) <= `DEEP_BUDGET`, so the
+    top-1 chain runs to depth D and a side branch is shorter the lower its ranks. Shaped for
+    drafters that stay accurate deep down (EAGLE-3, Hydra): the published Medusa pool
+    `mc_sim_7b_63` stops at depth 4. Prefix-closed by construction (a parent costs less)."""
+    paths = []
+
+    def grow(path):
+        for r in range(DEEP_BUDGET // 2 + 1):
+            p = path + [r]
+            if len(p) > depth or len(p) - 1 + 2 * sum(p) > DEEP_BUDGET:
+                return  # the next rank costs more still
+            paths.append(p)
+            grow(p)
+
+    grow([])
+    paths.sort(key=lambda p: (len(p), p))
+    return Tree.from_paths(paths, num_heads, name=f"deep{depth}", vocab_size=vocab_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from medusa_jax.decoding.tree import Tree, chain_tree, published_trees
+from medusa_jax.decoding.tree import DEEP_BUDGET, Tree, chain_tree, deep_tree, published_trees
 
 
 def test_mc_sim_7b_63_buffers():
@@ -90,6 +90,27 @@ def test_chain_by_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a file of that name is the user's tree, not the chain
     (tmp_path / "chain2").write_text("[[0], [1]]")
     assert Tree.load("chain2") == Tree.from_paths([[0], [1]])
+
+
+def test_deep_pool_by_name(tmp_path, monkeypatch):
+    t = Tree.load("deep9")
+    assert t == deep_tree(9) and t.name == "deep9" and t.depth == 9
+    paths = {tuple(p) for p in t.paths_ranks}
+    # exactly the rank paths within the budget, counted here independently of deep_tree
+    want = {p for d in range(1, 10) for p in np.ndindex(*(5,) * d)
+            if d - 1 + 2 * sum(p) <= DEEP_BUDGET}
+    assert paths == want
+    assert (0,) * 9 in paths and (1,) * 4 not in paths  # the chain runs deepest
+    assert {p for p in paths if len(p) <= 5} == {tuple(p) for p in deep_tree(5).paths_ranks}
+    with pytest.raises(ValueError, match="depth at least 1"):
+        Tree.load("deep0")
+    with pytest.raises(ValueError, match="depth 6 but there are only 5"):
+        Tree.load("deep6", num_heads=5)
+    dyn = Tree.load("dynamic:16:deep5", num_heads=5)
+    assert dyn.size == 16 and dyn.depth == 5
+    monkeypatch.chdir(tmp_path)  # a file of that name is the user's tree
+    (tmp_path / "deep2").write_text("[[0], [1]]")
+    assert Tree.load("deep2") == Tree.from_paths([[0], [1]])
 
 
 def test_hostile_tree_files(tmp_path):
