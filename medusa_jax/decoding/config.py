@@ -33,8 +33,9 @@ class DecodeConfig:
                        "typical (the Medusa paper's typical acceptance: longer accepted "
                        "spans, lossy) or rejection (lossless speculative sampling)",
                        choices=MODES)
-    tree: str | None = option(None, "tree name or JSON file of paths (default: the model's "
-                              "tree; --heads ngram: a chain)", metavar="TREE")
+    tree: str | None = option(None, "tree name, chainN, JSON file of paths, or dynamic:N[:POOL] "
+                              "(POOL e.g. deep7; default: the model's tree; --heads ngram: a "
+                              "chain)", metavar="TREE")
     max_new_tokens: int = option(128, "tokens generated per prompt at most (default "
                                  "{default})", type=positive_int, metavar="N")
     temperature: float = option(0.7, "sampling temperature of the typical and rejection "

@@ -83,8 +83,9 @@ class EngineConfig:
     slots: int = option(8, "requests decoded at once (the static batch; default {default})",
                         type=positive_int)
     medusa: bool | None = None
-    tree: object = option(None, "tree name or JSON file of paths, or dynamic:N (default: the "
-                          "model's tree)", type=str, metavar="TREE")
+    tree: object = option(None, "tree name, chainN, JSON file of paths, or dynamic:N[:POOL] "
+                          "(POOL e.g. deep7; default: the model's tree)", type=str,
+                          metavar="TREE")
     steps_per_call: int = option(4, "decoding steps per engine call (tokens reach clients "
                                  "per call; a larger value compiles a larger step program; "
                                  "default {default})", type=positive_int)
