@@ -124,18 +124,16 @@ class Tree:
         if str(spec) in trees:
             return cls.from_paths(trees[str(spec)], num_heads, name=str(spec),
                                   vocab_size=vocab_size)
-        chain = re.fullmatch(r"chain(\d+)", str(spec))
-        if chain and not Path(spec).is_file():
+        named = re.fullmatch(r"(chain|deep)(\d+)", str(spec))
+        if named and not Path(spec).is_file():
             # "chain4": the top-1 chain of 4 nodes (the shape an autoregressive drafter
-            # drafts best at a small verification budget)
-            if int(chain.group(1)) < 1:
-                raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
-            return chain_tree(int(chain.group(1)), num_heads, vocab_size=vocab_size)
-        deep = re.fullmatch(r"deep(\d+)", str(spec))
-        if deep and not Path(spec).is_file():
-            if int(deep.group(1)) < 1:
-                raise ValueError(f"tree {spec!r}: a deep pool has depth at least 1")
-            return deep_tree(int(deep.group(1)), num_heads, vocab_size=vocab_size)
+            # drafts best at a small verification budget); "deep7": a dynamic tree's pool
+            kind, depth = named.group(1), int(named.group(2))
+            if depth < 1:
+                raise ValueError(f"tree {spec!r}: " + ("a chain has at least 1 node"
+                                 if kind == "chain" else "a deep pool has depth at least 1"))
+            build = chain_tree if kind == "chain" else deep_tree
+            return build(depth, num_heads, vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order

@@ -147,20 +147,25 @@ def test_greedy_medusa_equals_plain_with_the_kernel(stories, small_weights_too):
     assert sum(g.tokens_per_step for g in fast) / 3 > 1.5  # the heads do draft
 
 
+def _drafts_as_xlas_plain(m):
+    """Greedy decoding of `m` (its drafter on the kernel) gives XLA's plain tokens for two
+    prompts, and its drafter drafts (more than 1.5 tokens a step)."""
+    prompts = ["Once upon a time", "The little dog"]
+    drafted = m.generate(prompts, max_new_tokens=48)
+    m.params = kernels.unwrap(m.params)
+    plain = m.generate(prompts, max_new_tokens=48, medusa=False)
+    for a, b in zip(drafted, plain):
+        assert a.token_ids == b.token_ids
+    assert sum(g.tokens_per_step for g in drafted) / 2 > 1.5
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("heads_dtype", ["float32", "bfloat16"])
 def test_greedy_hydra_equals_plain_with_the_kernel(stories, small_weights_too, heads_dtype):
     """bfloat16 heads: the kernel reads their matrices as they are (float32 sums)."""
     from medusa_jax.api import Medusa
 
-    m = Medusa.load(heads="hydra", heads_dtype=heads_dtype)
-    prompts = ["Once upon a time", "The little dog"]
-    fast = m.generate(prompts, max_new_tokens=48)
-    m.params = kernels.unwrap(m.params)
-    plain = m.generate(prompts, max_new_tokens=48, medusa=False)
-    for a, b in zip(fast, plain):
-        assert a.token_ids == b.token_ids
-    assert sum(g.tokens_per_step for g in fast) / 2 > 1.5
+    _drafts_as_xlas_plain(Medusa.load(heads="hydra", heads_dtype=heads_dtype))
 
 
 @pytest.mark.slow
@@ -188,13 +193,7 @@ def test_greedy_eagle3_equals_plain_with_the_kernel(stories, small_weights_too):
                                                    eagle3.causal_mask(t))[0])
             for p in (fast, dict(m.heads))]
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4)
-    prompts = ["Once upon a time", "The little dog"]
-    drafted = m.generate(prompts, max_new_tokens=48)
-    m.params = kernels.unwrap(m.params)
-    plain = m.generate(prompts, max_new_tokens=48, medusa=False)
-    for a, b in zip(drafted, plain):
-        assert a.token_ids == b.token_ids
-    assert sum(g.tokens_per_step for g in drafted) / 2 > 1.5
+    _drafts_as_xlas_plain(m)
 
 
 # ----------------------------------------------------------------------------- attention

@@ -374,7 +374,9 @@ def decoding_layout(heads: Params) -> Params:
     the backbone's decoding layout (q, k, v in one `wqkv`, gate and up in one `w_gate_up`)
     under `LAYER`, and the layer's, `fc`'s and `lm_head`'s products of at least the
     kernel's minimum size wrapped for it (`kernels.KernelWeight`), as the backbone's are.
-    Training never sees this layout."""
+    Training never sees this layout. Parameters already in it are returned as they are."""
+    if LAYER in heads:
+        return heads
     w = layer_weights(heads, None)
     layer = {"wqkv": jnp.concatenate([w["wq"], w["wk"], w["wv"]], axis=1), "wo": w["wo"],
              "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1),
