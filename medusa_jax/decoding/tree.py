@@ -128,12 +128,12 @@ class Tree:
         if named and not Path(spec).is_file():
             # "chain4": the top-1 chain of 4 nodes (the shape an autoregressive drafter
             # drafts best at a small verification budget); "deep7": a dynamic tree's pool
-            kind, depth = named.group(1), int(named.group(2))
+            depth = int(named.group(2))
+            if named.group(1) == "deep":
+                return deep_tree(depth, num_heads, vocab_size=vocab_size)
             if depth < 1:
-                raise ValueError(f"tree {spec!r}: " + ("a chain has at least 1 node"
-                                 if kind == "chain" else "a deep pool has depth at least 1"))
-            build = chain_tree if kind == "chain" else deep_tree
-            return build(depth, num_heads, vocab_size=vocab_size)
+                raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
+            return chain_tree(depth, num_heads, vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
@@ -275,18 +275,16 @@ def deep_tree(depth: int, num_heads: int | None = None, *,
     paths r_1 .. r_d (d <= D) with (d - 1) + 2 (r_1 + ... + r_d) <= `DEEP_BUDGET`, so the
     top-1 chain runs to depth D and a side branch is shorter the lower its ranks. Shaped for
     drafters that stay accurate deep down (EAGLE-3, Hydra): the published Medusa pool
-    `mc_sim_7b_63` stops at depth 4. Prefix-closed by construction (a parent costs less)."""
-    paths = []
-
-    def grow(path):
-        for r in range(DEEP_BUDGET // 2 + 1):
-            p = path + [r]
-            if len(p) > depth or len(p) - 1 + 2 * sum(p) > DEEP_BUDGET:
-                return  # the next rank costs more still
-            paths.append(p)
-            grow(p)
-
-    grow([])
+    `mc_sim_7b_63` stops at depth 4. Prefix-closed by construction (a parent costs less).
+    The budget ends every path by depth `DEEP_BUDGET` + 1, so D is at most that."""
+    if not 1 <= depth <= DEEP_BUDGET + 1:
+        raise ValueError(f"tree 'deep{depth}': a deep pool has depth at least 1 and at most "
+                         f"{DEEP_BUDGET + 1} (its budget ends every path there)")
+    paths, level = [], [[]]
+    while level:  # depth by depth (no recursion: a chain may run deep)
+        level = [p + [r] for p in level for r in range(DEEP_BUDGET // 2 + 1)
+                 if len(p) < depth and len(p) + 2 * (sum(p) + r) <= DEEP_BUDGET]
+        paths += level
     paths.sort(key=lambda p: (len(p), p))
     return Tree.from_paths(paths, num_heads, name=f"deep{depth}", vocab_size=vocab_size)
 

@@ -104,6 +104,8 @@ def test_deep_pool_by_name(tmp_path, monkeypatch):
     assert {p for p in paths if len(p) <= 5} == {tuple(p) for p in deep_tree(5).paths_ranks}
     with pytest.raises(ValueError, match="depth at least 1"):
         Tree.load("deep0")
+    with pytest.raises(ValueError, match="at most 9"):  # the budget ends paths at depth 9
+        Tree.load("deep10")
     with pytest.raises(ValueError, match="depth 6 but there are only 5"):
         Tree.load("deep6", num_heads=5)
     dyn = Tree.load("dynamic:16:deep5", num_heads=5)
