@@ -35,7 +35,7 @@ from medusa_jax.decoding.decode import (
 )
 from medusa_jax.decoding.sampling import MODES, Rows
 from medusa_jax.decoding.sampling import check as check_sampling
-from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
+from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree, check_size
 from medusa_jax.drafters import registry, shipped
 from medusa_jax.drafters.formats import bundled_model, load_heads
 from medusa_jax.model.backbone import Params, decoding_layout, head_units, param_axes, param_specs
@@ -351,15 +351,19 @@ class Medusa:
 
     def _tree(self, spec, k):
         spec = self.default_tree if spec is None else spec
-        if isinstance(spec, DynamicTree):
-            return DynamicTree(self.tree(spec.pool), spec.size, spec.name)
+        context = self.cfg.max_position_embeddings  # checked before a spec is built
+        if isinstance(spec, DynamicTree):  # its pool is not fed, only the chosen nodes
+            check_size(spec.name, spec.size, 1, context=context)
+            return DynamicTree(Tree.from_paths(spec.pool.paths_ranks, k, spec.pool.top_k,
+                                               spec.pool.name, vocab_size=self.cfg.vocab_size),
+                               spec.size, spec.name)
         if isinstance(spec, Tree):
             return Tree.from_paths(spec.paths_ranks, k, spec.top_k, spec.name,
-                                   vocab_size=self.cfg.vocab_size)
+                                   vocab_size=self.cfg.vocab_size, context=context)
         if spec is not None and not isinstance(spec, (str, os.PathLike)):
             raise TypeError(f"tree must be a tree name, a JSON file path or a Tree, got "
                             f"{type(spec).__name__} {_clip(spec)}")
-        return Tree.load(spec, num_heads=k, vocab_size=self.cfg.vocab_size)
+        return Tree.load(spec, num_heads=k, vocab_size=self.cfg.vocab_size, context=context)
 
     def generate(self, prompts: list[str | list[int]] | str, *, max_new_tokens: int = 128,
                  mode: str = "greedy", tree: str | Path | Tree | None = None,

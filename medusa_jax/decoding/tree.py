@@ -29,6 +29,53 @@ from medusa_jax.runtime import assets
 
 DEFAULT_TREE = assets.PUBLISHED_DEFAULT_TREE
 
+# Caps on every tree, checked before anything is built from a spec's numbers: a step
+# verifies every node, a drafter runs once per level (an unrolled loop), and the per-node
+# buffers are nodes x top_k. Far past any tree worth verifying, far below a costly one.
+MAX_TREE_NODES = 1024
+MAX_TREE_DEPTH = 64
+MAX_TREE_TOP_K = 1024
+
+
+def _clip(text, limit: int = 48) -> str:
+    text = str(text)
+    return text if len(text) <= limit else f"{text[:40]}...({len(text)} chars)"
+
+
+def _count(spec, digits: str) -> int:
+    """A spec's number; one far past every cap is refused here (int() refuses 4300+ digits)."""
+    if len(digits) > 18:
+        raise ValueError(f"tree {_clip(spec)!r}: {_clip(digits)} is far past any tree's size "
+                         f"(at most {MAX_TREE_NODES} nodes and {MAX_TREE_DEPTH} levels)")
+    return int(digits)
+
+
+def check_size(name: str, nodes: int, depth: int, num_heads: int | None = None,
+               context: int | None = None) -> None:
+    """Refuse a tree of `nodes` nodes (besides the root) and `depth` levels before it is
+    built: deeper than the drafter's `num_heads`, a step of more tokens than the model's
+    `context` holds beside a prompt token and a new one, or past the caps."""
+    if num_heads is not None and depth > num_heads:
+        raise ValueError(
+            f"tree {_clip(name)!r} has depth {depth} but there are only {num_heads} Medusa heads")
+    if context is not None and nodes + 3 > context:
+        raise ValueError(f"tree {_clip(name)!r}: a step feeds its {nodes} nodes and the root "
+                         f"({nodes + 1} tokens), more than the model's context of {context} "
+                         f"holds beside a prompt")
+    if depth > MAX_TREE_DEPTH:
+        raise ValueError(f"tree {_clip(name)!r} has depth {depth}: a tree has at most "
+                         f"{MAX_TREE_DEPTH} levels")
+    if nodes > MAX_TREE_NODES:
+        raise ValueError(f"tree {_clip(name)!r} has {nodes} nodes: a tree has at most "
+                         f"{MAX_TREE_NODES}")
+
+
+def _is_file(spec) -> bool:
+    try:
+        return Path(spec).is_file()
+    except OSError:  # a name too long for a file is not one
+        return False
+
 
 @functools.cache
 def published_trees() -> dict[str, list[list[int]]]:
@@ -55,16 +102,22 @@ class Tree:
 
     @classmethod
     def from_paths(cls, paths, num_heads: int | None = None, top_k: int | None = None,
-                   name: str = "custom", *, vocab_size: int | None = None) -> "Tree":
+                   name: str = "custom", *, vocab_size: int | None = None,
+                   context: int | None = None) -> "Tree":
         """Validate `paths` and build the tree; raises ValueError naming the bad path.
-        `vocab_size`: the model's vocabulary; a rank (or top_k) beyond it is rejected."""
+        `vocab_size`: the model's vocabulary; a rank (or top_k) beyond it is rejected.
+        `context`: the model's; a tree whose step does not fit in it is rejected (`check_size`,
+        as are trees past the caps, before any path is copied)."""
         if not isinstance(paths, (list, tuple)):
             raise ValueError(f"tree {name!r}: paths must be a list of lists of ranks like "
                              f"[[0], [1], [0, 0]], got {type(paths).__name__}")
         if len(paths) == 0:
             raise ValueError(f"tree {name!r} is empty: give at least one path like [0]")
+        check_size(name, len(paths), 1, None, context)
         clean = []
         for p in paths:
+            if isinstance(p, (list, tuple)) and len(p) > MAX_TREE_DEPTH:
+                check_size(name, len(paths), len(p))
             if (not isinstance(p, (list, tuple)) or len(p) == 0
                     or not all(isinstance(r, (int, np.integer)) and not isinstance(r, bool)
                                and r >= 0 for r in p)):
@@ -83,6 +136,12 @@ class Tree:
             raise ValueError(
                 f"tree {name!r} has depth {depth} but there are only {num_heads} Medusa heads")
         max_rank = max(max(p) for p in clean)
+        if max_rank >= MAX_TREE_TOP_K:
+            raise ValueError(f"tree {name!r}: rank {max_rank} is past the cap on ranks: "
+                             f"at most {MAX_TREE_TOP_K - 1}")
+        if top_k is not None and top_k > MAX_TREE_TOP_K:
+            raise ValueError(f"tree {name!r}: top_k {top_k} is past the cap: at most "
+                             f"{MAX_TREE_TOP_K}")
         if top_k is None:
             top_k = max_rank + 1
         elif max_rank >= top_k:
@@ -113,39 +172,41 @@ class Tree:
 
     @classmethod
     def load(cls, spec: str | Path, num_heads: int | None = None, *,
-             vocab_size: int | None = None) -> "Tree":
+             vocab_size: int | None = None, context: int | None = None) -> "Tree":
         """A published tree by name, "chainN" (the top-1 chain of N nodes), "deepD" (a pool
         for dynamic trees, `deep_tree`), or a JSON file holding a list of paths
         (or an object with a "paths" field), or "dynamic:N[:POOL]" (a `DynamicTree`).
-        `vocab_size`: see `from_paths`."""
+        `vocab_size`, `context`: see `from_paths`; a spec's numbers are checked against the
+        heads, the context and the caps before anything is built from them."""
         if str(spec).startswith(DynamicTree.PREFIX):
-            return DynamicTree.parse(str(spec), num_heads, vocab_size)
+            return DynamicTree.parse(str(spec), num_heads, vocab_size, context)
         trees = published_trees()
         if str(spec) in trees:
             return cls.from_paths(trees[str(spec)], num_heads, name=str(spec),
-                                  vocab_size=vocab_size)
+                                  vocab_size=vocab_size, context=context)
         named = re.fullmatch(r"(chain|deep)(\d+)", str(spec))
-        if named and not Path(spec).is_file():
+        if named and not _is_file(spec):
             # "chain4": the top-1 chain of 4 nodes (the shape an autoregressive drafter
             # drafts best at a small verification budget); "deep7": a dynamic tree's pool
-            depth = int(named.group(2))
+            depth = _count(spec, named.group(2))
             if named.group(1) == "deep":
-                return deep_tree(depth, num_heads, vocab_size=vocab_size)
+                return deep_tree(depth, num_heads, vocab_size=vocab_size, context=context)
             if depth < 1:
                 raise ValueError(f"tree {spec!r}: a chain has at least 1 node")
+            check_size(str(spec), depth, depth, num_heads, context)  # it holds depth² ranks
             return chain_tree(depth, num_heads, vocab_size=vocab_size)
         name, _, size = str(spec).rpartition(":")
         if name in trees and size.isdigit():
             # "mc_sim_7b_63:16": the first 16 paths. Published trees list paths in the order
             # they were grown (best first), so every prefix is itself a valid tree.
-            n = int(size)
+            n = int(size) if len(size) <= 18 else 0
             if not 1 <= n <= len(trees[name]):
-                raise ValueError(f"tree {spec!r}: size must be 1..{len(trees[name])}")
+                raise ValueError(f"tree {_clip(spec)!r}: size must be 1..{len(trees[name])}")
             return cls.from_paths(trees[name][:n], num_heads, name=str(spec),
-                                  vocab_size=vocab_size)
+                                  vocab_size=vocab_size, context=context)
         path = Path(spec)
-        if not path.is_file():
-            raise ValueError(f"tree {str(spec)!r} is neither a file nor a known tree; known: "
+        if not _is_file(path):
+            raise ValueError(f"tree {_clip(spec)!r} is neither a file nor a known tree; known: "
                              f"{', '.join(trees)}, chainN, deepD, dynamic:N")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
@@ -153,12 +214,15 @@ class Tree:
             raise ValueError(f"{path}: invalid JSON in tree file ({e})") from None
         except UnicodeDecodeError as e:
             raise ValueError(f"{path}: tree file is not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read the tree file ({e.strerror})") from None
         if isinstance(data, dict):
             if "paths" not in data:
                 raise ValueError(f"tree {str(path)!r}: the JSON object has no \"paths\" field; "
                                  f"give a list of paths or {{\"paths\": [[0], [0, 0]]}}")
             data = data["paths"]
-        return cls.from_paths(data, num_heads, name=str(path), vocab_size=vocab_size)
+        return cls.from_paths(data, num_heads, name=str(path), vocab_size=vocab_size,
+                              context=context)
 
     def to_json(self) -> list[list[int]]:
         return [list(p) for p in self.paths_ranks]
@@ -270,7 +334,7 @@ DEEP_BUDGET = 8
 
 
 def deep_tree(depth: int, num_heads: int | None = None, *,
-              vocab_size: int | None = None) -> Tree:
+              vocab_size: int | None = None, context: int | None = None) -> Tree:
     """"deepD": a pool for dynamic trees ("dynamic:N:deepD") down to depth D: the rank
     paths r_1 .. r_d (d <= D) with (d - 1) + 2 (r_1 + ... + r_d) <= `DEEP_BUDGET`, so the
     top-1 chain runs to depth D and a side branch is shorter the lower its ranks. Shaped for
@@ -286,7 +350,8 @@ def deep_tree(depth: int, num_heads: int | None = None, *,
                  if len(p) < depth and len(p) + 2 * (sum(p) + r) <= DEEP_BUDGET]
         paths += level
     paths.sort(key=lambda p: (len(p), p))
-    return Tree.from_paths(paths, num_heads, name=f"deep{depth}", vocab_size=vocab_size)
+    return Tree.from_paths(paths, num_heads, name=f"deep{depth}", vocab_size=vocab_size,
+                           context=context)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,16 +383,22 @@ class DynamicTree:
         object.__setattr__(self, "pool", self.pool.choosable(self.size))
 
     @classmethod
-    def parse(cls, spec: str, num_heads: int | None = None,
-              vocab_size: int | None = None) -> "DynamicTree":
+    def parse(cls, spec: str, num_heads: int | None = None, vocab_size: int | None = None,
+              context: int | None = None) -> "DynamicTree":
+        """"dynamic:N[:POOL]"; N is checked against the `context` (a step feeds N + 1 tokens)
+        before the pool is read (which is checked against the caps, not the context)."""
         size, _, pool = spec[len(cls.PREFIX):].partition(":")
         if not size.strip().isdigit():
-            raise ValueError(f"tree {spec!r}: expected dynamic:N or dynamic:N:POOL with N a "
-                             f"number of nodes >= 1")
+            raise ValueError(f"tree {_clip(spec)!r}: expected dynamic:N or dynamic:N:POOL with "
+                             f"N a number of nodes >= 1")
         if pool.startswith(cls.PREFIX):
-            raise ValueError(f"tree {spec!r}: the pool of a dynamic tree must be a static tree")
+            raise ValueError(f"tree {_clip(spec)!r}: the pool of a dynamic tree must be a "
+                             f"static tree")
+        n = _count(spec, size.strip())
+        if context is not None:
+            check_size(spec, n, 1, None, context)
         return cls(Tree.load(pool or cls.DEFAULT_POOL, num_heads, vocab_size=vocab_size),
-                   int(size), name=spec)
+                   n, name=spec)
 
     @property
     def num_nodes(self) -> int:

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from medusa_jax.decoding.tree import DEEP_BUDGET, Tree, chain_tree, deep_tree, published_trees
+from medusa_jax.decoding.tree import (DEEP_BUDGET, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K,
+                                      Tree, chain_tree, deep_tree, published_trees)
 
 
 def test_mc_sim_7b_63_buffers():
@@ -149,3 +150,73 @@ def test_rank_beyond_the_vocabulary():
     with pytest.raises(ValueError, match="top_k 20 exceeds the model's vocabulary of 8"):
         Tree.from_paths([[0]], top_k=20, vocab_size=8)
     assert Tree.load("mc_sim_7b_63", vocab_size=10) == Tree.load("mc_sim_7b_63")
+
+
+@pytest.fixture
+def no_chain_building(monkeypatch):
+    """chain_tree and deep_tree fail if called past the depth cap: a refused spec is refused
+    before it is built."""
+    from medusa_jax.decoding import tree as tree_module
+
+    def guard(build):
+        def checked(depth, *args, **kwargs):
+            if depth > MAX_TREE_DEPTH:
+                raise AssertionError(f"a tree of depth {depth} was built before it was checked")
+            return build(depth, *args, **kwargs)
+        return checked
+
+    monkeypatch.setattr(tree_module, "chain_tree", guard(chain_tree))
+    monkeypatch.setattr(tree_module, "deep_tree", guard(deep_tree))
+
+
+def test_a_huge_chain_is_refused_before_it_is_built(no_chain_building, one_line_error):
+    """chainN builds N paths of up to N ranks: N is checked first (the drafter's depth, the
+    context, the absolute cap), so chain100000 costs nothing."""
+    one_line_error(ValueError, lambda: Tree.load("chain100000", num_heads=4),
+                   "tree 'chain100000' has depth 100000 but there are only 4 Medusa heads")
+    one_line_error(ValueError, lambda: Tree.load("chain100000"),
+                   "tree 'chain100000'", f"at most {MAX_TREE_DEPTH} levels")
+    one_line_error(ValueError, lambda: Tree.load("chain60", context=32),
+                   "tree 'chain60'", "61 tokens", "context of 32")
+    one_line_error(ValueError, lambda: Tree.load("chain" + "9" * 5000),
+                   "tree 'chain9999", f"{MAX_TREE_DEPTH} levels")
+
+
+def test_every_spec_is_bounded_before_work(one_line_error):
+    """dynamic:N, name:N and tree files: sizes are checked against the caps before anything
+    allocates in proportion to them."""
+    one_line_error(ValueError, lambda: Tree.load("dynamic:100000000000"),
+                   "tree 'dynamic:100000000000'", "1 .. 63 nodes")
+    one_line_error(ValueError, lambda: Tree.load("dynamic:" + "9" * 5000), "tree 'dynamic:999")
+    one_line_error(ValueError, lambda: Tree.load("dynamic:600:deep9", context=512),
+                   "601 tokens", "context of 512")
+    one_line_error(ValueError, lambda: Tree.load("mc_sim_7b_63:" + "9" * 5000),
+                   "size must be 1..63")
+    one_line_error(ValueError, lambda: Tree.load("x" * 5000), "neither a file nor a known tree")
+    many = [[r] for r in range(MAX_TREE_NODES + 1)]
+    one_line_error(ValueError, lambda: Tree.from_paths(many),
+                   f"{MAX_TREE_NODES + 1} nodes", f"at most {MAX_TREE_NODES}")
+    one_line_error(ValueError, lambda: Tree.from_paths([[0] * d for d in range(1, 40)],
+                                                       context=16),
+                   "40 tokens", "context of 16")
+    deep = [[0] * (MAX_TREE_DEPTH + 1)]
+    one_line_error(ValueError, lambda: Tree.from_paths(deep),
+                   f"at most {MAX_TREE_DEPTH} levels")
+    # a rank sizes top_k, and top_k sizes the per-node buffers (rank_child: nodes x top_k)
+    one_line_error(ValueError, lambda: Tree.from_paths([[0], [10**12]]),
+                   "rank 1000000000000", f"at most {MAX_TREE_TOP_K - 1}")
+    one_line_error(ValueError, lambda: Tree.from_paths([[0]], top_k=10**12),
+                   "top_k 1000000000000", f"at most {MAX_TREE_TOP_K}")
+    # within the caps, nothing changes
+    assert Tree.load("chain16", context=32).depth == 16
+    assert Tree.from_paths([[r] for r in range(MAX_TREE_NODES)]).num_nodes == MAX_TREE_NODES + 1
+
+
+def test_the_api_checks_the_spec_against_the_context_first(no_chain_building, one_line_error):
+    """`Medusa.tree` (generate, the server): a drafter of any depth (n-gram, EAGLE-3) still
+    has the model's context to bound a chain."""
+    from medusa_jax.api import Medusa
+
+    model = Medusa.load(heads="ngram")
+    one_line_error(ValueError, lambda: model.tree("chain100000"),
+                   "tree 'chain100000'", "context of 512")
