@@ -73,6 +73,7 @@ from medusa_jax.drafters.io import (  # noqa: F401 - HeadsFormatError, base_mode
     HeadsFormatError,
     Layout,
     base_model_of,
+    check_finite,
     clip,
     meta_count,
     read_json,
@@ -213,6 +214,7 @@ def save_heads(path: str | Path, heads: Params, cfg: ModelConfig,
     file.parent.mkdir(parents=True, exist_ok=True)
     kind = registry.kind_of(heads)
     tensors, fields = formats_of(kind).save(heads, cfg, file)
+    check_finite(tensors, file)
     meta = {"format": FORMAT, "kind": kind, **fields,
             "hidden_size": str(cfg.hidden_size), "vocab_size": str(cfg.vocab_size),
             "extra": json.dumps(extra or {})}

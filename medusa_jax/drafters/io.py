@@ -319,5 +319,16 @@ def write_tensors(out: Path, st_name: str, pt_name: str, tensors: dict,
     return written
 
 
+def check_finite(tensors: dict, file: Path) -> None:
+    """Refuse to write a float tensor holding NaN or inf (one line naming it)."""
+    for name, a in tensors.items():
+        a = np.asarray(a)
+        if (a.dtype.kind == "f" or a.dtype.name == "bfloat16") and \
+                not np.all(np.isfinite(a.astype(np.float32))):
+            raise ValueError(f"{file}: tensor {name} has non-finite values (NaN or inf); "
+                             f"not written")
+
+
 def write_safetensors(file: Path, tensors: dict, metadata: dict | None = None):
+    check_finite(tensors, file)
     weights.save_safetensors({n: contiguous(a) for n, a in tensors.items()}, file, metadata)

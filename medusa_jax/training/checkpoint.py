@@ -13,8 +13,13 @@ is on disk, so a run killed mid-save leaves a temp directory that `all_steps()` 
 (and that the next writing `Checkpointer` on the folder removes); resuming always starts from
 the last complete step. `max_to_keep` prunes older steps.
 
-A finalized step can still be unreadable (a truncated or deleted array file, a junk folder
-named like a step): `restore` then falls back to the newest step that restores, moves the
+Every step's meta also holds a checksum of each saved tensor, computed from the values
+(`fingerprints`), so a data file whose bytes were damaged in place (orbax reads it without
+complaint) is caught on restore; a restored tensor must also be finite (a diverged run's
+step is not resumed as if intact).
+
+A finalized step can still be unreadable (a truncated or deleted array file, damaged bytes,
+non-finite values, a junk folder named like a step): `restore` then falls back to the newest step that restores, moves the
 newer unreadable ones aside (renamed `<step>.unreadable`, so a resumed run can save those
 steps again) and reports them in `meta["skipped"]`. A failed save (disk full, a path that
 is not a writable directory) raises one-line `CheckpointError` from `save()` or `wait()`;
@@ -30,6 +35,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -96,10 +102,65 @@ def _collect_quietly():
     gc.collect()
 
 
+class _Damaged(ValueError):
+    """A step that reads but does not hold what was saved (its message is the reason)."""
+
+
 def _unreadable(e: Exception) -> str:
     if "error while reading array" in str(e):
         return "an array file is missing or truncated"
+    if isinstance(e, _Damaged):
+        return str(e)
     return _one_line(e, limit=120)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+    """The raw bits of `x`, flat, as uint32 (64-bit values as two words each)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32).reshape(-1)
+
+
+@jax.jit
+def _leaf_fingerprints(leaves: list) -> list:
+    """Per leaf: two position-weighted sums of its bits (uint32, wrapping; every weight is
+    odd, so changing any one value always changes both) and whether it is finite. Exact
+    integer sums: the same on any mesh and sharding, computed where the arrays live."""
+    out = []
+    for x in leaves:
+        bits = _bits(x)
+        i = jnp.arange(bits.shape[0], dtype=jnp.uint32)
+        w1 = (i * jnp.uint32(0x9E3779B1)) ^ (i >> 15) | jnp.uint32(1)
+        w2 = (i * jnp.uint32(0x85EBCA77) + jnp.uint32(0xC2B2AE3D)) | jnp.uint32(1)
+        finite = (jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                  else jnp.bool_(True))
+        out.append((jnp.sum(bits * w1, dtype=jnp.uint32), jnp.sum(bits * w2, dtype=jnp.uint32),
+                    finite))
+    return out
+
+
+def fingerprints(items: dict) -> dict[str, tuple[str, bool]]:
+    """{tensor name: (checksum of its values as hex, all finite)} for the array leaves of
+    each item (named like `params['heads']['proj']`)."""
+    named = [(f"{path[0].key}{jax.tree_util.keystr(path[1:])}", x)
+             for path, x in jax.tree_util.tree_flatten_with_path(items)[0]
+             if isinstance(x, jax.Array | np.ndarray | np.generic) and np.size(x)]
+    # replicated scalars: this process's copy is the value (also where arrays span hosts)
+    local = lambda v: np.asarray(v.addressable_data(0))  # noqa: E731
+    sums = [[local(v) for v in leaf] for leaf in _leaf_fingerprints([x for _, x in named])]
+    return {name: (f"{int(a):08x}{int(b):08x}", bool(f))
+            for (name, _), (a, b, f) in zip(named, sums)}
+
+
+def _check_intact(saved: dict | None, restored: dict) -> None:
+    """Refuse restored tensors that differ from the checksums saved with them (a checkpoint
+    written before checksums has none: then only finiteness is checked) or are not finite."""
+    for name, (checksum, finite) in restored.items():
+        if isinstance(saved, dict) and name in saved and saved[name] != checksum:
+            raise _Damaged(f"damaged: {name} does not match the checksum saved with it")
+        if not finite:
+            raise _Damaged(f"{name} holds non-finite values (NaN or inf)")
 
 
 def _abstract(tree, shardings):
@@ -167,11 +228,13 @@ class Checkpointer:
             raise CheckpointError(f"{self.directory}: cannot save checkpoint step {step}: "
                                   f"the checkpoint directory {what}")
         params = {k: state.params[k] for k in trained}
+        checksums = {name: checksum for name, (checksum, _) in fingerprints(
+            {"params": params, "opt_state": state.opt_state}).items()}
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(state.opt_state),
             meta=ocp.args.JsonSave({"step": step, "data_position": int(data_position),
-                                    "config": config}))
+                                    "config": config, "checksums": checksums}))
         try:
             saved = self.manager.save(step, args=args, force=force)
         except Exception as e:  # noqa: BLE001 - any failure to write is one line
@@ -205,6 +268,8 @@ class Checkpointer:
         if not isinstance(meta, dict) or meta.get("step") != step:
             got = meta.get("step") if isinstance(meta, dict) else type(meta).__name__
             raise ValueError(f"its meta says step {got}, not {step}")
+        _check_intact(meta.get("checksums"), fingerprints(
+            {"params": out.params, "opt_state": out.opt_state}))
         params = dict(target.params)
         params.update(out.params)
         state = TrainState(step=sharding.put(np.int32(meta["step"]), shardings.step),

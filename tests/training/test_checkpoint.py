@@ -1,5 +1,6 @@
 """Checkpoints: exact resume, max_to_keep, and a save killed before it finalizes."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -220,6 +221,81 @@ def test_restore_falls_back_past_a_corrupt_newest_step(toy_train, two_steps, tmp
     ck.wait()
     assert ck.all_steps() == [1, 2]
     ck.close()
+
+
+def _flip_bytes(step_dir, item="params", n=256):
+    """Flip `n` bytes in the middle of the largest data file of `item`: a damaged disk or a
+    bad copy, which leaves every file its length (orbax reads it without complaint)."""
+    files = [f for f in (step_dir / item).rglob("*") if f.is_file() and "/d/" in str(f)]
+    f = max(files, key=lambda f: f.stat().st_size)
+    raw = bytearray(f.read_bytes())
+    mid = len(raw) // 2
+    raw[mid - n // 2: mid + n // 2] = bytes(b ^ 0xFF for b in raw[mid - n // 2: mid + n // 2])
+    f.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("item", ["params", "opt_state"])
+def test_restore_refuses_a_damaged_step_and_falls_back(toy_train, two_steps, tmp_path, item,
+                                                       one_line_error):
+    """Bytes flipped inside a data file (length unchanged) restore without a read error: the
+    checksum saved with the step refuses it, in one line naming the step and the tensor, and
+    resuming falls back to the newest intact step."""
+    setup = toy_train.setup
+    ckdir = _copy_of(two_steps, tmp_path)
+    _flip_bytes(ckdir / "2", item)
+    state, _, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    with pytest.raises(CheckpointError) as e:
+        ck.restore(state, shardings, TRAINED, step=2)
+    msg = one_line_error.message(e)
+    assert msg.startswith(f"{ckdir}/2: cannot restore this checkpoint") and "checksum" in msg
+    assert f"damaged: {item}" in msg  # names the damaged tensor
+    restored, meta = ck.restore(state, shardings, TRAINED)
+    ck.close()
+    assert meta["step"] == 1
+    np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][1])
+    [skip] = meta["skipped"]
+    assert skip["step"] == 2 and "checksum" in skip["reason"]
+    assert skip["moved_to"] == "2.unreadable"
+
+
+@pytest.mark.slow
+def test_only_a_damaged_step_is_one_line(toy_train, two_steps, tmp_path, one_line_error):
+    setup = toy_train.setup
+    ckdir = _copy_of(two_steps, tmp_path)
+    import shutil
+    shutil.rmtree(ckdir / "1")
+    _flip_bytes(ckdir / "2")
+    state, _, shardings, _ = setup()
+    ck = Checkpointer(ckdir, create=False)
+    with pytest.raises(CheckpointError) as e:
+        ck.restore(state, shardings, TRAINED)
+    ck.close()
+    msg = one_line_error.message(e)
+    assert msg.startswith(f"{ckdir}: no checkpoint restores") and "step 2: " in msg
+    assert "checksum" in msg
+
+
+@pytest.mark.slow
+def test_a_step_saved_with_non_finite_values_is_refused(toy_train, tmp_path, one_line_error):
+    """A state holding NaN (a diverged run) is saved as it is, but never restored as if
+    intact: resuming from it would train on NaN."""
+    import jax.numpy as jnp
+
+    setup = toy_train.setup
+    state, _, shardings, _ = setup()
+    heads = dict(state.params["heads"], proj=state.params["heads"]["proj"].at[0].set(jnp.nan))
+    state = dataclasses.replace(state, params=dict(state.params, heads=heads))
+    ck = Checkpointer(tmp_path / "ckpt")
+    ck.save(state, TRAINED, 0, {})
+    ck.wait()
+    fresh, _, _, _ = setup()
+    with pytest.raises(CheckpointError) as e:
+        ck.restore(fresh, shardings, TRAINED, step=int(state.step))
+    ck.close()
+    msg = one_line_error.message(e)
+    assert "params['heads']['proj']" in msg and "non-finite" in msg
 
 
 @pytest.mark.slow
