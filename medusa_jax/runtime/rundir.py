@@ -6,7 +6,8 @@
   run is never in the way (the file stays; its old contents are reported as stale).
 - `StopSignals`: SIGINT (Ctrl-C) and SIGTERM (what schedulers and preemptible TPU/GPU VMs
   send) set a flag instead of killing the process; the training loop finishes the current
-  step, saves a checkpoint and exits. A second signal stops at once.
+  step, saves a checkpoint and exits. A second signal stops at once, and so does any signal
+  once training is done (`training_done`: the final evaluation, the heads, the benchmark).
 - What a command may write into: `is_run_dir` / `run_method` (is this folder a training run,
   and of which method), `check_output_dir` (a new or empty folder, or a run: never a
   non-empty folder that is something else), `check_new_folder` (export folders).
@@ -154,14 +155,26 @@ class Interrupted(Exception):
 
 
 class StopNow(KeyboardInterrupt):
-    """A second signal: stop at once. `code`: the exit status (128 + the signal number);
-    `run_dir`: set by the trainer to the run a --resume would continue (None: removed, it
-    held nothing worth keeping)."""
+    """A second signal, or a signal once training is done: stop at once. `code`: the exit
+    status (128 + the signal number); `run_dir`: set by the trainer to the run a --resume
+    would continue (None: removed, it held nothing worth keeping); `done`: (run directory,
+    step) when training had finished and saved its last checkpoint."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, done: tuple[Path, int] | None = None):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.code = signum, 128 + signum
         self.run_dir: Path | None = None
+        self.done = done
+
+    def done_message(self) -> str:
+        """What a stop after training says is kept (the heads once they are written)."""
+        run_dir, step = self.done
+        name = signal.Signals(self.signum).name
+        if (Path(run_dir) / "heads").is_dir():
+            return (f"stopped by {name} after training finished; the checkpoint of step "
+                    f"{step} and the heads are in {run_dir}")
+        return (f"stopped by {name} after training finished; the checkpoint of step {step} "
+                f"is in {run_dir} (--resume {run_dir} writes the heads)")
 
 
 class StopSignals:
@@ -178,6 +191,7 @@ class StopSignals:
 
     def __init__(self):
         self.requested: int | None = None
+        self.done: tuple[Path, int] | None = None  # `training_done`
         self._old = {}
         self._pipe: tuple[int, int] | None = None
         self._old_fd = -1
@@ -195,8 +209,19 @@ class StopSignals:
                 break
         return max(n, 1)
 
+    def training_done(self, run_dir: Path, step: int):
+        """Training has ended with its last checkpoint saved: from now on a signal stops at
+        once (nothing is left to save, so nothing to finish first); one that came during the
+        last step stops now."""
+        self.done = (Path(run_dir), step)
+        if self.requested is not None:
+            raise StopNow(self.requested, self.done)
+
     def _handle(self, signum, frame):
         n = self._arrived(signum)
+        if self.done is not None:
+            self.requested = signum
+            raise StopNow(signum, self.done)
         if self.requested is not None:
             raise StopNow(signum)
         self.requested = signum

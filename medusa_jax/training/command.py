@@ -157,10 +157,17 @@ class Command:
         return r
 
     def run(self, cfg, resume: str | None = None, stop_after: int | None = None) -> dict:
+        from pathlib import Path
+
+        from medusa_jax.runtime.rundir import StopSignals
         from medusa_jax.training import report
         from medusa_jax.training.trainer import train
 
-        return report.finish(train(cfg, self.recipe_cls(), resume, stop_after))
+        result = train(cfg, self.recipe_cls(), resume, stop_after)
+        with StopSignals() as stop:  # the benchmark: a signal stops it at once
+            if result.finished:
+                stop.training_done(Path(result.summary["run_dir"]), result.summary["step"])
+            return report.finish(result)
 
     def main(self, argv=None):
         """Parse, run; errors and interrupts end the process with one line and the exit
@@ -187,6 +194,9 @@ class Command:
             print(f"\n{e}", file=sys.stderr, flush=True)
             sys.exit(e.code)
         except StopNow as e:
+            if e.done is not None:  # training had ended: no save in flight, a plain exit
+                print(f"\n{e.done_message()}", file=sys.stderr, flush=True)
+                sys.exit(e.code)
             name = signal.Signals(e.signum).name
             print(f"\nstopped at once (second {name}) before anything was saved; nothing to "
                   f"resume" if e.run_dir is None else

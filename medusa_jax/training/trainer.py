@@ -364,6 +364,7 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
         print(message)
         return TrainResult(summary, t_start)
 
+    stop.training_done(run_dir, step)  # from here a signal stops at once (all is saved)
     final = held_eval(step)
     heads = recipe.heads_artifact(ctx, sharding.to_host(state.params["heads"]))
     extra = {"step": step, "template": ctx.template, "config": dataclasses.asdict(cfg),

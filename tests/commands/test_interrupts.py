@@ -210,6 +210,54 @@ def test_a_second_signal_after_a_checkpoint_names_the_run_to_resume(tmp_path, mo
                                                f"checkpoint, if any, is intact)")
 
 
+# ---- once training is done, a signal stops the wrap-up and the benchmark at once
+
+
+AFTER = ["--steps", "2", "--batch-size", "2", "--seq-len", "32", "--num-heads", "2",
+         "--log-every", "1", "--template", "plain", "--heldout-fraction", "0.25",
+         "--eval-prompts", "1", "--eval-max-new-tokens", "8", "--tree", "chain2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("during", ["wrap-up", "benchmark"])
+def test_a_signal_after_training_stops_at_once_with_130(tmp_path, data_file, monkeypatch,
+                                                       capsys, exit_raises, during):
+    """Training is over (its last checkpoint saved): a signal during the final evaluation,
+    the heads' writing (the wrap-up) or the decoding benchmark stops there, exits 130 and
+    says what is saved; it never offers another checkpoint or benchmarks on."""
+    from medusa_jax.tools import bench
+    from medusa_jax.training import trainer
+    from train import medusa1
+
+    benchmarked = []
+
+    def sigint_now(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(2)  # the handler runs here (Python calls it between bytecodes)
+
+    def compare(*a, **k):
+        benchmarked.append(1)
+        if during == "benchmark":
+            sigint_now()
+        raise AssertionError("the benchmark went on after the signal")
+
+    if during == "wrap-up":
+        monkeypatch.setattr(trainer, "plot_accuracy", sigint_now)
+    monkeypatch.setattr(bench, "compare_decoding", compare)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--data", str(data_file), "--output-dir", str(run), *AFTER])
+    err = capsys.readouterr()
+    assert e.value.code == 130, err
+    assert len(benchmarked) == (1 if during == "benchmark" else 0)
+    assert "saving a checkpoint" not in err.out + err.err
+    assert err.err.strip().splitlines()[-1] == (
+        f"stopped by SIGINT after training finished; the checkpoint of step 2 and the heads "
+        f"are in {run}")
+    assert (run / "heads" / "medusa_heads.safetensors").is_file()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+
+
 # ---- a second signal while an Orbax save is in flight ends the process at once (train.hydra)
 
 HYDRA = ["--batch-size", "4", "--seq-len", "64", "--num-heads", "2", "--log-every", "1",
