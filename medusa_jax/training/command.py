@@ -64,6 +64,17 @@ def check_context(ap: argparse.ArgumentParser, seq_len: int, model_cfg: ModelCon
                  f"(max_position_embeddings {limit})")
 
 
+def check_writable(resume: str | None, output_dir: str | None):
+    """The run's folder (or the folder it will be made in) takes files, before any work: a
+    read-only one is refused in one line naming it (a file there is the trainer's to name)."""
+    from pathlib import Path
+
+    flag, folder = ("--resume", resume) if resume else ("--output-dir", output_dir or "runs")
+    if not Path(folder).exists() or Path(folder).is_dir():
+        with options.errors_to_exit():
+            options.writable_output(flag, str(folder), folder=True)
+
+
 def exit_at_once(code: int):
     """End the process now, without Python's shutdown. A second signal can land while an
     Orbax save runs in its threads (or interrupt the main thread inside Orbax): a normal
@@ -184,12 +195,16 @@ class Command:
             cfg.check_model(model_cfg, f"--model {cfg.model or assets.EMBEDDED_MODEL}")
         except ValueError as e:
             self.build_parser().error(str(e))
+        check_writable(resume, cfg.output_dir)
         quiet.imports()
         from medusa_jax.runtime.rundir import Interrupted, StopNow
 
         try:
             with options.errors_to_exit():
                 self.run(cfg, resume, stop_after)
+        except OSError as e:  # a folder that turned read-only or full under the run
+            sys.exit(f"error: {e.filename}: {e.strerror}" if e.filename and e.strerror
+                     else f"error: {e}")
         except Interrupted as e:
             print(f"\n{e}", file=sys.stderr, flush=True)
             sys.exit(e.code)

@@ -246,3 +246,59 @@ def test_each_method_resumes_its_own_runs_only(tmp_path, capsys, no_training):
     assert e.value.code == 2
     assert last_err(capsys).endswith(f"--resume {run}: a medusa2 run; continue it with "
                                      f"python -m train.medusa2 --resume {run}")
+
+
+@pytest.fixture
+def read_only(monkeypatch):
+    """`read_only(folder)`: creating a file or folder under `folder` fails with EROFS, as on
+    a read-only mount (tests run as root, whom chmod does not stop)."""
+    import errno
+    import os
+
+    folders = []
+    real_open, real_mkdir = os.open, os.mkdir
+
+    def blocked(path):
+        return any(Path(os.path.abspath(path)).is_relative_to(f) for f in folders)
+
+    def ro_open(path, flags, *a, **k):
+        if flags & (os.O_CREAT | os.O_WRONLY | os.O_RDWR) and blocked(path):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a, **k)
+
+    def ro_mkdir(path, *a, **k):
+        if blocked(path):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_mkdir(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", ro_open)
+    monkeypatch.setattr(os, "mkdir", ro_mkdir)
+    return lambda folder: folders.append(Path(folder).absolute())
+
+
+@pytest.mark.parametrize("where", ["new", "empty"])
+def test_a_read_only_output_dir_is_refused_in_one_line_before_work(tmp_path, read_only, where,
+                                                                  no_training):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    run = ro / "run"
+    if where == "empty":
+        run.mkdir()
+    read_only(ro)
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--output-dir", str(run), "--steps", "2"])
+    assert str(e.value.code).startswith(f"error: --output-dir {run}: cannot write into ")
+    assert str(e.value.code).endswith("(Read-only file system)")
+
+
+def test_a_folder_that_turns_read_only_during_the_run_is_one_line(tmp_path, monkeypatch):
+    import errno
+
+    def fails(cfg, recipe, run_dir, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(run_dir / "metrics.jsonl"))
+
+    monkeypatch.setattr(trainer, "_train", fails)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        medusa1.command.main(["--output-dir", str(run), "--steps", "2"])
+    assert e.value.code == f"error: {run / 'metrics.jsonl'}: Read-only file system"
