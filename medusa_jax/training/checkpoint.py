@@ -31,7 +31,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from medusa_jax.runtime import sharding
+from medusa_jax.runtime import quiet, sharding
 from medusa_jax.training.step import TrainState
 
 ITEMS = ("params", "opt_state", "meta")
@@ -60,12 +59,20 @@ def _one_line(e: BaseException, limit: int = 200) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+# Checkpointers whose save is in flight (`save` to `wait`): orbax's errors about it are
+# raised by `wait()` or the next `save()` as one CheckpointError line
+_SAVING: set[int] = set()
+
+
 class _FoldOrbaxTracebacks(logging.Filter):
-    """Orbax logs a full traceback when a background save fails, before the error reaches
-    `wait()` (which raises it as one CheckpointError line): keep its line, fold the
-    traceback into it."""
+    """Orbax logs ERROR records (some with a full traceback) when a background save fails,
+    before the error reaches `wait()`, which raises it as one CheckpointError line: while a
+    save is in flight those records are dropped; other tracebacks are folded into their
+    line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in record.pathname and record.levelno >= logging.ERROR and _SAVING:
+            return False
         if record.exc_info and record.exc_info[1] is not None and "orbax" in record.pathname:
             msg, exc = record.getMessage(), record.exc_info[1]
             if isinstance(exc, KeyboardInterrupt):
@@ -84,21 +91,8 @@ if not any(isinstance(f, _FoldOrbaxTracebacks) for f in logging.getLogger("absl"
 def _collect_quietly():
     """After a failed restore, orbax's abandoned read coroutines raise again when they are
     garbage-collected ("Exception ignored in: <coroutine ...>" and a page of traceback on
-    stderr, possibly much later), and late TensorStore callbacks find orbax's event loop
-    closed. The failure is already reported in one line: from the first failed restore on,
-    a filter on sys.unraisablehook drops these two messages (only these), and the
-    coroutines are collected now."""
-    prev = sys.unraisablehook
-    if not getattr(prev, "_drops_orbax_read_errors", False):
-        def hook(unraisable):
-            msg = str(unraisable.exc_value)
-            if not ("Encountered error while reading array" in msg
-                    or (isinstance(unraisable.exc_value, RuntimeError)
-                        and msg == "Event loop is closed")):
-                prev(unraisable)
-
-        hook._drops_orbax_read_errors = True
-        sys.unraisablehook = hook
+    stderr, possibly much later). The failure is already reported in one line: those are
+    dropped (`quiet.unraisable`, installed by every Checkpointer) and collected now."""
     gc.collect()
 
 
@@ -173,6 +167,9 @@ class Checkpointer:
     def __init__(self, directory: str | Path, max_to_keep: int | None = 3,
                  async_save: bool = True, create: bool = True):
         self.directory = Path(directory).absolute()
+        # late TensorStore callbacks of a failed save or restore (also the previous run's,
+        # on --resume) and abandoned reads: each failure has its own one-line error
+        quiet.unraisable(quiet.CLOSED_LOOP, "Encountered error while reading array")
         if not create and not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: no checkpoint directory")
         if self.directory.exists() and not self.directory.is_dir():
@@ -235,16 +232,20 @@ class Checkpointer:
             opt_state=ocp.args.StandardSave(state.opt_state),
             meta=ocp.args.JsonSave({"step": step, "data_position": int(data_position),
                                     "config": config, "checksums": checksums}))
+        _SAVING.add(id(self))  # orbax's threads may fail before save() returns
         try:
             saved = self.manager.save(step, args=args, force=force)
         except Exception as e:  # noqa: BLE001 - any failure to write is one line
             raise self._save_failed(step, e) from None
         if saved:
             self._saving = step
+        else:
+            _SAVING.discard(id(self))
         return saved
 
     def _save_failed(self, step: int | None, e: Exception) -> CheckpointError:
         self._saving = None
+        _SAVING.discard(id(self))
         try:
             self.manager.reload()  # forget the step that was not written
             last = self.manager.latest_step()
@@ -352,6 +353,7 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 - raised by orbax's background save
             raise self._save_failed(self._saving, e) from None
         self._saving = None
+        _SAVING.discard(id(self))
 
     def close(self):
         self.wait()

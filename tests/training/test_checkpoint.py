@@ -384,6 +384,8 @@ def test_disk_full_during_save_is_one_line_and_keeps_the_last_checkpoint(
                    f"left on device: '{ckdir}/3.orbax-checkpoint-tmp/meta.orbax-checkpoint-tmp'"
                    f"); step 2 is the last complete checkpoint")
     assert not any(r.exc_info for r in caplog.records)  # orbax's tracebacks folded to a line
+    # and orbax's own ERROR records of the failed save dropped: the error above says it
+    assert not [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     monkeypatch.undo()
     ck.close()
     ck = Checkpointer(ckdir, create=False)
@@ -429,3 +431,23 @@ def test_unwritable_checkpoint_directory_during_a_run(toy_train, two_steps, tmp_
     ck.close()
     assert meta["step"] == 2 and meta["skipped"] == []
     np.testing.assert_array_equal(np.asarray(restored.params["heads"]["proj"]), two_steps[1][2])
+
+
+def test_closed_event_loop_leftovers_are_dropped_from_the_start(tmp_path, monkeypatch, capsys):
+    """After a failed save (a full disk), TensorStore callbacks that find orbax's event loop
+    closed are reported through sys.unraisablehook, also in the next run's first restore:
+    a Checkpointer drops those from the start (only those)."""
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    Checkpointer(tmp_path / "ckpt").close()
+
+    class RaisesWhenCollected:
+        def __init__(self, message):
+            self.message = message
+
+        def __del__(self):
+            raise RuntimeError(self.message)
+
+    RaisesWhenCollected("Event loop is closed")  # collected at once: an unraisable error
+    assert capsys.readouterr().err == ""
+    RaisesWhenCollected("something else")
+    assert "RuntimeError: something else" in capsys.readouterr().err
