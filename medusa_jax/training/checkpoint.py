@@ -19,9 +19,10 @@ complaint) is caught on restore; a restored tensor must also be finite (a diverg
 step is not resumed as if intact).
 
 A finalized step can still be unreadable (a truncated or deleted array file, damaged bytes,
-non-finite values, a junk folder named like a step): `restore` then falls back to the newest step that restores, moves the
-newer unreadable ones aside (renamed `<step>.unreadable`, so a resumed run can save those
-steps again) and reports them in `meta["skipped"]`. A failed save (disk full, a path that
+non-finite values, a junk folder named like a step): `restore` then falls back to the
+newest step that restores, moves the newer unreadable ones aside (renamed
+`<step>.unreadable`, so a resumed run can save those steps again) and reports them in
+`meta["skipped"]`. A failed save (disk full, a path that
 is not a writable directory) raises one-line `CheckpointError` from `save()` or `wait()`;
 the earlier checkpoints stay restorable.
 """

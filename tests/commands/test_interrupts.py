@@ -13,6 +13,11 @@ import pytest
 from medusa_jax.runtime.rundir import RunDirBusy, RunLock
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
+# Waits end on their event (a step logged, a file written, a line printed, the process
+# exiting), never on a short clock: on a busy machine the tests run slower, not fail. HANG
+# only catches a process that will never get there; a bound on how fast something must
+# happen ("at once") is kept far from the slow path it rules out.
+HANG = 900
 # tiny settings on a small user data file: no self-distillation, a step takes milliseconds
 FAST = ["--steps", "100000", "--batch-size", "2", "--seq-len", "32", "--num-heads", "2",
         "--log-every", "1", "--save-every", "100000", "--eval-every", "100000",
@@ -40,18 +45,27 @@ def _start(*args):
                             text=True)
 
 
-def _wait_for_training(run: Path, proc, timeout=120):
-    """Until the run has logged a training step (the loop is running)."""
+def _wait_until(done, proc, what: str, poll: float = 0.05):
+    """Until `done()` holds, however long a busy machine takes; fails at once if the
+    process exits first, and after HANG seconds (a hang)."""
     t0 = time.time()
-    metrics = run / "metrics.jsonl"
-    while time.time() - t0 < timeout:
+    while not done():
         if proc.poll() is not None:
-            raise AssertionError(f"exited early: {proc.communicate()}")
-        if metrics.is_file() and '"split": "train"' in metrics.read_text():
-            return
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("training never started")
+            raise AssertionError(f"exited before {what}: {proc.communicate()}")
+        if time.time() - t0 > HANG:
+            proc.kill()
+            raise AssertionError(f"{what}: not within {HANG} s (hung)")
+        time.sleep(poll)
+
+
+def _logged(metrics: Path, text: str) -> bool:
+    return metrics.is_file() and text in metrics.read_text()
+
+
+def _wait_for_training(run: Path, proc):
+    """Until the run has logged a training step (the loop is running)."""
+    _wait_until(lambda: _logged(run / "metrics.jsonl", '"split": "train"'), proc,
+                "training started", poll=0.2)
 
 
 @pytest.mark.slow
@@ -63,7 +77,7 @@ def test_a_signal_checkpoints_the_current_step_and_says_how_to_resume(
     proc = _start("--data", str(data_file), "--output-dir", str(run), *FAST)
     _wait_for_training(run, proc)
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG)  # the step finishes and its checkpoint saves
     assert proc.returncode == code, (out[-2000:], err[-2000:])
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -73,7 +87,7 @@ def test_a_signal_checkpoints_the_current_step_and_says_how_to_resume(
     # the run resumes from there and finishes
     done = subprocess.run([sys.executable, "-m", "train.medusa1", "--resume", str(run),
                            "--steps", str(steps[0] + 2)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed at step {steps[0]}" in done.stdout
     assert json.loads((run / "summary.json").read_text())["step"] == steps[0] + 2
@@ -89,7 +103,7 @@ def test_a_second_run_on_the_same_directory_fails_at_once_naming_the_holder(
         _wait_for_training(run, first)
         second = subprocess.run([sys.executable, "-m", "train.medusa1", "--data", str(data_file),
                                  "--output-dir", str(run), *FAST], cwd=ROOT, env=_env(),
-                                capture_output=True, text=True, timeout=120)
+                                capture_output=True, text=True, timeout=HANG)
         assert second.returncode == 1
         assert second.stderr.strip().splitlines()[-1].startswith("error: ")
         assert f"is in use by pid {first.pid}" in second.stderr
@@ -107,7 +121,7 @@ def test_a_second_run_on_the_same_directory_fails_at_once_naming_the_holder(
 def test_a_lock_left_by_a_killed_process_is_not_in_the_way(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from medusa_jax.runtime.rundir import RunLock; "
-        f"RunLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(60)")],
+        f"RunLock({str(tmp_path)!r}).acquire(); print('locked', flush=True); time.sleep(900)")],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "locked"
     with pytest.raises(RunDirBusy, match=f"in use by pid {holder.pid}"):
@@ -127,7 +141,7 @@ def test_a_run_that_fails_before_any_work_leaves_no_directory(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "train.medusa1", "--data", str(empty),
                            "--output-dir", str(run)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=HANG)
     assert proc.returncode == 1 and proc.stderr.startswith("error: ")
     assert not run.exists()
 
@@ -263,15 +277,17 @@ def test_a_signal_after_training_stops_at_once_with_130(tmp_path, data_file, mon
 HYDRA = ["--batch-size", "4", "--seq-len", "64", "--num-heads", "2", "--log-every", "1",
          "--eval-every", "100000", "--eval-prompts", "0", "--template", "plain",
          "--heldout-fraction", "0"]
-# train.hydra with Orbax's finalizing of every step from 10 on held for 120 s: a second
-# signal then always lands while that save's threads are running
-SLOW_SAVES = """
+# train.hydra with Orbax's finalizing of every step from 10 on held for SAVE_HELD seconds: a
+# second signal then always lands while that save's threads are running, and a process
+# that waited for them would take that long (an exit "at once" is bound far below it)
+SAVE_HELD, AT_ONCE = 600, 120
+SLOW_SAVES = f"""
 import asyncio, runpy, sys
 from orbax.checkpoint._src.path import atomicity
 finalize = atomicity.AtomicRenameTemporaryPath.finalize
 async def slow(self):
     if self._final_path.name.isdigit() and int(self._final_path.name) >= 10:
-        await asyncio.sleep(120)
+        await asyncio.sleep({SAVE_HELD})
     return await finalize(self)
 atomicity.AtomicRenameTemporaryPath.finalize = slow
 sys.argv[0] = "train.hydra"
@@ -285,18 +301,19 @@ def _two_sigints(proc):
     proc.send_signal(signal.SIGINT)
     t0 = time.time()
     try:
-        out, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=AT_ONCE)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        raise AssertionError(f"still running 30 s after the second SIGINT: {err[-2000:]}")
+        raise AssertionError(f"still running {AT_ONCE} s after the second SIGINT: "
+                             f"{err[-2000:]}")
     return out, err, time.time() - t0
 
 
 def _resume(run: Path, steps: int):
     done = subprocess.run([sys.executable, "-m", "train.hydra", "--resume", str(run),
                            "--steps", str(steps)], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=HANG)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads((run / "summary.json").read_text())["step"] == steps
     return done
@@ -312,16 +329,13 @@ def test_a_second_sigint_during_a_save_exits_130_at_once_and_the_run_resumes(
                              "--output-dir", str(run), "--steps", "200", "--save-every", "5",
                              *HYDRA], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    metrics, t0 = run / "metrics.jsonl", time.time()
+    metrics = run / "metrics.jsonl"
     # step 15 logged: the loop now waits for step 10's save before it saves step 15
-    while not ((ckpts / "5").is_dir() and metrics.is_file()
-               and '"step": 15,' in metrics.read_text()):
-        assert proc.poll() is None, proc.communicate()
-        assert time.time() - t0 < 120, "step 15 was never reached"
-        time.sleep(0.05)
+    _wait_until(lambda: (ckpts / "5").is_dir() and _logged(metrics, '"step": 15,'), proc,
+                "step 15")
     time.sleep(0.2)
     out, err, took = _two_sigints(proc)
-    assert proc.returncode == 130 and took < 10, (took, err[-2000:])
+    assert proc.returncode == 130 and took < AT_ONCE, (took, err[-2000:])
     assert err.strip().splitlines()[-1] == (
         f"stopped at once (second SIGINT); continue with --resume {run} (its last finished "
         f"checkpoint, if any, is intact)")
@@ -344,13 +358,10 @@ def test_two_sigints_50ms_apart_after_step_20_always_exit_130(tmp_path, data_fil
                                  "--output-dir", str(run), "--steps", "200", "--save-every",
                                  "50", *HYDRA], cwd=ROOT, env=_env(),
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        metrics, t0 = run / "metrics.jsonl", time.time()
-        while not (metrics.is_file() and '"step": 20,' in metrics.read_text()):
-            assert proc.poll() is None, proc.communicate()
-            assert time.time() - t0 < 120, "step 20 was never logged"
-            time.sleep(0.02)
+        _wait_until(lambda: _logged(run / "metrics.jsonl", '"step": 20,'), proc, "step 20",
+                    poll=0.02)
         out, err, took = _two_sigints(proc)
-        assert proc.returncode == 130 and took < 10, (attempt, took, err[-2000:])
+        assert proc.returncode == 130 and took < AT_ONCE, (attempt, took, err[-2000:])
         assert "stopped at once (second SIGINT)" in err.strip().splitlines()[-1]
         assert "Traceback" not in err and "cannot schedule" not in err, err[-2000:]
     # finished checkpoints (if the save of the step got done) or none: either resumes
