@@ -156,17 +156,17 @@ def test_typical_thresholds_are_refused_where_typical_acceptance_does_not_run(me
     typical = Engine(medusa, slots=2, max_context=CONTEXT, acceptance="typical")
     req = engine_mod.Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None,
                              temperature=0.7, delta=-1.0)
-    with pytest.raises(ValueError, match=r"^delta must be >= 0, got -1.0$"):
+    with pytest.raises(ValueError, match=r"^delta must be a finite number >= 0, got -1.0$"):
         typical.submit(req)
 
 
 def test_sampling_check_names_the_field_in_one_line():
     cases = [(dict(mode="beam"), "mode 'beam' is not one of greedy, typical, rejection"),
              (dict(mode="rejection", temperature=0.0), "temperature must be > 0"),
-             (dict(top_k=-1), "top_k must be an int >= 0"),
+             (dict(top_k=-1), "top_k must be an integer in 0..2147483647 (0: off)"),
              (dict(top_p=0.0), "top_p must be in (0, 1]"),
-             (dict(epsilon=-0.1), "epsilon must be >= 0"),
-             (dict(delta=-1.0), "delta must be >= 0")]
+             (dict(epsilon=-0.1), "epsilon must be a finite number >= 0"),
+             (dict(delta=-1.0), "delta must be a finite number >= 0")]
     for kw, msg in cases:
         with pytest.raises(ValueError) as err:
             sampling.check(**kw)
