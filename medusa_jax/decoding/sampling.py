@@ -209,12 +209,11 @@ class Rows:
                 raise ValueError(f"stop token ids must be integers in 0..{INT32_MAX}, got {t!r}")
         all_modes = ("greedy",) if all(m == "greedy" for m in modes) else MODES
         stop_ids = np.broadcast_to(np.asarray(stop or (-1,), np.int32), (b, max(1, len(stop))))
-        f32 = lambda f: jnp.asarray(vals[f].astype(np.float32))  # noqa: E731
+        as_ = lambda a, dtype: jnp.asarray(a.astype(dtype))  # noqa: E731
+        f32 = {f: as_(vals[f], np.float32) for f in ("temperature", "top_p", "epsilon", "delta")}
         return cls(mode=jnp.asarray([all_modes.index(m) for m in modes], jnp.int32),
-                   temperature=f32("temperature"), top_k=jnp.asarray(vals["top_k"].astype(np.int32)),
-                   top_p=f32("top_p"), epsilon=f32("epsilon"), delta=f32("delta"),
-                   max_tokens=jnp.asarray(limit.astype(np.int32)), stop=jnp.asarray(stop_ids),
-                   modes=all_modes)
+                   top_k=as_(vals["top_k"], np.int32), max_tokens=as_(limit, np.int32),
+                   stop=jnp.asarray(stop_ids), modes=all_modes, **f32)
 
     def log_probs(self, logits: jax.Array) -> jax.Array:
         """Each row's plain-sampling distribution: logits [B, ..., V] -> log-probs."""
