@@ -97,6 +97,22 @@ def test_one_program_for_every_temperature_filter_seed_and_limit(toy_lm, toy_med
 
 
 @pytest.mark.slow
+def test_a_row_limit_past_max_new_tokens_is_clipped_to_it(toy_lm, toy_medusa):
+    """The output holds max_new_tokens per row: a row's limit past it is clipped (a check
+    of the runtime values would need them on the host inside the jitted decoder)."""
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
+    params, heads = toy_medusa
+    tokens, lengths = pad_prompts([toy_lm.PROMPT] * 3)
+    key = jax.random.key(0)
+    rows = Rows.values(3, [1000, 16, 5])
+    plain = generate(params, CFG, tokens, lengths, key, max_new_tokens=16, rows=rows)
+    spec = medusa_generate(params, heads, CFG, tokens, lengths, key, tree=TREE,
+                           max_new_tokens=16, rows=rows)
+    for out in (plain, spec):  # no stop token in the toy's vocabulary
+        assert np.asarray(out.num_new).tolist() == [16, 16, 5]
+
+
+@pytest.mark.slow
 def test_greedy_rows_decode_as_the_static_greedy_decoder(toy_lm, toy_medusa):
     CFG, TREE = toy_lm.CFG, toy_lm.TREE
     params, heads = toy_medusa
