@@ -41,23 +41,23 @@ INT32_MAX = 2**31 - 1  # top_k, token limits and stop ids are int32 on the devic
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
-def _is_integer(x) -> bool:
+def is_integer(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def _is_number(x) -> bool:
-    return _is_integer(x) or isinstance(x, (float, np.floating))
+def is_number(x) -> bool:
+    return is_integer(x) or isinstance(x, (float, np.floating))
 
 
 def check_integer(name: str, x, low: int, note: str = "") -> None:
     """Raise a one-line ValueError unless `x` is an integer (not a bool, not a float) in
     low..INT32_MAX."""
-    if not (_is_integer(x) and low <= x <= INT32_MAX):
+    if not (is_integer(x) and low <= x <= INT32_MAX):
         raise ValueError(f"{name} must be an integer in {low}..{INT32_MAX}{note}, got {x!r}")
 
 
 def _check_number(name: str, x) -> None:
-    if not _is_number(x):
+    if not is_number(x):
         raise ValueError(f"{name} must be a number, got {x!r}")
 
 
@@ -205,7 +205,7 @@ class Rows:
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}" if b > 1 else str(e)) from None
         for t in stop:
-            if not (_is_integer(t) and 0 <= t <= INT32_MAX):
+            if not (is_integer(t) and 0 <= t <= INT32_MAX):
                 raise ValueError(f"stop token ids must be integers in 0..{INT32_MAX}, got {t!r}")
         all_modes = ("greedy",) if all(m == "greedy" for m in modes) else MODES
         stop_ids = np.broadcast_to(np.asarray(stop or (-1,), np.int32), (b, max(1, len(stop))))

@@ -88,6 +88,7 @@ class StubEngine:
         self.model = SimpleNamespace(tokenizer=self.tokenizer, eos=(2,),
                                      cfg=SimpleNamespace(vocab_size=ByteTokenizer.vocab_size))
         self.medusa, self.fed, self.drafter, self.tree = False, 0, None, None
+        self.eos, self.cfg, self.acceptance = self.model.eos, self.model.cfg, "rejection"
         self.slots, self.buckets, self.capacity = slots, (bucket,), capacity
         self.slot_buckets, self.prefill_batches = (1, slots), (1,)
         self.metrics = Metrics(self.slot_buckets, self.prefill_batches)
@@ -131,11 +132,10 @@ class StubEngine:
     def submit(self, req):
         from medusa_jax.serving.engine import QueueFull
 
+        from medusa_jax.serving.checks import check_request
+
+        check_request(self, req)  # Engine.submit's rules, on this plain engine
         self.check(len(req.prompt), req.max_tokens)
-        for name, value in (("typical_epsilon", req.epsilon), ("typical_delta", req.delta)):
-            if value is not None:  # Engine.submit's rule for a plain engine
-                raise ValueError(f"{name} applies to typical acceptance (infer.serve "
-                                 f"--acceptance typical); this server runs plain decoding")
         if self.stop_reason is not None:
             raise RuntimeError(f"the engine has stopped: {self.stop_reason}")
         if self.paused and len(self.waiting) >= self.max_queue:

@@ -438,6 +438,46 @@ def test_row_log_probs_match_the_static_rule():
         np.testing.assert_allclose(np.exp(got[i]), np.exp(want), atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["admission", "tokens"])
+def test_a_request_that_raises_in_the_engine_fails_alone(medusa_engine, prompts, reference,
+                                                         monkeypatch, where):
+    """An exception attributable to one request (its row at admission, or the bookkeeping
+    of its tokens after a step) ends that request with an error; the requests batched
+    beside it and later ones get their offline tokens, and the engine runs on."""
+    BAD = 666  # the failing request's seed (greedy: the seed changes nothing else)
+    if where == "admission":
+        rows = medusa_engine.request_rows
+
+        def request_rows(req):
+            if req.seed == BAD:
+                raise OverflowError("injected: a row the engine cannot build")
+            return rows(req)
+
+        monkeypatch.setattr(medusa_engine, "request_rows", request_rows)
+    else:
+        deliver = medusa_engine._deliver
+
+        def _deliver(req, tokens):
+            if req.seed == BAD and req.emitted >= 3:
+                raise OverflowError("injected: tokens the engine cannot hand out")
+            return deliver(req, tokens)
+
+        monkeypatch.setattr(medusa_engine, "_deliver", _deliver)
+    subs = [_submit(medusa_engine, p, NEW, seed=BAD if i == 1 else None)
+            for i, p in enumerate(prompts[:4])]
+    for i, (_, out, done, reason) in enumerate(subs):
+        assert done.wait(300), f"request {i} never finished"
+        if i == 1:
+            assert "injected" in reason[0] and "\n" not in reason[0], reason
+        else:
+            assert reason == ["length"] and out == reference[i], (i, reason)
+    assert medusa_engine.stop_reason is None
+    monkeypatch.undo()
+    assert generate_offline(medusa_engine, prompts[4:8], NEW) == reference[4:8]
+    assert medusa_engine.slots_in_use() == 0
+
+
 def test_limits_are_checked_before_queueing(model):
     e = Engine(model, slots=2, max_context=CONTEXT, max_queue=1)  # not started: nothing runs
     with pytest.raises(ValueError, match="exceeds the context of 128"):
@@ -449,6 +489,34 @@ def test_limits_are_checked_before_queueing(model):
         e.submit(r)
     with pytest.raises(QueueFull, match="queue is full"):
         e.submit(reqs[3])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_k=2**31), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), "
+                        r"got 2147483648$"),
+    (dict(top_k=3.0), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), got 3\.0$"),
+    (dict(max_tokens=2.5), r"^max_tokens must be an integer in 1\.\.2147483647, got 2\.5$"),
+    (dict(max_tokens=True), r"^max_tokens must be an integer in 1\.\.2147483647, got True$"),
+    (dict(max_tokens=2**31), r"^max_tokens must be an integer in 1\.\.2147483647"),
+    (dict(temperature="0.7"), r"^temperature must be a number, got '0\.7'$"),
+    (dict(temperature=0.7, top_p="1"), r"^top_p must be a number, got '1'$"),
+    (dict(seed=2**64), r"^seed must be a 64-bit integer or None, got 18446744073709551616$"),
+    (dict(seed=1.5), r"^seed must be a 64-bit integer or None, got 1\.5$"),
+    (dict(stop_ids=(2**40,)), r"^stop_ids\[0\] = 1099511627776 is not a token id of this "
+                              r"model \(0\.\.\d+\)$"),
+    (dict(prompt=[1, 2**31]), r"^prompt\[1\] = 2147483648 is not a token id of this model"),
+    (dict(prompt=[1, -1]), r"^prompt\[1\] = -1 is not a token id of this model"),
+    (dict(prompt=[1, 2.0]), r"^prompt\[1\] = 2\.0 is not a token id of this model"),
+    (dict(prompt=(1, 2)), r"^prompt must be a list of token ids, got tuple$"),
+])
+def test_what_the_engine_cannot_hold_is_refused_before_queueing(model, kw, message):
+    """`Engine.submit` (any caller, not only the server): a value its int32 / float32 rows
+    would wrap or truncate, or a token id outside the vocabulary, in one line naming it."""
+    e = Engine(model, slots=2, max_context=CONTEXT)  # not started: nothing runs
+    req = Request(**dict(dict(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None), **kw))
+    with pytest.raises(ValueError, match=message):
+        e.submit(req)
+    assert e.queue_depth() == 0
 
 
 def test_unknown_acceptance_is_refused_in_one_line(model):
