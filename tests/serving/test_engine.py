@@ -441,41 +441,37 @@ def test_row_log_probs_match_the_static_rule():
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["admission", "tokens"])
 def test_a_request_that_raises_in_the_engine_fails_alone(medusa_engine, prompts, reference,
-                                                         monkeypatch, where):
+                                                         where):
     """An exception attributable to one request (its row at admission, or the bookkeeping
     of its tokens after a step) ends that request with an error; the requests batched
-    beside it and later ones get their offline tokens, and the engine runs on."""
-    BAD = 666  # the failing request's seed (greedy: the seed changes nothing else)
-    if where == "admission":
-        rows = medusa_engine.request_rows
+    beside it and later ones get their offline tokens, and the engine runs on. The failing
+    request is changed after `submit` checked it, as a caller could (the engine thread
+    reads it later)."""
+    e = medusa_engine
+    bad_out, bad_done, bad_reason = [], threading.Event(), []
 
-        def request_rows(req):
-            if req.seed == BAD:
-                raise OverflowError("injected: a row the engine cannot build")
-            return rows(req)
+    def on_event(tokens, finish, error):
+        bad_out.extend(tokens)
+        if where == "tokens" and len(bad_out) >= 3:
+            bad.stop_ids = ([0],)  # unhashable: its next hand-out raises
+        if finish is not None:
+            bad_reason.append(error or finish)
+            bad_done.set()
 
-        monkeypatch.setattr(medusa_engine, "request_rows", request_rows)
-    else:
-        deliver = medusa_engine._deliver
-
-        def _deliver(req, tokens):
-            if req.seed == BAD and req.emitted >= 3:
-                raise OverflowError("injected: tokens the engine cannot hand out")
-            return deliver(req, tokens)
-
-        monkeypatch.setattr(medusa_engine, "_deliver", _deliver)
-    subs = [_submit(medusa_engine, p, NEW, seed=BAD if i == 1 else None)
-            for i, p in enumerate(prompts[:4])]
-    for i, (_, out, done, reason) in enumerate(subs):
-        assert done.wait(300), f"request {i} never finished"
-        if i == 1:
-            assert "injected" in reason[0] and "\n" not in reason[0], reason
-        else:
-            assert reason == ["length"] and out == reference[i], (i, reason)
-    assert medusa_engine.stop_reason is None
-    monkeypatch.undo()
-    assert generate_offline(medusa_engine, prompts[4:8], NEW) == reference[4:8]
-    assert medusa_engine.slots_in_use() == 0
+    bad = Request(prompt=list(prompts[1]), max_tokens=NEW, on_event=on_event)
+    with e.scheduler.lock:  # admitted together, in one prefill
+        subs = [_submit(e, p, NEW) for p in (prompts[0], prompts[2], prompts[3])]
+        e.submit(bad)
+        if where == "admission":
+            bad.top_k, bad.temperature = 2**31, 0.7  # an int32 row cannot hold it
+    assert bad_done.wait(300) and "the engine could not run this request" in bad_reason[0]
+    assert "\n" not in bad_reason[0]
+    for (_, out, done, reason), ref in zip(subs, (reference[0], reference[2], reference[3])):
+        assert done.wait(300)
+        assert reason == ["length"] and out == ref
+    assert e.stop_reason is None
+    assert generate_offline(e, prompts[4:8], NEW) == reference[4:8]
+    assert e.slots_in_use() == 0
 
 
 def test_limits_are_checked_before_queueing(model):

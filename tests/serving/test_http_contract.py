@@ -352,6 +352,24 @@ async def test_a_loopback_server_answers_only_to_its_own_names(stub_engine):
             assert (await c.get("/health", headers={"host": host})).status_code == 200, host
 
 
+@pytest.mark.parametrize("bound", ["::ffff:127.0.0.1", "::ffff:7f00:1", "::ffff:127.0.0.2",
+                                   "::1", "127.0.0.5", "0:0:0:0:0:0:0:1"])
+async def test_every_spelling_of_a_loopback_address_is_guarded(stub_engine, bound):
+    """An IPv4-mapped loopback address (which Python's `is_loopback` does not know) is
+    loopback too: the Host check is on, and the address itself is one of the names."""
+    hosts = loopback_hosts(bound)
+    assert hosts is not None and (f"[{bound}]" if ":" in bound else bound) in hosts
+    async with serve(stub_engine, allowed_hosts=hosts) as c:
+        r = await c.get("/health", headers={"host": "evil.example.com"})
+        error(r, 403, None, "invalid_host")
+        assert (await c.get("/health", headers={"host": "localhost:8000"})).status_code == 200
+
+
+def test_other_addresses_have_no_host_check():
+    for bound in ("0.0.0.0", "::", "192.168.1.7", "::ffff:192.168.1.7", "example.com"):
+        assert loopback_hosts(bound) is None, bound
+
+
 async def test_unknown_models_and_paths_are_404(stub_engine):
     async with serve(stub_engine) as c:
         r = await c.post("/v1/completions", json=completion(model="gpt-9"))
@@ -428,6 +446,21 @@ async def test_a_stopped_engine_ends_requests_with_503_and_an_error_chunk(stub_e
         assert "stopped" in error(r, 503, None, None)["message"]
         r = await c.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "stopped"})
+
+
+async def test_a_request_that_fails_in_the_engine_gets_500_and_the_rest_go_on(stub_engine):
+    """The engine ends one request with an error and runs on (`Engine` fails a request
+    alone): that request gets a 500 (or an error chunk), the next is answered and /health
+    stays ok."""
+    stub_engine.failing_seeds = {666}
+    async with serve(stub_engine) as c:
+        err = error(await c.post("/v1/completions", json=completion(seed=666)), 500, None, None)
+        assert err["type"] == "server_error" and "OverflowError" in err["message"]
+        ev = events(await c.post("/v1/completions", json=completion(seed=666, stream=True)))
+        assert ev[-1] == "[DONE]" and "OverflowError" in ev[-2]["error"]["message"]
+        r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fghi"
+        assert (await c.get("/health")).json()["status"] == "ok"
 
 
 # ----------------------------------------------------------------------------- answers

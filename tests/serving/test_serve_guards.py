@@ -193,6 +193,33 @@ def test_an_api_key_is_required_on_v1_only(server, client):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+def test_a_number_past_the_engine_stops_nobody(server, client):
+    """A top_k of 2**31 (once an OverflowError in the engine thread, which stopped the engine
+    for every client) and the other numeric fields past int32: a 400 naming the field; the
+    next request is answered and /health stays ok."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    once = dict(model=MODEL, prompt="Once", max_tokens=4)
+    for path, body, param in [
+            ("/v1/completions", dict(once, top_k=2**31, temperature=0.7), "top_k"),
+            ("/v1/chat/completions", dict(chat, top_k=2**31), "top_k"),
+            ("/v1/completions", dict(once, top_k=2**63 + 1), "top_k"),
+            ("/v1/completions", dict(once, max_tokens=2**32 + 3), "max_tokens"),
+            ("/v1/chat/completions", dict(chat, max_completion_tokens=2**31),
+             "max_completion_tokens"),
+            ("/v1/completions", dict(once, stop_token_ids=[2**40]), "stop_token_ids"),
+            ("/v1/completions", dict(once, top_k=1.5), "top_k")]:
+        r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+    r = _complete(client, extra_body={"top_k": 2**31 - 1})  # the largest: keeps every token
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert _complete(client).usage.completion_tokens == 4
+    assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_loopback_server_answers_only_to_its_own_names(server):
     """DNS rebinding: a page on another site that resolves its name to 127.0.0.1 sends
     that name as Host."""

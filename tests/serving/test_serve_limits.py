@@ -430,20 +430,43 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--prefill-batch", "0"], "--prefill-batch: must be >= 1, got 0"),
     (["--overlap-ms", "-2"], "--overlap-ms: must be a finite number >= 0, got -2"),
     (["--port", "TAKEN"], "cannot listen there"),
+    (["--api-key", " abc"], "--api-key has spaces around it (' abc'): a client's key is read "
+                            "without them"),
+    (["--api-key", ""], "--api-key is empty: give a key, or leave it out for no key"),
+    (["--api-key", "  "], "--api-key is empty"),
+    (["--api-key", "k\u00e9y"], "--api-key must be printable ASCII characters"),
+    (["--ngram-shared-size", "1024"], "--ngram-shared-size sets the shared n-gram pool's size: "
+                                      "use it with --ngram-shared"),
+    (["ENV", "  "], "$MEDUSA_JAX_API_KEY is empty: give a key, or leave it out for no key"),
+    (["ENV", ""], "$MEDUSA_JAX_API_KEY is empty"),
+    (["ENV", "abc "], "$MEDUSA_JAX_API_KEY has spaces around it ('abc ')"),
 ])
 def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
+    """ENV VALUE: $MEDUSA_JAX_API_KEY=VALUE, under the same rule as --api-key's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MEDUSA_JAX_API_KEY", None)
+    if flags[0] == "ENV":
+        env["MEDUSA_JAX_API_KEY"], flags = flags[1], []
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         flags = [str(taken.getsockname()[1]) if f == "TAKEN" else f for f in flags]
-        t = time.time()
         r = subprocess.run([sys.executable, "-m", "infer.serve", "--heads", "default", *flags],
-                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                           capture_output=True, text=True, timeout=60)
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()[-1]) > 10
-    assert time.time() - t < 5  # no model loaded, nothing compiled
+    last = r.stderr.strip().splitlines()[-1]
+    assert len(last) > 10 and message in last
+    assert "loaded" not in r.stderr  # before any work: no model loaded, nothing compiled
+
+
+def test_urls_bracket_ipv6_hosts():
+    from infer.serve import http_url
+
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+    assert http_url("::ffff:127.0.0.1", 80) == "http://[::ffff:127.0.0.1]:80"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert http_url("localhost", 1) == "http://localhost:1"
 
 
 @pytest.mark.slow
