@@ -112,8 +112,8 @@ class StubEngine:
     Requests are answered at once when submitted; after `pause()` they wait (up to
     `max_queue`, then QueueFull) until `resume()`. `stop()` ends them with an error event
     and refuses new ones, as `Engine.stop` does. A request whose seed is in `failing_seeds`
-    ends with an error, as one does that fails in the engine (which runs on). `submitted` holds every Request queued
-    (the sampling values the server passed)."""
+    ends with an error, as one does that fails in the engine (which runs on). `submitted`
+    holds every Request queued (the sampling values the server passed)."""
 
     ANSWER_LEN = 20
 
