@@ -10,12 +10,12 @@ import pytest
 STALL_S = 600.0  # a wait fails only after this long without any progress
 
 
-def wait_progressing(done, progress, what: str, stall: float = STALL_S):
+def wait_progressing(done, progress, what: str, stall: float = STALL_S, poll: float = 0.02):
     """Wait until `done` (a callable, or a threading.Event) holds, for as long as
     `progress` changes: a callable (programs compiled, tokens handed out, lines logged) or
     an engine (its compiled programs, prefills and step tokens). A loaded machine makes the
     wait longer, not a failure; only `stall` seconds without any change fail it, naming
-    `what`."""
+    `what`. `poll`: seconds between looks (more for a look over HTTP)."""
     if isinstance(done, threading.Event):
         done = done.is_set
     if hasattr(progress, "status"):
@@ -27,7 +27,7 @@ def wait_progressing(done, progress, what: str, stall: float = STALL_S):
 
     last, since = progress(), time.monotonic()
     while not done():
-        time.sleep(0.02)
+        time.sleep(poll)
         now = progress()
         if now != last:
             last, since = now, time.monotonic()

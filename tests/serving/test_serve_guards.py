@@ -59,17 +59,23 @@ class Launched:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, predicate, what: str, timeout: float = 60):
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.proc.poll() is None:
-            if predicate():
-                return
-            time.sleep(0.1)
-        pytest.fail(f"{what}; the server said:\n" + "\n".join(self.lines))
+    def wait_for(self, predicate, what: str, patient):
+        """Until `predicate()`, for as long as the server logs lines or /health's compiled
+        programs go up (`patient`: a loaded machine only makes it slower)."""
+        def compiled():
+            try:
+                return httpx.get(self.url + "/health", timeout=10).json().get("compiled")
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        patient(lambda: self.proc.poll() is not None or predicate(),
+                lambda: (len(self.lines), compiled()), what, poll=0.1)
+        if self.proc.poll() is not None or not predicate():
+            pytest.fail(f"{what}; the server said:\n" + "\n".join(self.lines))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, patient):
     from medusa_jax.runtime import assets
 
     folder = tmp_path_factory.mktemp("long") / MODEL
@@ -85,7 +91,7 @@ def server(tmp_path_factory):
         except httpx.HTTPError:
             return False
 
-    s.wait_for(ok, "/health never answered 200", timeout=120)
+    s.wait_for(ok, "/health never answered 200", patient)
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
@@ -252,7 +258,7 @@ def test_bodies_must_be_declared_json(server):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_client_leaving_mid_upload_logs_one_line(server):
+def test_a_client_leaving_mid_upload_logs_one_line(server, patient):
     before = len(server.lines)
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/"
             b"json\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n"
@@ -265,7 +271,8 @@ def test_a_client_leaving_mid_upload_logs_one_line(server):
     def lines_of(port):
         return [x for x in server.lines[before:] if f"127.0.0.1:{port}:" in x]
 
-    server.wait_for(lambda: all(lines_of(p) for p in ports), "no line for a client that left")
+    server.wait_for(lambda: all(lines_of(p) for p in ports), "no line for a client that left",
+                    patient)
     time.sleep(0.5)  # anything else it would log about them
     assert all(len(lines_of(p)) == 1 and "read whole" in lines_of(p)[0] for p in ports)
     new = server.lines[before:]
