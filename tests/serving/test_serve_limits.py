@@ -231,8 +231,8 @@ def _refusal(url, endpoint: str, extra: dict, param) -> str:
     ("completions", dict(presence_penalty=0.5), "presence_penalty", "not supported"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "not supported"),
-    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, "
-                                                         "got true"),
+    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer in "
+                                                         "1..2147483647, got true"),
     ("chat", dict(messages=[{"role": "user", "content": 5}]), "messages[0].content",
      "messages[0].content must be a string or a list of text parts"),
     ("completions", dict(temperature=0.7, typical_delta=0.5), None,  # the real engine's rule
