@@ -34,6 +34,9 @@ def check_request(engine, req) -> None:
     check_integer("max_tokens", req.max_tokens, 1)
     if not sampling.is_number(req.temperature):
         raise ValueError(f"temperature must be a number, got {req.temperature!r}")
+    if not 0 <= req.temperature <= sampling.FLOAT32_MAX:  # NaN would pass as greedy
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), "
+                         f"got {req.temperature}")
     if req.seed is not None and not (sampling.is_integer(req.seed)
                                      and SEED_RANGE[0] <= req.seed < SEED_RANGE[1]):
         raise ValueError(f"seed must be a 64-bit integer or None, got {req.seed!r}")

@@ -499,6 +499,9 @@ def test_limits_are_checked_before_queueing(model):
     (dict(max_tokens=True), r"^max_tokens must be an integer in 1\.\.2147483647, got True$"),
     (dict(max_tokens=2**31), r"^max_tokens must be an integer in 1\.\.2147483647"),
     (dict(temperature="0.7"), r"^temperature must be a number, got '0\.7'$"),
+    (dict(temperature=float("nan")), r"^temperature must be a finite number >= 0 \(0: greedy\), "
+                                     r"got nan$"),
+    (dict(temperature=-1.0), r"^temperature must be a finite number >= 0"),
     (dict(temperature=0.7, top_p="1"), r"^top_p must be a number, got '1'$"),
     (dict(seed=2**64), r"^seed must be a 64-bit integer or None, got 18446744073709551616$"),
     (dict(seed=1.5), r"^seed must be a 64-bit integer or None, got 1\.5$"),
