@@ -18,7 +18,7 @@ SEED_RANGE = (-2**63, 2**64)  # a request's PRNG stream takes 64 bits of its see
 def _token_ids(name: str, ids, vocab: int):
     for j, t in enumerate(ids):
         if not (sampling.is_integer(t) and 0 <= t < vocab):
-            raise ValueError(f"{name}[{j}] = {t!r} is not a token id of this model "
+            raise ValueError(f"{name}[{j}] = {repr(t)[:40]} is not a token id of this model "
                              f"(0..{vocab - 1})")
 
 
