@@ -50,6 +50,7 @@ from medusa_jax.serving.config import (
     DEFAULT_MAX_CONTEXT,
     EngineConfig,
     ServerConfig,
+    check_api_key,
 )
 
 MAX_CONNECTIONS = 1024
@@ -96,6 +97,11 @@ def _descriptor_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
+def http_url(host: str, port: int) -> str:
+    """The server's URL: an IPv6 address in brackets (http://[::1]:8000), as URLs write it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def engine_config(args) -> EngineConfig:
     """The engine's options from the flags (ValueError names a bad value)."""
     return options.config_from_flags(EngineConfig, args)
@@ -114,6 +120,9 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
     except ValueError as e:
         ap.error(str(e))
     cli.check_ngram_flags(ap, args)
+    if args.ngram_shared_size is not None and not args.engine.ngram_shared:
+        ap.error("--ngram-shared-size sets the shared n-gram pool's size: use it with "
+                 "--ngram-shared")
     if args.engine.ngram_shared and not args.heads:
         ap.error("--ngram-shared needs a drafter that keeps a pool (--heads ngram); plain "
                  "decoding drafts nothing")
@@ -148,8 +157,12 @@ def check_args(ap: argparse.ArgumentParser, args) -> socket.socket:
         ap.error(f"--max-connections {srv.max_connections} leaves too few of the process's "
                  f"{soft} file descriptors (ulimit -n) for the model and the server: at most "
                  f"{max(1, soft - 64)}")
-    if srv.api_key is None:
-        srv = dataclasses.replace(srv, api_key=os.environ.get(API_KEY_ENV) or None)
+    if srv.api_key is None and API_KEY_ENV in os.environ:  # the same rule as --api-key's
+        try:
+            check_api_key(os.environ[API_KEY_ENV], f"${API_KEY_ENV}")
+        except ValueError as e:
+            ap.error(str(e))
+        srv = dataclasses.replace(srv, api_key=os.environ[API_KEY_ENV])
     args.server = srv
     try:
         infos = socket.getaddrinfo(srv.host, srv.port, type=socket.SOCK_STREAM,
@@ -234,7 +247,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
     if srv.warmup == "all":
         engine.start("all")
-        log(f"serving {name} on http://{srv.host}:{port}; compiled in "
+        log(f"serving {name} on {http_url(srv.host, port)}; compiled in "
             f"{engine.compile_seconds:.1f} s")
 
     class Server(uvicorn.Server):
@@ -245,7 +258,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
 
                 engine.start(srv.warmup)
                 threading.Thread(target=ready_note, daemon=True).start()
-                log(f"serving {name} on http://{srv.host}:{port} (/health says 'starting' "
+                log(f"serving {name} on {http_url(srv.host, port)} (/health says 'starting' "
                     f"until the first programs are compiled)")
 
         drain_until = None

@@ -88,7 +88,9 @@ def _rows(sampling: Sampling, rows: Rows | None, b: int, max_new_tokens: int,
         return Rows.of(sampling, b, max_new_tokens, eos)
     if rows.mode.shape != (b,):
         raise ValueError(f"rows hold {rows.mode.shape[0]} rows for a batch of {b} prompts")
-    return rows
+    # the output and the cache hold max_new_tokens per row: a larger limit is clipped to it
+    # (the limits are runtime values, so a refusal would need them on the host in the jit)
+    return rows.replace(max_tokens=jnp.minimum(rows.max_tokens, max_new_tokens))
 
 
 def check_fits(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_tokens: int = 1):
@@ -218,8 +220,9 @@ def generate(params: Params, cfg: ModelConfig, tokens: jax.Array, lengths: jax.A
              rows: Rows | None = None) -> Output:
     """Plain autoregressive decoding. tokens [B, P] right-padded, lengths [B].
     `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`).
-    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit (at most
-    `max_new_tokens`) as runtime values, in place of `sampling` and `eos`."""
+    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit as runtime
+    values, in place of `sampling` and `eos`; a limit past `max_new_tokens` is clipped to
+    it."""
     b, p = tokens.shape
     state = plain_init(params, cfg, tokens, lengths, key, sampling, max_new_tokens, eos, rows)
     run = Run(state=state, out=jnp.zeros((b, max_new_tokens + 1), jnp.int32))
@@ -267,8 +270,9 @@ def medusa_generate(params: Params, heads: Params, cfg: ModelConfig, tokens: jax
                     rows: Rows | None = None) -> Output:
     """Medusa decoding with tree verification. tokens [B, P] right-padded, lengths [B].
     `max_cache_phases`: 1 attends over the whole cache at every step (`cache_phases`).
-    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit (at most
-    `max_new_tokens`) as runtime values, in place of `sampling` and `eos`.
+    `rows` (`Rows.values`): each row's sampling, stop tokens and token limit as runtime
+    values, in place of `sampling` and `eos`; a limit past `max_new_tokens` is clipped to
+    it.
 
     `heads`: Medusa heads or Hydra heads (`drafters/`); the drafter is chosen from
     them (`drafter_for`). `head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]` turns

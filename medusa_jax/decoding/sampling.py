@@ -37,23 +37,49 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, jnp.arange(n, dtype=jnp.int32), n - 1), axis=-1)
 
 
+INT32_MAX = 2**31 - 1  # top_k, token limits and stop ids are int32 on the device
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def is_integer(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_number(x) -> bool:
+    return is_integer(x) or isinstance(x, (float, np.floating))
+
+
+def check_integer(name: str, x, low: int, note: str = "") -> None:
+    """Raise a one-line ValueError unless `x` is an integer (not a bool, not a float) in
+    low..INT32_MAX."""
+    if not (is_integer(x) and low <= x <= INT32_MAX):
+        raise ValueError(f"{name} must be an integer in {low}..{INT32_MAX}{note}, got {x!r}")
+
+
+def _check_number(name: str, x) -> None:
+    if not is_number(x):
+        raise ValueError(f"{name} must be a number, got {x!r}")
+
+
 def check(mode: str = "greedy", temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           epsilon: float = 0.09, delta: float = 0.3) -> None:
-    """Raise a one-line ValueError naming the first field out of range."""
+    """Raise a one-line ValueError naming the first field out of range, or of a type the
+    device's int32 / float32 rows would wrap, truncate or misread."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    for name, x in (("temperature", temperature), ("top_p", top_p), ("epsilon", epsilon),
+                    ("delta", delta)):
+        _check_number(name, x)
     if mode != "greedy" and not temperature > 0:
         raise ValueError(f"temperature must be > 0 for mode {mode!r}, got {temperature}")
-    if not np.isfinite(temperature):
+    if not abs(temperature) <= FLOAT32_MAX:
         raise ValueError(f"temperature must be a finite number, got {temperature}")
-    if not (isinstance(top_k, (int, np.integer)) and top_k >= 0):
-        raise ValueError(f"top_k must be an int >= 0 (0: off), got {top_k!r}")
+    check_integer("top_k", top_k, 0, " (0: off)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not epsilon >= 0:
-        raise ValueError(f"epsilon must be >= 0, got {epsilon}")
-    if not delta >= 0:
-        raise ValueError(f"delta must be >= 0, got {delta}")
+    for name, x in (("epsilon", epsilon), ("delta", delta)):
+        if not 0 <= x <= FLOAT32_MAX:
+            raise ValueError(f"{name} must be a finite number >= 0, got {x}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,38 +185,35 @@ class Rows:
         is compiled) and every mode otherwise (moving between typical and rejection
         compiles nothing either). Each value is a scalar or a length-b sequence (per row),
         checked as `check` checks one `Sampling`; a wrong length names the field."""
-        def per_row(name, x, dtype):
-            a = np.asarray(x)
+        def per_row(name, x):
+            # Python values (object): checked before any conversion could wrap or truncate
+            a = np.asarray(x, dtype=object)
             if a.ndim > 1 or (a.ndim == 1 and a.shape[0] != b):
                 raise ValueError(f"{name} has {a.shape[0] if a.ndim == 1 else a.shape} "
                                  f"values for {b} rows: give one, or one per row")
-            return np.broadcast_to(a, (b,)).astype(dtype)
+            return np.broadcast_to(a, (b,))
 
-        modes = per_row("mode", mode, object)
-        vals = dict(temperature=per_row("temperature", temperature, np.float32),
-                    top_k=per_row("top_k", top_k, np.int64),
-                    top_p=per_row("top_p", top_p, np.float32),
-                    epsilon=per_row("epsilon", epsilon, np.float32),
-                    delta=per_row("delta", delta, np.float32))
-        limit = per_row("max_tokens", max_tokens, np.int64)
+        modes = per_row("mode", mode)
+        vals = dict(temperature=per_row("temperature", temperature), top_k=per_row("top_k", top_k),
+                    top_p=per_row("top_p", top_p), epsilon=per_row("epsilon", epsilon),
+                    delta=per_row("delta", delta))
+        limit = per_row("max_tokens", max_tokens)
         for i in range(b):
             try:
-                check(str(modes[i]), float(vals["temperature"][i]), int(vals["top_k"][i]),
-                      float(vals["top_p"][i]), float(vals["epsilon"][i]),
-                      float(vals["delta"][i]))
+                check(str(modes[i]), *(vals[f][i] for f in vals))
+                check_integer("max_tokens", limit[i], 1)
             except ValueError as e:
                 raise ValueError(f"row {i}: {e}" if b > 1 else str(e)) from None
-            if limit[i] < 1:
-                raise ValueError(f"row {i}: max_tokens must be >= 1, got {int(limit[i])}")
+        for t in stop:
+            if not (is_integer(t) and 0 <= t <= INT32_MAX):
+                raise ValueError(f"stop token ids must be integers in 0..{INT32_MAX}, got {t!r}")
         all_modes = ("greedy",) if all(m == "greedy" for m in modes) else MODES
         stop_ids = np.broadcast_to(np.asarray(stop or (-1,), np.int32), (b, max(1, len(stop))))
+        as_ = lambda a, dtype: jnp.asarray(a.astype(dtype))  # noqa: E731
+        f32 = {f: as_(vals[f], np.float32) for f in ("temperature", "top_p", "epsilon", "delta")}
         return cls(mode=jnp.asarray([all_modes.index(m) for m in modes], jnp.int32),
-                   temperature=jnp.asarray(vals["temperature"]),
-                   top_k=jnp.asarray(vals["top_k"], jnp.int32),
-                   top_p=jnp.asarray(vals["top_p"]), epsilon=jnp.asarray(vals["epsilon"]),
-                   delta=jnp.asarray(vals["delta"]),
-                   max_tokens=jnp.asarray(limit, jnp.int32), stop=jnp.asarray(stop_ids),
-                   modes=all_modes)
+                   top_k=as_(vals["top_k"], np.int32), max_tokens=as_(limit, np.int32),
+                   stop=jnp.asarray(stop_ids), modes=all_modes, **f32)
 
     def log_probs(self, logits: jax.Array) -> jax.Array:
         """Each row's plain-sampling distribution: logits [B, ..., V] -> log-probs."""

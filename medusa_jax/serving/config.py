@@ -188,6 +188,20 @@ def seconds(text: str) -> float:
     return value
 
 
+def check_api_key(key: str, name: str) -> None:
+    """Raise a one-line ValueError naming `name` (the flag or the variable) unless `key` is
+    a key a client can send: not empty, no spaces around it (a client's Bearer token is
+    read without them, so such a key would lock everyone out), printable ASCII."""
+    if not key.strip():
+        raise ValueError(f"{name} is empty: give a key, or leave it out for no key")
+    if key != key.strip():
+        raise ValueError(f"{name} has spaces around it ({key!r}): a client's key is read "
+                         f"without them, so nobody could match it")
+    if not (key.isascii() and key.isprintable()):
+        raise ValueError(f"{name} must be printable ASCII characters (it is sent in an HTTP "
+                         f"header), got {key!r}")
+
+
 def model_name(text: str) -> str:
     """argparse type: a served model name (not blank)."""
     if not text.strip():
@@ -236,5 +250,5 @@ class ServerConfig:
             raise ValueError(f"warmup must be one of {', '.join(WARMUPS)}, "
                              f"got {self.warmup!r}")
         check_dtype(self.dtype)
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("--api-key must not be empty")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")

@@ -29,12 +29,12 @@ from typing import Callable
 import jax
 import numpy as np
 
-from medusa_jax.decoding import sampling
 from medusa_jax.decoding.decode import MIN_BUCKET
 from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.step import follows_plain_steps, rebuilds_from_tokens, static_tree
 from medusa_jax.drafters import registry
+from medusa_jax.serving.checks import check_fits, check_request
 from medusa_jax.serving.config import ACCEPTANCE, MAX_STOP, WARMUPS, EngineConfig
 from medusa_jax.serving.layout import Layout
 from medusa_jax.serving.layout import auto_plain_above as _auto_plain_above
@@ -218,21 +218,9 @@ class Engine:
     # --- requests
 
     def check(self, prompt_len: int, max_tokens: int):
-        """Raise ValueError when a request cannot fit a slot."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if prompt_len < 1:
-            raise ValueError("the prompt is empty")
-        if prompt_len > self.buckets[-1]:
-            raise ValueError(f"the prompt ({prompt_len} tokens) is longer than the longest "
-                             f"prompt this server prefills ({self.buckets[-1]} tokens)")
-        tree = self.fed if self.medusa else 0
-        need = prompt_len + max_tokens + tree
-        if need > self.capacity:
-            extra = f" + tree ({tree} tokens)" if tree else ""
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}){extra} "
-                             f"= {need} exceeds the context of {self.capacity} tokens; "
-                             f"shorten the prompt or lower max_tokens")
+        """Raise ValueError when a request cannot fit a slot (`checks.check_fits`)."""
+        check_fits(prompt_len, max_tokens, longest_prompt=self.buckets[-1],
+                   capacity=self.capacity, tree=self.fed if self.medusa else 0)
 
     def sampling_rows(self, temperature=0.0, top_k=0, top_p=1.0, max_tokens=1, stop=(),
                       epsilon=None, delta=None) -> Rows:
@@ -339,23 +327,9 @@ class Engine:
         return self
 
     def submit(self, req: Request) -> Request:
-        """Queue a request (checked first: ValueError; QueueFull past the bound)."""
+        """Queue a request (checked first, `checks`: ValueError; QueueFull past the bound)."""
+        check_request(self, req)
         self.check(len(req.prompt), req.max_tokens)
-        sampled = req.temperature > 0
-        given = {"typical_epsilon": req.epsilon, "typical_delta": req.delta}
-        for name, value in given.items():
-            if value is not None and not (self.medusa and self.acceptance == "typical"):
-                how = ("plain decoding" if not self.medusa
-                       else f"{self.acceptance} acceptance")
-                raise ValueError(f"{name} applies to typical acceptance (infer.serve "
-                                 f"--acceptance typical); this server runs {how}")
-        d = Sampling()
-        sampling.check(self.acceptance if sampled else "greedy",
-                       req.temperature if sampled else 1.0, req.top_k, req.top_p,
-                       d.epsilon if req.epsilon is None else req.epsilon,
-                       d.delta if req.delta is None else req.delta)
-        if len(set(self.eos) | set(req.stop_ids)) > MAX_STOP:
-            raise ValueError(f"at most {MAX_STOP - len(self.eos)} stop token ids")
         sched = self.scheduler
         with sched.lock:
             if self._stop_reason is not None:
@@ -401,12 +375,38 @@ class Engine:
             req.finished = True
             self._unfinished -= 1
         if self.pool is not None and reason in ("stop", "length"):
-            # host-side; the device gets the table before the next call (`_loop`)
-            self.metrics.pooled(ngrams=self.pool.add_request(req.prompt, req.tokens))
+            try:  # host-side; the device gets the table before the next call (`_loop`)
+                self.metrics.pooled(ngrams=self.pool.add_request(req.prompt, req.tokens))
+            except Exception as e:  # noqa: BLE001 - the pool misses this request, no more
+                self._fail(req, e)
         try:
             req.on_event(list(tokens), reason, error)
         except Exception:  # a callback must not stop the engine
             pass
+
+    def _fail(self, req: Request, e: Exception):
+        """`e` is `req`'s alone (its admission, its row, its tokens' bookkeeping): `req`
+        ends with an error and is freed as a cancelled request is; the engine runs on."""
+        req.cancelled = True
+        self._finish(req, "error", error=f"the engine could not run this request: {e!r}")
+        if self.log is not None:
+            self.log(f"error: request {req.id} failed in the engine: {e!r}")
+
+    def _inputs(self, req: Request):
+        """`req`'s prompt ids, row and PRNG key (host arrays); placeholders where they raise."""
+        try:
+            return np.asarray(req.prompt, np.int32), self.request_rows(req), key_data(req.seed)
+        except Exception as e:  # noqa: BLE001 - that request's, not the engine's
+            self._fail(req, e)
+            return np.zeros(len(req.prompt), np.int32), self.sampling_rows(), key_data(0)
+
+    def _hand(self, req: Request, tokens: list[int]) -> bool:
+        """`_deliver`; an exception fails `req` alone (False: freed as a cancelled one)."""
+        try:
+            return self._deliver(req, tokens)
+        except Exception as e:  # noqa: BLE001 - that request's, not the engine's
+            self._fail(req, e)
+            return False
 
     def _deliver(self, req: Request, tokens: list[int]) -> bool:
         """Hand tokens to a live request; True when it has finished."""
@@ -444,13 +444,13 @@ class Engine:
                 self._finish(a.request, "cancelled")
             elif isinstance(a, Prefill):
                 reqs, key = a.requests, a.key
+                ids, rows, keys = zip(*[self._inputs(r) for r in reqs])
                 tokens = np.zeros((key.batch, key.bucket), np.int32)
-                lengths = np.array([len(r.prompt) for r in reqs], np.int32)
-                for j, req in enumerate(reqs):
-                    tokens[j, :lengths[j]] = req.prompt
-                rows = stack_rows([self.request_rows(r) for r in reqs])
-                keys = np.concatenate([key_data(r.seed) for r in reqs])
-                pre = self.program(key)(params, heads, tokens, lengths, keys, rows)
+                lengths = np.array([len(x) for x in ids], np.int32)
+                for j, x in enumerate(ids):
+                    tokens[j, :len(x)] = x
+                pre = self.program(key)(params, heads, tokens, lengths, np.concatenate(keys),
+                                        stack_rows(rows))
                 pre.root.copy_to_host_async()
                 m.prefilled(key.batch)
             elif isinstance(a, Insert):
@@ -466,17 +466,17 @@ class Engine:
                 m.resized()
             elif isinstance(a, Extend):
                 req, n = a.request, len(a.request.prompt)
+                ids, row, seed = self._inputs(req)
                 tokens = np.zeros((1, a.key.bucket), np.int32)
-                tokens[0, :n - a.start] = req.prompt[a.start:]
+                tokens[0, :n - a.start] = ids[a.start:]
                 prompt = None  # the whole prompt, for a drafter begun on it again
                 if self.drafter is not None and self.drafter.keeps_context:
                     prompt = np.zeros((1, a.key.window), np.int32)
-                    prompt[0, :n] = req.prompt
+                    prompt[0, :n] = ids
                 prefill_after, put = self.program(a.key)
                 one = prefill_after(params, heads, self._state.cache, tokens,
-                                    np.int32(a.start), np.full((1,), n, np.int32),
-                                    key_data(req.seed), self.request_rows(req),
-                                    np.int32(a.src), prompt)
+                                    np.int32(a.start), np.full((1,), n, np.int32), seed,
+                                    row, np.int32(a.src), prompt)
                 one.root.copy_to_host_async()
                 if a.move is not None:  # after the read above: the runtime orders it behind
                     self._state = self.program(a.move)(self._state, np.int32(a.slot),
@@ -504,13 +504,13 @@ class Engine:
         for req, i, root, j in admitted:
             if sched.holder(i) is not req:
                 continue
-            if req.cancelled:
+            if req.cancelled:  # or failed at its admission (`_fail`)
                 self._finish(req, "cancelled")
                 sched.free(i, keep=False)
                 continue
             if id(root) not in roots:
                 roots[id(root)] = np.asarray(root)
-            if self._deliver(req, [int(roots[id(root)][j])]):
+            if self._hand(req, [int(roots[id(root)][j])]):
                 sched.free(i)  # ended by its first token (the device slot is idle)
 
     def _read(self, out, call: Step):
@@ -522,7 +522,7 @@ class Engine:
         for a in sched.after_step(call, counts, steps, lengths, time.perf_counter()):
             if isinstance(a, Cancel):
                 self._finish(a.request, "cancelled")
-            elif isinstance(a, Handout) and self._deliver(
+            elif isinstance(a, Handout) and self._hand(
                     a.request, [int(t) for t in tokens[a.slot, a.start:a.stop]]):
                 sched.free(a.slot, window=call.key.window)
         self.metrics.stepped(sched.slot_steps - before[0], sched.step_tokens - before[1])

@@ -126,7 +126,9 @@ def loopback_hosts(host: str) -> frozenset[str] | None:
     import ipaddress
 
     try:
-        loopback = ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
+        # ::ffff:127.0.0.1 is 127.0.0.1 (Python 3.11's is_loopback says no to the IPv6 form)
+        loopback = (getattr(address, "ipv4_mapped", None) or address).is_loopback
     except ValueError:
         loopback = host == "localhost"
     if not loopback:

@@ -26,6 +26,12 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 MAX_STOP_STRINGS = 4  # as OpenAI
+# the engine's token limits, top-k and token ids are int32, its thresholds float32 (as
+# `decoding.sampling`'s INT32_MAX and FLOAT32_MAX; this module imports no JAX)
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+TOKEN_LIMIT = f"an integer in 1..{INT32_MAX}"
+THRESHOLD = f"a number in [0, {FLOAT32_MAX:.2g}]"
 
 # a JSON number (an integer too, not a bool: the models are strict), finite
 Number = Annotated[float, Field(allow_inf_nan=False)]
@@ -113,14 +119,15 @@ class GenerationRequest(_Object):
     """The fields both endpoints share."""
 
     model: str = Field(description="a string naming a model of GET /v1/models")
-    max_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description=TOKEN_LIMIT)
     temperature: Number = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
     top_p: Number = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
-    top_k: int = Field(0, ge=-1, description="an integer >= 1, or 0 or -1 for no top-k")
+    top_k: int = Field(0, ge=-1, le=INT32_MAX,
+                       description=f"{TOKEN_LIMIT}, or 0 or -1 for no top-k")
     # typical acceptance's thresholds (a server run with --acceptance typical; default: the
     # server's), as offline decoding takes them
-    typical_epsilon: Number | None = Field(None, ge=0, description="a number >= 0")
-    typical_delta: Number | None = Field(None, ge=0, description="a number >= 0")
+    typical_epsilon: Number | None = Field(None, ge=0, le=FLOAT32_MAX, description=THRESHOLD)
+    typical_delta: Number | None = Field(None, ge=0, le=FLOAT32_MAX, description=THRESHOLD)
     n: int = 1
     seed: int | None = Field(None, ge=-2**63, lt=2**63, description="a 64-bit integer")
     # lists stop at their first bad item (fail_fast): one error to report, not a million
@@ -145,6 +152,17 @@ class GenerationRequest(_Object):
         if n != 1:
             raise _invalid(f"{FIELD} must be 1 (this server returns one choice), got {n}")
         return n
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _token_ids(cls, value):
+        """Each an integer id the engine's int32 rows hold (the server checks the vocabulary)."""
+        if isinstance(value, list):
+            for j, t in enumerate(value):
+                if type(t) is not int or not 0 <= t <= INT32_MAX:
+                    raise _invalid(f"{FIELD}[{j}] must be an integer in 0..{INT32_MAX}, got "
+                                   f"{json.dumps(t)[:40]}")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -220,7 +238,8 @@ class CompletionRequest(GenerationRequest):
 class ChatCompletionRequest(GenerationRequest):
     messages: list[Message] = Field(min_length=1, fail_fast=True,
                                     description="a non-empty list of messages")
-    max_completion_tokens: int | None = Field(None, ge=1, description="an integer >= 1")
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX,
+                                              description=TOKEN_LIMIT)
     # metadata: changes nothing about the answer
     metadata: dict[str, str] | None = None  # OpenAI's: up to 16 keys
     store: bool | None = None

@@ -47,7 +47,7 @@ class QueueFull(Exception):
 class Request:
     """One generation. `on_event(tokens, finish_reason, error)` is called from the engine
     thread: new tokens (a list), then finish_reason "stop" / "length" once, or an error
-    message (finish_reason "error") when the engine stops."""
+    message (finish_reason "error") when the engine stops or fails this request alone."""
 
     prompt: list[int]
     max_tokens: int

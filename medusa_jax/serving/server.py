@@ -4,8 +4,8 @@ POST /v1/completions, POST /v1/chat/completions (streamed or not), GET /v1/model
 GET /health, GET /metrics (Prometheus text). Errors have OpenAI's shape
 {"error": {"message", "type", "param", "code"}}: 400 for bad fields (and for parameters this
 server does not implement: never accepted and ignored), 404 for an unknown model, 413 for a
-body past the size limit, 429 when the request queue is full, 503 once the engine has
-stopped. /health answers 503 {"status": "starting"} until the programs the first requests
+body past the size limit, 429 when the request queue is full, 500 for a request that failed
+in the engine (the engine runs on), 503 once the engine has stopped. /health answers 503 {"status": "starting"} until the programs the first requests
 need are compiled (requests sent meanwhile wait for them).
 
 The bodies are pydantic models (`requests`) validated by `model_validate_json` after
@@ -314,8 +314,9 @@ class Server:
         watcher = asyncio.create_task(self._watch(http, req))
         try:
             async for t, used, fin, error in gen:
-                if error is not None:
-                    raise APIError(503, error, type_="server_error")
+                if error is not None:  # 503: the engine stopped; 500: this request failed
+                    raise APIError(503 if self.engine.stop_reason is not None else 500, error,
+                                   type_="server_error")
                 text += t
                 ids += used
                 finish = fin

@@ -17,7 +17,8 @@ def test_values_check_each_row_and_name_the_field():
         Rows.values(2, 8, mode="rejection", top_p=[0.5, 0.6, 0.7])
     with pytest.raises(ValueError, match=r"^mode 'sample' is not one of"):
         Rows.values(1, 8, mode="sample")
-    with pytest.raises(ValueError, match=r"^row 0: max_tokens must be >= 1"):
+    with pytest.raises(ValueError,
+                       match=r"^row 0: max_tokens must be an integer in 1\.\.2147483647, got 0$"):
         Rows.values(2, [0, 3])
     with pytest.raises(ValueError, match=r"^temperature must be a finite number, got inf"):
         Rows.values(1, 8, mode="rejection", temperature=float("inf"))
@@ -25,6 +26,39 @@ def test_values_check_each_row_and_name_the_field():
     mixed = Rows.values(2, 8, mode=["greedy", "typical"])
     assert mixed.modes == ("greedy", "typical", "rejection")
     assert np.asarray(mixed.mode).tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_k=2**32 + 1), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), "
+                            r"got 4294967297$"),
+    (dict(top_k=2**31), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), "
+                        r"got 2147483648$"),
+    (dict(top_k=2.5), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), got 2\.5$"),
+    (dict(top_k=True), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), got True$"),
+    (dict(max_tokens=2**32 + 3), r"^max_tokens must be an integer in 1\.\.2147483647, "
+                                 r"got 4294967299$"),
+    (dict(max_tokens=3.7), r"^max_tokens must be an integer in 1\.\.2147483647, got 3\.7$"),
+    (dict(temperature="hot"), r"^temperature must be a number, got 'hot'$"),
+    (dict(temperature=1e39), r"^temperature must be a finite number, got 1e\+39$"),
+    (dict(top_p="0.5"), r"^top_p must be a number, got '0\.5'$"),
+    (dict(epsilon=float("inf")), r"^epsilon must be a finite number >= 0, got inf$"),
+    (dict(stop=(2**40,)), r"^stop token ids must be integers in 0\.\.2147483647, "
+                          r"got 1099511627776$"),
+    (dict(stop=(1.5,)), r"^stop token ids must be integers in 0\.\.2147483647, got 1\.5$"),
+])
+def test_values_refuse_what_int32_and_float32_cannot_hold(kw, message):
+    """Nothing wraps, truncates or reads a string as a number: one line naming the field."""
+    kw = dict(dict(max_tokens=8, mode="rejection"), **kw)
+    with pytest.raises(ValueError, match=message):
+        Rows.values(1, kw.pop("max_tokens"), **kw)
+
+
+def test_sampling_refuses_a_top_k_int32_cannot_hold():
+    from medusa_jax.decoding.sampling import Sampling, check
+
+    with pytest.raises(ValueError, match=r"^top_k must be an integer in 0\.\.2147483647"):
+        Sampling("rejection", top_k=2**31)
+    check("rejection", top_k=2**31 - 1)  # the largest is fine (a filter of everything)
 
 
 def test_length_bucket():
@@ -60,6 +94,22 @@ def test_one_program_for_every_temperature_filter_seed_and_limit(toy_lm, toy_med
             for s in (7, 8))
     assert not np.array_equal(a, b)
     assert medusa_generate._cache_size() == size
+
+
+@pytest.mark.slow
+def test_a_row_limit_past_max_new_tokens_is_clipped_to_it(toy_lm, toy_medusa):
+    """The output holds max_new_tokens per row: a row's limit past it is clipped (a check
+    of the runtime values would need them on the host inside the jitted decoder)."""
+    CFG, TREE = toy_lm.CFG, toy_lm.TREE
+    params, heads = toy_medusa
+    tokens, lengths = pad_prompts([toy_lm.PROMPT] * 3)
+    key = jax.random.key(0)
+    rows = Rows.values(3, [1000, 16, 5])
+    plain = generate(params, CFG, tokens, lengths, key, max_new_tokens=16, rows=rows)
+    spec = medusa_generate(params, heads, CFG, tokens, lengths, key, tree=TREE,
+                           max_new_tokens=16, rows=rows)
+    for out in (plain, spec):  # no stop token in the toy's vocabulary
+        assert np.asarray(out.num_new).tolist() == [16, 16, 5]
 
 
 @pytest.mark.slow

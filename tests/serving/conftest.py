@@ -1,7 +1,44 @@
-"""Serving tests' shared helpers: `exact_pairs` (test_engine, test_serve) and a stub engine
-(`stub_engine`, test_http_contract)."""
+"""Serving tests' shared helpers: `exact_pairs` (test_engine, test_serve), `patient` (waits
+that a busy machine makes longer, not failures) and a stub engine (`stub_engine`,
+test_http_contract)."""
+
+import threading
+import time
 
 import pytest
+
+STALL_S = 600.0  # a wait fails only after this long without any progress
+
+
+def wait_progressing(done, progress, what: str, stall: float = STALL_S, poll: float = 0.02):
+    """Wait until `done` (a callable, or a threading.Event) holds, for as long as
+    `progress` changes: a callable (programs compiled, tokens handed out, lines logged) or
+    an engine (its compiled programs, prefills and step tokens). A loaded machine makes the
+    wait longer, not a failure; only `stall` seconds without any change fail it, naming
+    `what`. `poll`: seconds between looks (more for a look over HTTP)."""
+    if isinstance(done, threading.Event):
+        done = done.is_set
+    if hasattr(progress, "status"):
+        engine = progress
+
+        def progress():
+            m = engine.metrics
+            return engine.status()["compiled"], m.prefill_calls, m.step_tokens
+
+    last, since = progress(), time.monotonic()
+    while not done():
+        time.sleep(poll)
+        now = progress()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since > stall:
+            pytest.fail(f"{what}: nothing changed for {stall:g} s (last: {last})")
+
+
+@pytest.fixture(scope="session")
+def patient():
+    """`wait_progressing`: `patient(done, progress, what)`."""
+    return wait_progressing
 
 
 @pytest.fixture(scope="session")
@@ -74,8 +111,9 @@ class StubEngine:
 
     Requests are answered at once when submitted; after `pause()` they wait (up to
     `max_queue`, then QueueFull) until `resume()`. `stop()` ends them with an error event
-    and refuses new ones, as `Engine.stop` does. `submitted` holds every Request queued
-    (the sampling values the server passed)."""
+    and refuses new ones, as `Engine.stop` does. A request whose seed is in `failing_seeds`
+    ends with an error, as one does that fails in the engine (which runs on). `submitted`
+    holds every Request queued (the sampling values the server passed)."""
 
     ANSWER_LEN = 20
 
@@ -88,6 +126,7 @@ class StubEngine:
         self.model = SimpleNamespace(tokenizer=self.tokenizer, eos=(2,),
                                      cfg=SimpleNamespace(vocab_size=ByteTokenizer.vocab_size))
         self.medusa, self.fed, self.drafter, self.tree = False, 0, None, None
+        self.eos, self.cfg, self.acceptance = self.model.eos, self.model.cfg, "rejection"
         self.slots, self.buckets, self.capacity = slots, (bucket,), capacity
         self.slot_buckets, self.prefill_batches = (1, slots), (1,)
         self.metrics = Metrics(self.slot_buckets, self.prefill_batches)
@@ -96,6 +135,7 @@ class StubEngine:
         self.stop_reason = None
         self.submitted, self.waiting, self.held = [], [], 0
         self.paused = False
+        self.failing_seeds = set()  # requests of these seeds fail in the "engine"
 
     def check(self, prompt_len: int, max_tokens: int):
         """The real engine's limits (`Engine.check`), on these sizes."""
@@ -131,11 +171,10 @@ class StubEngine:
     def submit(self, req):
         from medusa_jax.serving.engine import QueueFull
 
+        from medusa_jax.serving.checks import check_request
+
+        check_request(self, req)  # Engine.submit's rules, on this plain engine
         self.check(len(req.prompt), req.max_tokens)
-        for name, value in (("typical_epsilon", req.epsilon), ("typical_delta", req.delta)):
-            if value is not None:  # Engine.submit's rule for a plain engine
-                raise ValueError(f"{name} applies to typical acceptance (infer.serve "
-                                 f"--acceptance typical); this server runs plain decoding")
         if self.stop_reason is not None:
             raise RuntimeError(f"the engine has stopped: {self.stop_reason}")
         if self.paused and len(self.waiting) >= self.max_queue:
@@ -150,6 +189,9 @@ class StubEngine:
     def _run(self, req):
         if req.cancelled:
             return self._finish(req, "cancelled")
+        if req.seed in self.failing_seeds:  # as `Engine` fails one request and runs on
+            return self._finish(req, "error", error="the engine could not run this request: "
+                                                    "OverflowError()")
         stops = set(self.model.eos) | set(req.stop_ids)
         out = []
         for t in self.answer(len(req.prompt)):

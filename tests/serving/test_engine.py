@@ -80,7 +80,8 @@ def _submit(engine, prompt, max_tokens, **kw):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
-def test_staggered_greedy_requests_match_offline_decoding(which, request, prompts, reference):
+def test_staggered_greedy_requests_match_offline_decoding(which, request, prompts, reference,
+                                                          patient):
     engine = request.getfixturevalue(f"{which}_engine")
     runs = []
     for i, p in enumerate(prompts):  # more requests than slots, arriving while others run
@@ -88,7 +89,7 @@ def test_staggered_greedy_requests_match_offline_decoding(which, request, prompt
         if i % 3 == 2:
             time.sleep(0.01)
     for (_, out, done, reason), ref in zip(runs, reference):
-        assert done.wait(180)
+        patient(done, engine, "a staggered request")
         assert out == ref
         assert reason == ["stop" if ref[-1] in engine.eos else "length"]
 
@@ -128,7 +129,8 @@ def test_max_tokens_and_stop_tokens_cut_inside_accepted_spans(medusa_engine, pro
 
 
 @pytest.mark.slow
-def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, prompts, reference):
+def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, prompts, reference,
+                                                            patient):
     long = [_submit(medusa_engine, p, NEW) for p in prompts[:SLOTS]]
     time.sleep(0.02)
     for req, *_ in long:
@@ -136,20 +138,18 @@ def test_cancelled_requests_free_slots_without_stale_tokens(medusa_engine, promp
     out = generate_offline(medusa_engine, prompts[4:4 + 2 * SLOTS], NEW)
     assert out == reference[4:4 + 2 * SLOTS]
     for _, _, done, reason in long:
-        assert done.wait(10) and reason[0] in ("cancelled", "length", "stop")
+        patient(done, medusa_engine, "a cancelled request")
+        assert reason[0] in ("cancelled", "length", "stop")
 
 
-def _started(out, timeout=30):
+def _started(out, engine, patient):
     """Wait until a request has tokens from a step call (past its prefill's first token)."""
-    deadline = time.time() + timeout
-    while len(out) < 2:
-        assert time.time() < deadline, "the request produced no step tokens"
-        time.sleep(0.0005)
+    patient(lambda: len(out) >= 2, engine, "the request's first step tokens")
 
 
 @pytest.mark.slow
 def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, plain_engine,
-                                                                prompts, reference):
+                                                                prompts, reference, patient):
     """Requests take the lowest free slot and a call computes the fewest leading slots that
     hold the highest one in use: as clients arrive, finish and cancel mid-stream the calls
     move across slot buckets 1, 2 and 4, and every request keeps offline decoding's tokens."""
@@ -157,15 +157,15 @@ def test_slots_entering_and_leaving_buckets_keep_offline_tokens(medusa_engine, p
     assert e.slot_buckets == [1, 2, 4]
     before = collections.Counter(e.metrics.calls_by_slots)
     a = _submit(e, prompts[0], 90)  # slot 0, alone: bucket 1
-    _started(a[1])
+    _started(a[1], e, patient)
     b = _submit(e, prompts[1], 90)  # slot 1: bucket 2
-    _started(b[1])
+    _started(b[1], e, patient)
     c = _submit(e, prompts[2], NEW)  # slot 2: bucket 4, and back to 2 when it ends
     d = _submit(e, prompts[3], 90)  # slot 3, cancelled mid-stream
-    _started(d[1])
+    _started(d[1], e, patient)
     e.cancel(d[0])
     for _, _, done, _ in (a, b, c, d):
-        assert done.wait(180)
+        patient(done, e, "a request across slot buckets")
     last = generate_offline(e, [prompts[4]], NEW)  # alone again: slot 0, bucket 1
     used = collections.Counter(e.metrics.calls_by_slots)
     used.subtract(before)
@@ -194,7 +194,8 @@ def test_a_step_at_every_window_copies_no_cache(which, request):
 
 
 @pytest.mark.slow
-def test_plain_steps_under_load_keep_offline_tokens(model, medusa_engine, prompts, reference):
+def test_plain_steps_under_load_keep_offline_tokens(model, medusa_engine, prompts, reference,
+                                                    patient):
     """plain_above=1: one live slot gets Medusa steps, more get plain steps on the same state
     (the drafter's carry left as it was); as requests come and go the calls switch both
     ways, and every request keeps offline decoding's tokens."""
@@ -202,11 +203,11 @@ def test_plain_steps_under_load_keep_offline_tokens(model, medusa_engine, prompt
                plain_above=1).start()
     try:
         a = _submit(e, prompts[0], 90)  # alone: Medusa steps
-        _started(a[1])
+        _started(a[1], e, patient)
         plain_before = e.metrics.plain_calls
         rest = [_submit(e, p, NEW) for p in prompts[1:4]]  # four live: plain steps
         for _, _, done, _ in rest + [a]:
-            assert done.wait(180)
+            patient(done, e, "a request beside plain steps")
         last = generate_offline(e, [prompts[4]], NEW)  # alone again: Medusa steps
         assert plain_before == 0 < e.metrics.plain_calls < e.metrics.calls
         assert [r[1] for r in rest] == reference[1:4] and last == [reference[4]]
@@ -254,19 +255,19 @@ def test_slot_buckets_out_of_range_are_refused_in_one_line(model):
         Engine(model, slots=4, max_context=CONTEXT, slot_buckets=(8,))
 
 
-def _burst(engine, prompts, max_tokens, **kw):
+def _burst(engine, prompts, max_tokens, patient, **kw):
     """Submit every prompt before the engine thread looks (it waits on the lock we hold), so
     they are admitted together; each one's tokens. max_tokens: one for all, or a list."""
     limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     with engine.scheduler.lock:
         runs = [_submit(engine, p, n, **kw) for p, n in zip(prompts, limits)]
     for _, _, done, _ in runs:
-        assert done.wait(120)
+        patient(done, engine, "a request of a burst")
     return [out for _, out, _, _ in runs]
 
 
 @pytest.mark.slow
-def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
+def test_seeded_sampling_is_reproducible(medusa_engine, prompts, patient):
     kw = dict(temperature=0.9, top_k=20, seed=1234)
     a = generate_offline(medusa_engine, [prompts[0]], NEW, **kw)[0]
     # the same request again, sharing its batch with others (started after its cached
@@ -274,7 +275,7 @@ def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
     b = generate_offline(medusa_engine, [prompts[2], prompts[0], prompts[3]], NEW, **kw)[1]
     before = medusa_engine.metrics.prefills_by_batch[SLOTS]
     burst = _burst(medusa_engine, [prompts[2], prompts[0], prompts[3], prompts[5]], NEW,
-                   cache_prompt=False, **kw)
+                   patient, cache_prompt=False, **kw)
     assert medusa_engine.metrics.prefills_by_batch[SLOTS] == before + 1
     c = generate_offline(medusa_engine, [prompts[0]], NEW, **dict(kw, seed=99))[0]
     assert a == b == burst[1] and a != c
@@ -283,7 +284,7 @@ def test_seeded_sampling_is_reproducible(medusa_engine, prompts):
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, prompts,
-                                                                reference):
+                                                                reference, patient):
     """More waiting requests than slots, of different lengths: the free slots' requests are
     prefilled in one call (a batch of SLOTS), the rest in batches as slots free up, and every
     request keeps offline decoding's tokens."""
@@ -293,7 +294,7 @@ def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, 
     calls = e.metrics.prefill_calls
     n = 2 * SLOTS + 1
     assert len({len(p) for p in prompts[:n]}) > 3
-    assert _burst(e, prompts[:n], NEW, cache_prompt=False) == reference[:n]
+    assert _burst(e, prompts[:n], NEW, patient, cache_prompt=False) == reference[:n]
     used = collections.Counter(e.metrics.prefills_by_batch)
     used.subtract(before)
     assert used[SLOTS] >= 1 and sum(k * v for k, v in used.items()) == n, used
@@ -303,7 +304,7 @@ def test_a_burst_is_prefilled_together_and_keeps_offline_tokens(which, request, 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
 def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, model, prompts,
-                                                              reference):
+                                                              reference, patient):
     """With a slot free or a request waiting, a call runs as few steps as fit
     `short_call_ms` (here: one); with every slot busy and nobody waiting, all K. The same
     compiled programs serve both, and the tokens stay offline decoding's."""
@@ -314,7 +315,7 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
     e.short_call_ms = 1e-9  # shorter than any step: one step a call while a slot is free
     long = 3 * NEW  # every slot busy at first, then one alone
     try:
-        out = _burst(e, prompts[:SLOTS], [NEW] * (SLOTS - 1) + [long])
+        out = _burst(e, prompts[:SLOTS], [NEW] * (SLOTS - 1) + [long], patient)
     finally:
         e.short_call_ms = None
     assert out[:-1] == reference[:SLOTS - 1]
@@ -327,14 +328,15 @@ def test_short_calls_while_slots_are_free_keep_offline_tokens(which, request, mo
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["medusa", "plain"])
-def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, reference):
+def test_calls_read_one_at_a_time_keep_offline_tokens(which, request, prompts, reference,
+                                                      patient):
     """With every call counted long (each read before the next is dispatched), staggered
     requests still get offline decoding's tokens."""
     e = request.getfixturevalue(f"{which}_engine")
     old = e.overlap_ms
     e.overlap_ms = 1e-9
     try:
-        assert _burst(e, prompts[:SLOTS + 1], NEW) == reference[:SLOTS + 1]
+        assert _burst(e, prompts[:SLOTS + 1], NEW, patient) == reference[:SLOTS + 1]
         assert any(e.scheduler.long(Step(StepKey(e.windows[0], r), 1, [], False))
                    for r in e.slot_buckets)
     finally:
@@ -397,7 +399,8 @@ def test_insert_puts_each_row_of_a_batched_prefill_as_its_own_prefill(model, pro
 
 @pytest.mark.slow
 def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, prompts,
-                                                       reference, exact_pairs, chi_square_ok):
+                                                       reference, exact_pairs, chi_square_ok,
+                                                       patient):
     """Two per-row samplings interleaved with greedy rows in the same batches: each sampled
     configuration's (x1, x2) follows plain sampling (x2 comes out of the tree's rejection
     sampling), and the greedy rows stay identical."""
@@ -413,7 +416,7 @@ def test_sampled_rows_keep_plain_sampling_distribution(model, medusa_engine, pro
     v = model.cfg.vocab_size
     counts = {i: np.zeros((v, v)) for i in range(len(configs))}
     for c, (_, out, done, _) in runs:
-        assert done.wait(120)
+        patient(done, medusa_engine, "a sampled request")
         if c is None:
             assert out == reference[1]
         else:
@@ -438,6 +441,43 @@ def test_row_log_probs_match_the_static_rule():
         np.testing.assert_allclose(np.exp(got[i]), np.exp(want), atol=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["admission", "tokens"])
+def test_a_request_that_raises_in_the_engine_fails_alone(medusa_engine, prompts, reference,
+                                                         where, patient):
+    """An exception attributable to one request (its row at admission, or the bookkeeping
+    of its tokens after a step) ends that request with an error; the requests batched
+    beside it and later ones get their offline tokens, and the engine runs on. The failing
+    request is changed after `submit` checked it, as a caller could (the engine thread
+    reads it later)."""
+    e = medusa_engine
+    bad_out, bad_done, bad_reason = [], threading.Event(), []
+
+    def on_event(tokens, finish, error):
+        bad_out.extend(tokens)
+        if where == "tokens" and len(bad_out) >= 3:
+            bad.stop_ids = ([0],)  # unhashable: its next hand-out raises
+        if finish is not None:
+            bad_reason.append(error or finish)
+            bad_done.set()
+
+    bad = Request(prompt=list(prompts[1]), max_tokens=NEW, on_event=on_event)
+    with e.scheduler.lock:  # admitted together, in one prefill
+        subs = [_submit(e, p, NEW) for p in (prompts[0], prompts[2], prompts[3])]
+        e.submit(bad)
+        if where == "admission":
+            bad.top_k, bad.temperature = 2**31, 0.7  # an int32 row cannot hold it
+    patient(bad_done, e, "the failing request")
+    assert "the engine could not run this request" in bad_reason[0]
+    assert "\n" not in bad_reason[0]
+    for (_, out, done, reason), ref in zip(subs, (reference[0], reference[2], reference[3])):
+        patient(done, e, "a request beside the failing one")
+        assert reason == ["length"] and out == ref
+    assert e.stop_reason is None
+    assert generate_offline(e, prompts[4:8], NEW) == reference[4:8]
+    assert e.slots_in_use() == 0
+
+
 def test_limits_are_checked_before_queueing(model):
     e = Engine(model, slots=2, max_context=CONTEXT, max_queue=1)  # not started: nothing runs
     with pytest.raises(ValueError, match="exceeds the context of 128"):
@@ -449,6 +489,37 @@ def test_limits_are_checked_before_queueing(model):
         e.submit(r)
     with pytest.raises(QueueFull, match="queue is full"):
         e.submit(reqs[3])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(top_k=2**31), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), "
+                        r"got 2147483648$"),
+    (dict(top_k=3.0), r"^top_k must be an integer in 0\.\.2147483647 \(0: off\), got 3\.0$"),
+    (dict(max_tokens=2.5), r"^max_tokens must be an integer in 1\.\.2147483647, got 2\.5$"),
+    (dict(max_tokens=True), r"^max_tokens must be an integer in 1\.\.2147483647, got True$"),
+    (dict(max_tokens=2**31), r"^max_tokens must be an integer in 1\.\.2147483647"),
+    (dict(temperature="0.7"), r"^temperature must be a number, got '0\.7'$"),
+    (dict(temperature=float("nan")), r"^temperature must be a finite number >= 0 \(0: greedy\), "
+                                     r"got nan$"),
+    (dict(temperature=-1.0), r"^temperature must be a finite number >= 0"),
+    (dict(temperature=0.7, top_p="1"), r"^top_p must be a number, got '1'$"),
+    (dict(seed=2**64), r"^seed must be a 64-bit integer or None, got 18446744073709551616$"),
+    (dict(seed=1.5), r"^seed must be a 64-bit integer or None, got 1\.5$"),
+    (dict(stop_ids=(2**40,)), r"^stop_ids\[0\] = 1099511627776 is not a token id of this "
+                              r"model \(0\.\.\d+\)$"),
+    (dict(prompt=[1, 2**31]), r"^prompt\[1\] = 2147483648 is not a token id of this model"),
+    (dict(prompt=[1, -1]), r"^prompt\[1\] = -1 is not a token id of this model"),
+    (dict(prompt=[1, 2.0]), r"^prompt\[1\] = 2\.0 is not a token id of this model"),
+    (dict(prompt=(1, 2)), r"^prompt must be a list of token ids, got tuple$"),
+])
+def test_what_the_engine_cannot_hold_is_refused_before_queueing(model, kw, message):
+    """`Engine.submit` (any caller, not only the server): a value its int32 / float32 rows
+    would wrap or truncate, or a token id outside the vocabulary, in one line naming it."""
+    e = Engine(model, slots=2, max_context=CONTEXT)  # not started: nothing runs
+    req = Request(**dict(dict(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None), **kw))
+    with pytest.raises(ValueError, match=message):
+        e.submit(req)
+    assert e.queue_depth() == 0
 
 
 def test_unknown_acceptance_is_refused_in_one_line(model):
@@ -464,7 +535,7 @@ def test_max_context_past_the_model_is_refused(model):
 @pytest.mark.slow
 @pytest.mark.parametrize("warmup", ["background", "lazy"])
 def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, prompts, reference,
-                                                                    warmup):
+                                                                    warmup, patient):
     """A request sent at once waits for the programs it needs; once compiled, serving any
     prompt or length traces nothing again (static shapes, one compile per program)."""
     from jax._src import monitoring
@@ -476,10 +547,11 @@ def test_warmups_serve_offline_tokens_and_compile_each_program_once(model, promp
     e.start(warmup)
     try:
         if warmup == "lazy":
-            assert e.wait_ready(60) and e.status()["compiled"] == 0
+            patient(e.programs.ready, e, "the lazy warm-up's decode state")
+            assert e.status()["compiled"] == 0
         assert generate_offline(e, prompts, NEW) == reference
         if warmup == "background":
-            assert e.wait_compiled(180)
+            patient(e.programs.all_compiled, e, "the background warm-up")
         else:
             e.compile()  # the rest, now
         # prefill for 2 buckets x 3 prefill batches (1, 2, 4), insert for those at

@@ -38,19 +38,24 @@ def offline(base, prompt, n=NEW):
     return base.generate([prompt], max_new_tokens=n, medusa=False)[0].token_ids
 
 
-def run(engine, prompt, n=NEW, wait=True):
-    """Submit (and wait): (request, tokens, done event)."""
-    out, done = [], threading.Event()
+@pytest.fixture
+def run(patient):
+    """`run(engine, prompt, n, wait)`: submit (and wait, `patient`): (request, tokens, done
+    event)."""
+    def run(engine, prompt, n=NEW, wait=True):
+        out, done = [], threading.Event()
 
-    def on_event(tokens, finish, error):
-        out.extend(tokens)
-        if finish is not None:
-            done.set()
+        def on_event(tokens, finish, error):
+            out.extend(tokens)
+            if finish is not None:
+                done.set()
 
-    req = engine.submit(Request(prompt=list(prompt), max_tokens=n, on_event=on_event))
-    if wait:
-        assert done.wait(180)
-    return req, out, done
+        req = engine.submit(Request(prompt=list(prompt), max_tokens=n, on_event=on_event))
+        if wait:
+            patient(done, engine, "a request")
+        return req, out, done
+
+    return run
 
 
 def ngram_engine(base, **kw):
@@ -60,7 +65,7 @@ def ngram_engine(base, **kw):
 
 
 @pytest.mark.slow
-def test_ngram_engine_keeps_the_prefix_cache_and_plain_greedy_tokens(base, prompts):
+def test_ngram_engine_keeps_the_prefix_cache_and_plain_greedy_tokens(base, prompts, run):
     e = ngram_engine(base).start("lazy")
     try:
         assert e.prefix_cache
@@ -78,7 +83,7 @@ def test_ngram_engine_keeps_the_prefix_cache_and_plain_greedy_tokens(base, promp
 
 
 @pytest.mark.slow
-def test_ngram_engine_follows_plain_steps_above_plain_above(base, prompts):
+def test_ngram_engine_follows_plain_steps_above_plain_above(base, prompts, run, patient):
     """plain_above=1: while more than one slot is live the calls are plain steps, which hand
     the drafter their tokens; every request keeps plain greedy's tokens."""
     e = ngram_engine(base, plain_above=1).start("lazy")
@@ -87,7 +92,7 @@ def test_ngram_engine_follows_plain_steps_above_plain_above(base, prompts):
         a = run(e, prompts[0], 80, wait=False)
         rest = [run(e, p, NEW, wait=False) for p in prompts[1:4]]
         for _, _, done in [a] + rest:
-            assert done.wait(180)
+            patient(done, e, "a request beside plain steps")
         assert e.metrics.plain_calls > 0
         assert a[1] == offline(base, prompts[0], 80)
         assert [r[1] for r in rest] == [offline(base, p) for p in prompts[1:4]]
@@ -96,7 +101,7 @@ def test_ngram_engine_follows_plain_steps_above_plain_above(base, prompts):
 
 
 @pytest.mark.slow
-def test_merged_engine_keeps_plain_greedy_tokens_with_a_cached_prefix(base, prompts):
+def test_merged_engine_keeps_plain_greedy_tokens_with_a_cached_prefix(base, prompts, run):
     heads = merged(base.heads, 3)
     m = with_heads(base, heads)
     tree = heads.drafter.tree_for(base.tree())
@@ -128,7 +133,7 @@ def test_a_drafter_that_keeps_context_and_cannot_follow_plain_steps_is_refused(b
 
 
 @pytest.mark.slow
-def test_a_shared_pool_speeds_up_a_repeated_prompt_and_keeps_its_text(base, prompts):
+def test_a_shared_pool_speeds_up_a_repeated_prompt_and_keeps_its_text(base, prompts, run):
     """--ngram-shared: the second time a prompt comes, its output's n-grams are in the pool
     (written when the first finished), so it drafts them: more tokens per step, the same
     tokens."""
@@ -159,7 +164,7 @@ def test_a_shared_pool_needs_a_drafter_that_keeps_one(base):
 
 
 @pytest.mark.slow
-def test_a_model_loaded_with_ngram_serves_merged_drafts(base, prompts):
+def test_a_model_loaded_with_ngram_serves_merged_drafts(base, prompts, run):
     """`Medusa.load(ngram=N)` (`infer.serve --ngram N`): the engine merges the chain into
     the drafter's tree."""
     m = Medusa.load(heads="default", ngram=2)

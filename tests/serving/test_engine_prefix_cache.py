@@ -40,23 +40,28 @@ def offline(model, prompt, n=NEW):
     return model.generate([prompt], max_new_tokens=n, medusa=False)[0].token_ids
 
 
-def run(engine, prompt, n=NEW, **kw):
-    """Submit and wait: (request, tokens)."""
-    out, done = [], threading.Event()
+@pytest.fixture
+def run(patient):
+    """`run(engine, prompt, n, **request)`: submit and wait (`patient`): (request, tokens)."""
+    def run(engine, prompt, n=NEW, **kw):
+        out, done = [], threading.Event()
 
-    def on_event(tokens, finish, error):
-        out.extend(tokens)
-        if finish is not None:
-            done.set()
+        def on_event(tokens, finish, error):
+            out.extend(tokens)
+            if finish is not None:
+                done.set()
 
-    req = engine.submit(Request(prompt=list(prompt), max_tokens=n, on_event=on_event, **kw))
-    assert done.wait(120)
-    return req, out
+        req = engine.submit(Request(prompt=list(prompt), max_tokens=n, on_event=on_event,
+                                    **kw))
+        patient(done, engine, "a request")
+        return req, out
+
+    return run
 
 
 @pytest.mark.slow
 def test_a_repeated_prompt_and_a_follow_up_turn_start_after_their_cached_prefix(engine, model,
-                                                                              prompts):
+                                                                              prompts, run):
     p = prompts[0]
     _, first = run(engine, p)
     assert first == offline(model, p)
@@ -74,7 +79,7 @@ def test_a_repeated_prompt_and_a_follow_up_turn_start_after_their_cached_prefix(
 
 
 @pytest.mark.slow
-def test_prompts_taking_turns_keep_each_others_cache(engine, model, prompts):
+def test_prompts_taking_turns_keep_each_others_cache(engine, model, prompts, run):
     """A, then B in A's slot (A's cache moves to a free slot first), then A again: it reads
     that slot while B's cache moves into it (after the read), so B again finds it there."""
     a, b = prompts[8], prompts[9]
@@ -86,14 +91,14 @@ def test_prompts_taking_turns_keep_each_others_cache(engine, model, prompts):
 
 
 @pytest.mark.slow
-def test_a_prompt_starting_with_a_live_requests_prompt_reads_that_slot(engine, model, prompts):
+def test_a_prompt_starting_with_a_live_requests_prompt_reads_that_slot(engine, model, prompts,
+                                                                       run, patient):
     p = prompts[2]
     follow = p + prompts[3][1:6]
-    out, done = {}, threading.Barrier(3)
+    out = {}
 
     def ask(key, prompt, n):
         out[key] = run(engine, prompt, n)
-        done.wait(120)
 
     long = threading.Thread(target=ask, args=("long", p, 90))
     long.start()
@@ -101,14 +106,16 @@ def test_a_prompt_starting_with_a_live_requests_prompt_reads_that_slot(engine, m
         pass
     follow_thread = threading.Thread(target=ask, args=("follow", follow, NEW))
     follow_thread.start()
-    done.wait(120)
+    patient(lambda: len(out) == 2 or not (long.is_alive() or follow_thread.is_alive()),
+            engine, "two requests")
     assert out["long"][1] == offline(model, p, 90)
     assert out["follow"][1] == offline(model, follow)
     assert out["follow"][0].cached >= len(p)
 
 
 @pytest.mark.slow
-def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, prompts):
+def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, prompts,
+                                                                 run, patient):
     p = prompts[4]
     run(engine, p)
     req, out = run(engine, p, cache_prompt=False)
@@ -122,7 +129,7 @@ def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, 
         started.set()
 
     first = engine.submit(Request(prompt=list(q), max_tokens=100, on_event=on_event))
-    assert started.wait(60)
+    patient(started, engine, "the request's first tokens")
     engine.cancel(first)
     while not first.finished:
         pass
@@ -132,7 +139,7 @@ def test_cache_prompt_false_and_a_cancelled_request_take_nothing(engine, model, 
 
 
 @pytest.mark.slow
-def test_a_narrower_cache_keeps_only_what_it_holds(engine, model, prompts):
+def test_a_narrower_cache_keeps_only_what_it_holds(engine, model, prompts, run):
     p = prompts[6]
     _, long = run(engine, p, 90)  # the cache grows to the 128-slot window
     assert engine.cache_window == 128

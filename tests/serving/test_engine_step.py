@@ -54,7 +54,7 @@ def _plain_greedy(model, prompts, n):
     return out
 
 
-def _staggered(engine, prompts, n, **kw):
+def _staggered(engine, prompts, n, patient, **kw):
     """Submit while others run (more requests than slots); each request's tokens."""
     import threading
 
@@ -73,13 +73,13 @@ def _staggered(engine, prompts, n, **kw):
         if i % 2:
             time.sleep(0.01)
     for e in events:
-        assert e.wait(120)
+        patient(e, engine, "a staggered request")
     return results
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heads", ["hydra"])
-def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
+def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request, patient):
     """3 slots, 7 prompts of different lengths arriving while others decode: each
     request's tokens are offline `medusa_generate`'s (via `Medusa.generate`), which are
     plain greedy decoding's. Medusa heads: tests/serving/test_engine.py's staggered
@@ -94,7 +94,7 @@ def test_greedy_slots_equal_offline_greedy_for_every_drafter(heads, request):
                max_queue=64, slot_buckets=(3,), **FEW_PROGRAMS).start("lazy")
     try:
         assert type(e.drafter).kind == heads
-        assert _staggered(e, prompts, NEW) == offline
+        assert _staggered(e, prompts, NEW, patient) == offline
         assert e.metrics.step_tokens > 1.3 * e.metrics.slot_steps  # the drafts were accepted
     finally:
         e.stop()
@@ -112,7 +112,7 @@ def test_dynamic_tree_slots_equal_offline_greedy(medusa):
 
 
 @pytest.mark.slow
-def test_typical_acceptance_slots_equal_offline_typical(medusa):
+def test_typical_acceptance_slots_equal_offline_typical(medusa, patient):
     """Typical acceptance draws nothing (its roots are greedy), so a typical slot's tokens
     are offline `medusa_generate(sampling=Sampling("typical", ...))`'s whatever the keys,
     and greedy slots sharing its batches stay greedy."""
@@ -132,14 +132,16 @@ def test_typical_acceptance_slots_equal_offline_typical(medusa):
     try:
         both = generate_offline(e, prompts + prompts, NEW)  # all greedy first
         assert both == greedy + greedy
-        typ = _staggered(e, prompts, NEW, temperature=0.7, seed=5)
+        typ = _staggered(e, prompts, NEW, patient, temperature=0.7, seed=5)
         assert typ == offline
         assert typ != greedy  # typical acceptance really ran (it is lossy)
         # each request's own thresholds: at epsilon 1 no drafted token passes (p > 1 is
         # impossible) and the greedy roots alone are emitted; at 0 every drafted token does
-        strict = _staggered(e, prompts, NEW, temperature=0.7, seed=5, epsilon=1.0, delta=1e9)
+        strict = _staggered(e, prompts, NEW, patient, temperature=0.7, seed=5, epsilon=1.0,
+                            delta=1e9)
         assert strict == greedy
-        loose = _staggered(e, prompts, NEW, temperature=0.7, seed=5, epsilon=0.0, delta=0.0)
+        loose = _staggered(e, prompts, NEW, patient, temperature=0.7, seed=5, epsilon=0.0,
+                           delta=0.0)
         assert loose != typ and loose != greedy
     finally:
         e.stop()
@@ -156,17 +158,17 @@ def test_typical_thresholds_are_refused_where_typical_acceptance_does_not_run(me
     typical = Engine(medusa, slots=2, max_context=CONTEXT, acceptance="typical")
     req = engine_mod.Request(prompt=[1, 2], max_tokens=4, on_event=lambda *a: None,
                              temperature=0.7, delta=-1.0)
-    with pytest.raises(ValueError, match=r"^delta must be >= 0, got -1.0$"):
+    with pytest.raises(ValueError, match=r"^delta must be a finite number >= 0, got -1.0$"):
         typical.submit(req)
 
 
 def test_sampling_check_names_the_field_in_one_line():
     cases = [(dict(mode="beam"), "mode 'beam' is not one of greedy, typical, rejection"),
              (dict(mode="rejection", temperature=0.0), "temperature must be > 0"),
-             (dict(top_k=-1), "top_k must be an int >= 0"),
+             (dict(top_k=-1), "top_k must be an integer in 0..2147483647 (0: off)"),
              (dict(top_p=0.0), "top_p must be in (0, 1]"),
-             (dict(epsilon=-0.1), "epsilon must be >= 0"),
-             (dict(delta=-1.0), "delta must be >= 0")]
+             (dict(epsilon=-0.1), "epsilon must be a finite number >= 0"),
+             (dict(delta=-1.0), "delta must be a finite number >= 0")]
     for kw, msg in cases:
         with pytest.raises(ValueError) as err:
             sampling.check(**kw)

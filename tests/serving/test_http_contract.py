@@ -121,10 +121,10 @@ async def test_unimplemented_parameters_are_refused_by_name(stub_engine, endpoin
 
 
 @pytest.mark.parametrize("endpoint, extra, param, message", [
-    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, "
-                                                         "got true"),
-    ("completions", dict(max_tokens=2.5), "max_tokens", "max_tokens must be an integer >= 1"),
-    ("completions", dict(max_tokens=-1), "max_tokens", "max_tokens must be an integer >= 1"),
+    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer in "
+                                                         "1..2147483647, got true"),
+    ("completions", dict(max_tokens=2.5), "max_tokens", "max_tokens must be an integer in 1.."),
+    ("completions", dict(max_tokens=-1), "max_tokens", "max_tokens must be an integer in 1.."),
     ("completions", dict(n=True), "n", "n must be an integer, got true"),
     ("completions", dict(temperature=True), "temperature", "must be a number in [0, 2]"),
     ("completions", dict(temperature="hot"), "temperature", "must be a number in [0, 2]"),
@@ -134,9 +134,9 @@ async def test_unimplemented_parameters_are_refused_by_name(stub_engine, endpoin
     ("completions", dict(stream="yes"), "stream", "stream must be a boolean"),
     ("completions", dict(prompt=123), "prompt", "prompt must be a string or a list of token"),
     ("completions", dict(typical_epsilon=-1), "typical_epsilon",
-     "typical_epsilon must be a number >= 0, got -1"),
+     "typical_epsilon must be a number in [0, 3.4e+38], got -1"),
     ("completions", dict(stop_token_ids=[1, True]), "stop_token_ids",
-     "stop_token_ids[1] must be an integer, got true"),
+     "stop_token_ids[1] must be an integer in 0..2147483647, got true"),
     ("completions", dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4 non-empty"),
     ("completions", dict(stream=True, stream_options={"include_usage": 1}),
      "stream_options.include_usage", "stream_options.include_usage must be a boolean, got 1"),
@@ -154,7 +154,7 @@ async def test_unimplemented_parameters_are_refused_by_name(stub_engine, endpoin
      "messages[0].name", "unrecognized request argument: messages[0].name"),
     ("chat", dict(messages=[]), "messages", "messages must be a non-empty list"),
     ("chat", dict(max_completion_tokens=0), "max_completion_tokens",
-     "max_completion_tokens must be an integer >= 1, got 0"),
+     "max_completion_tokens must be an integer in 1..2147483647, got 0"),
     ("chat", dict(metadata={f"k{i}": "v" for i in range(17)}), "metadata",
      "metadata takes at most 16 keys"),
     ("completions", dict({f"k{i}": 1 for i in range(50_000)}), "k0",
@@ -166,6 +166,76 @@ async def test_types_are_strict_and_errors_name_the_field(stub_engine, endpoint,
     """A bool is not an integer nor a number, a string is not an integer; a nested field is
     named by its path."""
     assert message in await refusal(stub_engine, endpoint, extra, param)
+
+
+INT32 = "an integer in 1..2147483647"
+
+
+@pytest.mark.parametrize("endpoint, extra, param, message", [
+    # past what the engine's int32 / float32 rows hold: refused here, never sent on
+    ("completions", dict(max_tokens=2**31), "max_tokens",
+     f"max_tokens must be {INT32}, got 2147483648"),
+    ("completions", dict(max_tokens=2**64 + 3), "max_tokens", f"max_tokens must be {INT32}"),
+    ("chat", dict(max_tokens=2**31), "max_tokens", f"max_tokens must be {INT32}"),
+    ("chat", dict(max_completion_tokens=2**31), "max_completion_tokens",
+     f"max_completion_tokens must be {INT32}, got 2147483648"),
+    ("completions", dict(top_k=2**31), "top_k",
+     f"top_k must be {INT32}, or 0 or -1 for no top-k, got 2147483648"),
+    ("chat", dict(top_k=2**32 + 1), "top_k", f"top_k must be {INT32}, or 0 or -1"),
+    ("completions", dict(temperature=2.5), "temperature", "must be a number in [0, 2]"),
+    ("completions", dict(top_p=1.5), "top_p", "top_p must be a number in (0, 1]"),
+    ("completions", dict(typical_epsilon=1e39), "typical_epsilon",
+     "typical_epsilon must be a number in [0, 3.4e+38], got 1e+39"),
+    ("chat", dict(typical_delta=1e300), "typical_delta", "typical_delta must be a number in"),
+    ("completions", dict(seed=2**64), "seed", "seed must be a 64-bit integer"),
+    ("completions", dict(seed=-2**63 - 1), "seed", "seed must be a 64-bit integer"),
+    ("completions", dict(stop_token_ids=[2**31]), "stop_token_ids",
+     "stop_token_ids[0] must be an integer in 0..2147483647, got 2147483648"),
+    ("completions", dict(stop_token_ids=[-1]), "stop_token_ids",
+     "stop_token_ids[0] must be an integer in 0..2147483647, got -1"),
+    ("completions", dict(presence_penalty=1e300), "presence_penalty", "in [-2, 2]"),
+    ("completions", dict(n=2**70), "n", "n must be 1"),
+    # of the wrong type: never truncated, converted or read as a number
+    ("completions", dict(max_tokens="5"), "max_tokens", f'max_tokens must be {INT32}, got "5"'),
+    ("chat", dict(max_completion_tokens=4.0), "max_completion_tokens",
+     f"max_completion_tokens must be {INT32}, got 4.0"),
+    ("chat", dict(max_completion_tokens=False), "max_completion_tokens",
+     f"max_completion_tokens must be {INT32}, got false"),
+    ("completions", dict(top_k=1.5), "top_k", f"top_k must be {INT32}, or 0 or -1"),
+    ("completions", dict(top_k="5"), "top_k", f"top_k must be {INT32}, or 0 or -1"),
+    ("completions", dict(top_k=True), "top_k", f"top_k must be {INT32}, or 0 or -1"),
+    ("chat", dict(temperature="0.5"), "temperature", "temperature must be a number in [0, 2]"),
+    ("completions", dict(top_p="1"), "top_p", "top_p must be a number in (0, 1]"),
+    ("completions", dict(top_p=False), "top_p", "top_p must be a number in (0, 1]"),
+    ("completions", dict(typical_epsilon="0.1"), "typical_epsilon",
+     "typical_epsilon must be a number in [0, 3.4e+38]"),
+    ("completions", dict(typical_delta=True), "typical_delta", "typical_delta must be a number"),
+    ("completions", dict(seed=1.5), "seed", "seed must be a 64-bit integer, got 1.5"),
+    ("completions", dict(seed=True), "seed", "seed must be a 64-bit integer, got true"),
+    ("completions", dict(stop_token_ids=[2.0]), "stop_token_ids",
+     "stop_token_ids[0] must be an integer in 0..2147483647, got 2.0"),
+    ("completions", dict(stop_token_ids="2"), "stop_token_ids",
+     "stop_token_ids must be a list of integers"),
+    ("completions", dict(presence_penalty="0"), "presence_penalty", "in [-2, 2]"),
+    ("completions", dict(n=1.0), "n", "n must be an integer, got 1.0"),
+])
+async def test_numbers_are_bounded_by_what_the_engine_holds(stub_engine, endpoint, extra, param,
+                                                            message):
+    """Each numeric field, too large or of the wrong type: a 400 naming it, the engine never
+    asked (a top_k of 2**31 once stopped the engine for every client)."""
+    assert message in await refusal(stub_engine, endpoint, extra, param)
+
+
+async def test_the_largest_numbers_the_engine_holds_pass(stub_engine):
+    """At the bounds: accepted and passed on as they are (the stub answers; max_tokens past
+    the context is the engine's 400, not the request's)."""
+    async with serve(stub_engine) as c:
+        r = await c.post("/v1/completions", json=completion(
+            top_k=2**31 - 1, seed=2**63 - 1, typical_epsilon=None, stop_token_ids=[258]))
+        assert r.status_code == 200, r.text
+        r = await c.post("/v1/completions", json=completion(max_tokens=2**31 - 1))
+    assert "exceeds the context" in error(r, 400, "max_tokens")["message"]
+    assert stub_engine.submitted[0].top_k == 2**31 - 1
 
 
 async def test_what_the_engine_refuses_is_a_400_in_the_same_envelope(stub_engine):
@@ -282,6 +352,24 @@ async def test_a_loopback_server_answers_only_to_its_own_names(stub_engine):
             assert (await c.get("/health", headers={"host": host})).status_code == 200, host
 
 
+@pytest.mark.parametrize("bound", ["::ffff:127.0.0.1", "::ffff:7f00:1", "::ffff:127.0.0.2",
+                                   "::1", "127.0.0.5", "0:0:0:0:0:0:0:1"])
+async def test_every_spelling_of_a_loopback_address_is_guarded(stub_engine, bound):
+    """An IPv4-mapped loopback address (which Python's `is_loopback` does not know) is
+    loopback too: the Host check is on, and the address itself is one of the names."""
+    hosts = loopback_hosts(bound)
+    assert hosts is not None and (f"[{bound}]" if ":" in bound else bound) in hosts
+    async with serve(stub_engine, allowed_hosts=hosts) as c:
+        r = await c.get("/health", headers={"host": "evil.example.com"})
+        error(r, 403, None, "invalid_host")
+        assert (await c.get("/health", headers={"host": "localhost:8000"})).status_code == 200
+
+
+def test_other_addresses_have_no_host_check():
+    for bound in ("0.0.0.0", "::", "192.168.1.7", "::ffff:192.168.1.7", "example.com"):
+        assert loopback_hosts(bound) is None, bound
+
+
 async def test_unknown_models_and_paths_are_404(stub_engine):
     async with serve(stub_engine) as c:
         r = await c.post("/v1/completions", json=completion(model="gpt-9"))
@@ -309,7 +397,7 @@ async def test_what_does_not_fit_is_refused_before_the_engine(stub_engine):
              "= 129 exceeds the context of 128 tokens"),
             (completion(prompt=[stub_engine.tokenizer.vocab_size]), "prompt", None,
              "prompt[0] = 259 is not a token id"),
-            (completion(stop_token_ids=[-1]), "stop_token_ids", None, "(0..258)"),
+            (completion(stop_token_ids=[259]), "stop_token_ids", None, "(0..258)"),
             (chat(messages=[{"role": "user", "content": "a" * 200}]), "messages",
              "context_length_exceeded", "longer than the longest prompt"),
         ]
@@ -358,6 +446,21 @@ async def test_a_stopped_engine_ends_requests_with_503_and_an_error_chunk(stub_e
         assert "stopped" in error(r, 503, None, None)["message"]
         r = await c.get("/health")
         assert (r.status_code, r.json()) == (503, {"status": "stopped"})
+
+
+async def test_a_request_that_fails_in_the_engine_gets_500_and_the_rest_go_on(stub_engine):
+    """The engine ends one request with an error and runs on (`Engine` fails a request
+    alone): that request gets a 500 (or an error chunk), the next is answered and /health
+    stays ok."""
+    stub_engine.failing_seeds = {666}
+    async with serve(stub_engine) as c:
+        err = error(await c.post("/v1/completions", json=completion(seed=666)), 500, None, None)
+        assert err["type"] == "server_error" and "OverflowError" in err["message"]
+        ev = events(await c.post("/v1/completions", json=completion(seed=666, stream=True)))
+        assert ev[-1] == "[DONE]" and "OverflowError" in ev[-2]["error"]["message"]
+        r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "fghi"
+        assert (await c.get("/health")).json()["status"] == "ok"
 
 
 # ----------------------------------------------------------------------------- answers

@@ -38,11 +38,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(_started, offline):
+def server(_started, offline, patient):
     """(process, url) of the running server; the offline references are computed while it
     compiles."""
     proc, url = _started
-    _wait_ready(proc, url)
+    _wait_ready(proc, url, patient)
     return proc, url
 
 
@@ -61,18 +61,21 @@ def _launch(heads: str = "default", slots: int = SLOTS, buckets: str = "16,64",
     return proc, f"http://127.0.0.1:{port}"
 
 
-def _wait_ready(proc, url, timeout: float = 180):
-    deadline = time.time() + timeout
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"the server did not start:\n{proc.stdout.read()}")
-        time.sleep(0.2)
+def _health(url) -> tuple[int | None, dict]:
+    try:
+        r = httpx.get(url + "/health", timeout=10)
+        return r.status_code, r.json()
+    except (httpx.HTTPError, ValueError):
+        return None, {}
+
+
+def _wait_ready(proc, url, patient):
+    """Until /health answers 200, for as long as the programs compiled go up (`patient`:
+    a loaded machine only makes it slower)."""
+    patient(lambda: proc.poll() is not None or _health(url)[0] == 200,
+            lambda: _health(url)[1].get("compiled"), "the server's start", poll=0.2)
+    if proc.poll() is not None:
+        pytest.fail(f"the server did not start:\n{proc.stdout.read()}")
 
 
 def _stop(proc):
@@ -355,7 +358,7 @@ def _metric(url, name) -> float:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_disconnects_free_their_slots(server, client, model, offline):
+def test_disconnects_free_their_slots(server, client, model, offline, patient):
     url = server[1]
     before = _metric(url, 'medusa_requests_total{finish="cancelled"}')
     for _ in range(SLOTS):  # read the first chunk of a long stream, then hang up
@@ -363,32 +366,33 @@ def test_disconnects_free_their_slots(server, client, model, offline):
                 model=MODEL, prompt=LONG, max_tokens=100, temperature=0,
                 stream=True)) as resp:
             next(resp.iter_lines())
-    deadline = time.time() + 20
-    while httpx.get(url + "/health", timeout=5).json()["slots_in_use"] and time.time() < deadline:
-        time.sleep(0.05)
-    assert httpx.get(url + "/health", timeout=5).json()["slots_in_use"] == 0
+    in_use = lambda: _health(url)[1].get("slots_in_use")  # noqa: E731
+    patient(lambda: in_use() == 0, in_use, "the slots freed", poll=0.05)
     assert _metric(url, 'medusa_requests_total{finish="cancelled"}') > before
     ref = offline([model.encode(PROMPTS[2])])[0]  # the freed slots serve the next request
     r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=NEW, temperature=0)
     assert r.choices[0].text == ref.text
 
 
-def _all_compiled(url, timeout: float = 180):
-    deadline = time.time() + timeout
-    while (h := httpx.get(url + "/health", timeout=10).json())["compiled"] < h["programs"]:
-        assert time.time() < deadline, h
-        time.sleep(0.5)
+def _all_compiled(url, patient):
+    def compiled():
+        h = _health(url)[1]
+        return h.get("compiled") is not None and h["compiled"] >= h["programs"]
+
+    patient(compiled, lambda: _health(url)[1].get("compiled"), "every program compiled",
+            poll=0.5)
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
 def test_a_repeated_prompt_and_a_next_turn_start_after_their_cached_prefix(client, server,
-                                                                         model, offline):
+                                                                         model, offline,
+                                                                         patient):
     """usage's cached_tokens says how many prompt tokens a slot's cache held, /metrics
     counts them, and the tokens are offline decoding's."""
     from medusa_jax.serving.server import vicuna_prompt
 
-    _all_compiled(server[1])
+    _all_compiled(server[1], patient)
     hits = _metric(server[1], "medusa_prefix_cache_hits_total")
     ids = vicuna_prompt([(m["role"], m["content"]) for m in CHAT], model.tokenizer)
     answers = [client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=NEW,
@@ -459,7 +463,7 @@ def test_sigterm_ends_streams_with_an_error_and_exits(server):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_an_eagle3_server_gives_plain_greedy_tokens():
+def test_an_eagle3_server_gives_plain_greedy_tokens(patient):
     """`--heads eagle` (the shipped EAGLE-3 drafter): /health names it, and concurrent
     greedy completions give plain greedy decoding's tokens."""
     from medusa_jax.api import Medusa
@@ -468,7 +472,7 @@ def test_an_eagle3_server_gives_plain_greedy_tokens():
     try:
         plain = Medusa.load().generate(PROMPTS[:3], max_new_tokens=NEW, medusa=False,
                                        batch_size=3)
-        _wait_ready(proc, url)
+        _wait_ready(proc, url, patient)
         assert httpx.get(url + "/health").json()["decoding"].startswith("eagle3 ")
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
         out = {}

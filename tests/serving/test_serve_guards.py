@@ -59,17 +59,23 @@ class Launched:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, predicate, what: str, timeout: float = 60):
-        deadline = time.time() + timeout
-        while time.time() < deadline and self.proc.poll() is None:
-            if predicate():
-                return
-            time.sleep(0.1)
-        pytest.fail(f"{what}; the server said:\n" + "\n".join(self.lines))
+    def wait_for(self, predicate, what: str, patient):
+        """Until `predicate()`, for as long as the server logs lines or /health's compiled
+        programs go up (`patient`: a loaded machine only makes it slower)."""
+        def compiled():
+            try:
+                return httpx.get(self.url + "/health", timeout=10).json().get("compiled")
+            except (httpx.HTTPError, ValueError):
+                return None
+
+        patient(lambda: self.proc.poll() is not None or predicate(),
+                lambda: (len(self.lines), compiled()), what, poll=0.1)
+        if self.proc.poll() is not None or not predicate():
+            pytest.fail(f"{what}; the server said:\n" + "\n".join(self.lines))
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, patient):
     from medusa_jax.runtime import assets
 
     folder = tmp_path_factory.mktemp("long") / MODEL
@@ -85,7 +91,7 @@ def server(tmp_path_factory):
         except httpx.HTTPError:
             return False
 
-    s.wait_for(ok, "/health never answered 200", timeout=120)
+    s.wait_for(ok, "/health never answered 200", patient)
     yield s
     if s.proc.poll() is None:
         s.proc.kill()
@@ -193,6 +199,33 @@ def test_an_api_key_is_required_on_v1_only(server, client):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
+def test_a_number_past_the_engine_stops_nobody(server, client):
+    """A top_k of 2**31 (once an OverflowError in the engine thread, which stopped the engine
+    for every client) and the other numeric fields past int32: a 400 naming the field; the
+    next request is answered and /health stays ok."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    once = dict(model=MODEL, prompt="Once", max_tokens=4)
+    for path, body, param in [
+            ("/v1/completions", dict(once, top_k=2**31, temperature=0.7), "top_k"),
+            ("/v1/chat/completions", dict(chat, top_k=2**31), "top_k"),
+            ("/v1/completions", dict(once, top_k=2**63 + 1), "top_k"),
+            ("/v1/completions", dict(once, max_tokens=2**32 + 3), "max_tokens"),
+            ("/v1/chat/completions", dict(chat, max_completion_tokens=2**31),
+             "max_completion_tokens"),
+            ("/v1/completions", dict(once, stop_token_ids=[2**40]), "stop_token_ids"),
+            ("/v1/completions", dict(once, top_k=1.5), "top_k")]:
+        r = httpx.post(server.url + path, json=body, headers=auth, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+    r = _complete(client, extra_body={"top_k": 2**31 - 1})  # the largest: keeps every token
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    assert _complete(client).usage.completion_tokens == 4
+    assert httpx.get(server.url + "/health", timeout=30).json()["status"] == "ok"
+
+
+@pytest.mark.slow
+@pytest.mark.subprocess
 def test_a_loopback_server_answers_only_to_its_own_names(server):
     """DNS rebinding: a page on another site that resolves its name to 127.0.0.1 sends
     that name as Host."""
@@ -225,7 +258,7 @@ def test_bodies_must_be_declared_json(server):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_a_client_leaving_mid_upload_logs_one_line(server):
+def test_a_client_leaving_mid_upload_logs_one_line(server, patient):
     before = len(server.lines)
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/"
             b"json\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: 1000\r\n"
@@ -238,7 +271,8 @@ def test_a_client_leaving_mid_upload_logs_one_line(server):
     def lines_of(port):
         return [x for x in server.lines[before:] if f"127.0.0.1:{port}:" in x]
 
-    server.wait_for(lambda: all(lines_of(p) for p in ports), "no line for a client that left")
+    server.wait_for(lambda: all(lines_of(p) for p in ports), "no line for a client that left",
+                    patient)
     time.sleep(0.5)  # anything else it would log about them
     assert all(len(lines_of(p)) == 1 and "read whole" in lines_of(p)[0] for p in ports)
     new = server.lines[before:]

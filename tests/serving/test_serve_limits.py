@@ -61,21 +61,20 @@ class Launched:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_ready(self, timeout=180):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
+    def wait_ready(self, patient):
+        """Until /health answers 200, for as long as the server logs lines (`patient`)."""
+        def ready():
             try:
-                r = httpx.get(self.url + "/health", timeout=1)
+                r = httpx.get(self.url + "/health", timeout=10)
                 self.health.append((time.time() - self.t0, r.status_code, r.json()))
-                if r.status_code == 200:
-                    return
+                return r.status_code == 200
             except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.proc.kill()
-        pytest.fail("the server did not start:\n" + "\n".join(self.lines))
+                return self.proc.poll() is not None
+
+        patient(ready, lambda: len(self.lines), "the server's start", poll=0.05)
+        if not (self.health and self.health[-1][1] == 200):
+            self.proc.kill()
+            pytest.fail("the server did not start:\n" + "\n".join(self.lines))
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +87,8 @@ def launched():
 
 
 @pytest.fixture(scope="module")
-def url(launched):
-    launched.wait_ready()
+def url(launched, patient):
+    launched.wait_ready(patient)
     return launched.url
 
 
@@ -108,13 +107,12 @@ def _error(r, status, param):
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_health_answers_starting_while_the_programs_compile(launched):
+def test_health_answers_starting_while_the_programs_compile(launched, patient):
     """The port opens before compiling; a request sent meanwhile waits and is answered."""
     first = {}
 
     def early_request():
-        deadline = time.time() + 60
-        while time.time() < deadline:
+        while launched.proc.poll() is None:  # until the port opens
             try:
                 first["r"] = httpx.post(launched.url + "/v1/completions", timeout=120, json=dict(
                     model=MODEL, prompt="Once upon a time", max_tokens=8, temperature=0))
@@ -124,8 +122,8 @@ def test_health_answers_starting_while_the_programs_compile(launched):
 
     t = threading.Thread(target=early_request)
     t.start()
-    launched.wait_ready()
-    t.join(120)
+    launched.wait_ready(patient)
+    patient(lambda: not t.is_alive(), lambda: len(launched.lines), "the early request")
     starting = [(s, h) for s, code, h in launched.health if code == 503]
     assert starting and all(h["status"] == "starting" for _, h in starting), launched.health
     assert {"compiled", "programs"} <= set(starting[0][1])
@@ -233,8 +231,8 @@ def _refusal(url, endpoint: str, extra: dict, param) -> str:
     ("completions", dict(presence_penalty=0.5), "presence_penalty", "not supported"),
     ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools",
      "not supported"),
-    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer >= 1, "
-                                                         "got true"),
+    ("completions", dict(max_tokens=True), "max_tokens", "max_tokens must be an integer in "
+                                                         "1..2147483647, got true"),
     ("chat", dict(messages=[{"role": "user", "content": 5}]), "messages[0].content",
      "messages[0].content must be a string or a list of text parts"),
     ("completions", dict(temperature=0.7, typical_delta=0.5), None,  # the real engine's rule
@@ -379,7 +377,7 @@ def _metrics(url) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client):
+def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client, patient):
     key = 'medusa_requests_total{finish="%s"}'
     before = _metrics(url)
     for i in range(12):  # read the first chunk of a long stream, then hang up
@@ -393,15 +391,17 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
                                   temperature=0, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
-    deadline = time.time() + 20
-    while True:
-        after = _metrics(url)
-        delta = {k: after[key % k] - before[key % k] for k in ("stop", "length", "cancelled",
-                                                               "error")}
-        gone = after["medusa_disconnects_total"] - before["medusa_disconnects_total"]
-        if delta["cancelled"] >= 12 or time.time() > deadline:
-            break
-        time.sleep(0.1)
+    counts = {}
+
+    def settled():
+        after = counts["after"] = _metrics(url)
+        counts["delta"] = {k: after[key % k] - before[key % k]
+                           for k in ("stop", "length", "cancelled", "error")}
+        return counts["delta"]["cancelled"] >= 12
+
+    patient(settled, lambda: counts.get("delta"), "12 disconnects counted", poll=0.1)
+    after, delta = counts["after"], counts["delta"]
+    gone = after["medusa_disconnects_total"] - before["medusa_disconnects_total"]
     assert delta == {"stop": 1, "length": 1, "cancelled": 12, "error": 0}
     assert gone == 12
     text = httpx.get(url + "/metrics", timeout=10).text
@@ -430,29 +430,52 @@ def test_metrics_count_each_finish_reason_as_the_response_reports_it(url, client
     (["--prefill-batch", "0"], "--prefill-batch: must be >= 1, got 0"),
     (["--overlap-ms", "-2"], "--overlap-ms: must be a finite number >= 0, got -2"),
     (["--port", "TAKEN"], "cannot listen there"),
+    (["--api-key", " abc"], "--api-key has spaces around it (' abc'): a client's key is read "
+                            "without them"),
+    (["--api-key", ""], "--api-key is empty: give a key, or leave it out for no key"),
+    (["--api-key", "  "], "--api-key is empty"),
+    (["--api-key", "k\u00e9y"], "--api-key must be printable ASCII characters"),
+    (["--ngram-shared-size", "1024"], "--ngram-shared-size sets the shared n-gram pool's size: "
+                                      "use it with --ngram-shared"),
+    (["ENV", "  "], "$MEDUSA_JAX_API_KEY is empty: give a key, or leave it out for no key"),
+    (["ENV", ""], "$MEDUSA_JAX_API_KEY is empty"),
+    (["ENV", "abc "], "$MEDUSA_JAX_API_KEY has spaces around it ('abc ')"),
 ])
 def test_start_up_flags_fail_in_one_line_before_any_work(flags, message):
+    """ENV VALUE: $MEDUSA_JAX_API_KEY=VALUE, under the same rule as --api-key's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MEDUSA_JAX_API_KEY", None)
+    if flags[0] == "ENV":
+        env["MEDUSA_JAX_API_KEY"], flags = flags[1], []
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         flags = [str(taken.getsockname()[1]) if f == "TAKEN" else f for f in flags]
-        t = time.time()
         r = subprocess.run([sys.executable, "-m", "infer.serve", "--heads", "default", *flags],
-                           cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                           capture_output=True, text=True, timeout=60)
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
-    assert len(r.stderr.strip().splitlines()[-1]) > 10
-    assert time.time() - t < 5  # no model loaded, nothing compiled
+    last = r.stderr.strip().splitlines()[-1]
+    assert len(last) > 10 and message in last
+    assert "loaded" not in r.stderr  # before any work: no model loaded, nothing compiled
+
+
+def test_urls_bracket_ipv6_hosts():
+    from infer.serve import http_url
+
+    assert http_url("::1", 8000) == "http://[::1]:8000"
+    assert http_url("::ffff:127.0.0.1", 80) == "http://[::ffff:127.0.0.1]:80"
+    assert http_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert http_url("localhost", 1) == "http://localhost:1"
 
 
 @pytest.mark.slow
 @pytest.mark.subprocess
-def test_the_rest_compiled_in_the_background(launched, url):
-    deadline = time.time() + 120
-    while not any(line.startswith("all 15 programs compiled") for line in launched.lines):
-        assert time.time() < deadline and launched.proc.poll() is None, launched.lines
-        time.sleep(0.2)
+def test_the_rest_compiled_in_the_background(launched, url, patient):
+    patient(lambda: any(line.startswith("all 15 programs compiled") for line in launched.lines)
+            or launched.proc.poll() is not None, lambda: len(launched.lines),
+            "the background warm-up", poll=0.2)
+    assert launched.proc.poll() is None, launched.lines
     progress = [x for x in launched.lines if x.startswith("compiled ")]
     # what serves any request next (the widest window over every slot), then the rest
     assert progress[3].startswith("compiled step (window 128, 4 slots) in ") and \
