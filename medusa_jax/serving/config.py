@@ -69,11 +69,11 @@ class EngineConfig:
 
     slots: requests decoded at once; medusa: use the model's heads (None: when it has
     them); tree: a tree name, file or "dynamic:N"; steps_per_call: K; max_context: a slot's
-    cache length (None: the model's context); window_block: attention windows in multiples
-    of this; max_queue: waiting requests at most; buckets: prompt lengths prefill is
-    compiled for; acceptance: "rejection" or "typical"; slot_buckets: slot counts a step is
-    compiled for; plain_above: plain steps above this many live slots ("auto", or None:
-    never); prefill_batch: prompts prefilled in one call at most; short_call_ms /
+    cache length (None: the model's context); window_block: the narrowest attention
+    window (each next one twice as wide); max_queue: waiting requests at most; buckets:
+    prompt lengths prefill is compiled for; acceptance: "rejection" or "typical";
+    slot_buckets: slot counts a step is compiled for; plain_above: plain steps above this
+    many live slots ("auto", or None: never); prefill_batch: prompts prefilled in one call at most; short_call_ms /
     overlap_ms: call sizing (None: off); prefix_cache: prefill after cached prefixes;
     ngram_shared / ngram_shared_size: a pool of n-grams shared across requests (the
     drafter's `shared_pool`) and its entries."""
@@ -93,9 +93,10 @@ class EngineConfig:
                                      "context (default: the model's context up to "
                                      f"{DEFAULT_MAX_CONTEXT} tokens; the programs to compile "
                                      "grow with it)", type=positive_int, metavar="TOKENS")
-    window_block: int = option(128, "attention windows are compiled in multiples of this "
-                               "(larger: fewer step programs, more attention work per step; "
-                               "default {default})", type=positive_int)
+    window_block: int = option(128, "the narrowest attention window; each next one is twice "
+                               "as wide, up to --max-context (larger: fewer programs, more "
+                               "attention work on short contexts; default {default})",
+                               type=positive_int, metavar="TOKENS")
     max_queue: int = option(64, "waiting requests past which new ones get 429 "
                             "(default {default})")
     buckets: tuple[int, ...] | None = option(None, "prompt lengths prefill is compiled for, "

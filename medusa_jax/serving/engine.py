@@ -97,7 +97,7 @@ class Engine:
       it is prefilled behind it alone, not behind the call queued after it too. None:
       always overlap.
     - max_context: the KV cache's length per slot (default: the model's context).
-    - window_block: attention windows are compiled in multiples of this. The slots' KV
+    - window_block: the narrowest attention window, each next one twice as wide. The KV
       cache is kept as long as the current window (resized when the live requests need a
       longer one, or fit a shorter one to their ends), so a call attends over the whole
       cache it holds and copies none of it.

@@ -116,6 +116,17 @@ def auto_plain_above(keeps_context: bool | None, slots: int, backend: str,
     return AUTO_PLAIN_ABOVE
 
 
+def attention_windows(smallest: int, capacity: int) -> list[int]:
+    """The attention windows: `smallest`, each next one twice as wide, and `capacity` (the
+    widest): a step attends over at most twice the cache slots it needs, and the programs
+    per window grow with log(context), not with the context."""
+    windows, w = [], smallest
+    while w < capacity:
+        windows.append(w)
+        w *= 2
+    return windows + [capacity]
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The sizes an engine runs with (see `Layout.build`). width: tokens a step emits at
@@ -156,8 +167,7 @@ class Layout:
         if capacity < min_bucket + fed + 1:
             raise ValueError(f"max_context {capacity} is too small (need at least "
                              f"{min_bucket + fed + 1})")
-        block = config.window_block
-        windows = sorted({min(w, capacity) for w in range(block, capacity + block, block)})
+        windows = attention_windows(config.window_block, capacity)
         buckets = config.buckets
         if buckets is None:
             buckets, b = [capacity], min_bucket
