@@ -390,13 +390,13 @@ def _merged_sets(args, sets):
     drafts (a drafter that is n-grams already gets no merged row)."""
     if args.ngram is None:
         return sets
-    from medusa_jax.drafters import registry
+    from medusa_jax.drafters import resolve
 
     out = []
     for label, heads, trees in sets:
         out.append((label, heads, trees))
         try:
-            merged = registry.merge_ngram(heads, args.ngram, args.ngram_max, args.ngram_min)
+            merged = resolve.merge_ngram(heads, args.ngram, args.ngram_max, args.ngram_min)
         except ValueError:  # the n-gram drafter: its drafts are n-grams already
             continue
         out.append((f"{label}+ngram", merged, [merged.drafter.tree_for(t) for t in trees]))
@@ -410,7 +410,6 @@ def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax.decoding.drafter import with_weight_dtype
     from medusa_jax.drafters import formats as heads_formats
     from medusa_jax.drafters import registry
 
@@ -425,7 +424,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
         path = assets.shipped_heads_dir(name) if name in assets.SHIPPED_HEADS else name
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         if args.heads_dtype != "float32":
-            heads = with_weight_dtype(heads, args.heads_dtype)
+            heads = registry.with_weight_dtype(heads, args.heads_dtype)
         kind = registry.kind_of(heads)
         k = registry.depth_of(heads)
         for t in trees:

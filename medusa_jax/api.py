@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.decoding import drafter
 from medusa_jax.decoding.decode import (
     check_fits,
     generate,
@@ -36,7 +35,7 @@ from medusa_jax.decoding.decode import (
 from medusa_jax.decoding.sampling import MODES, Rows
 from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree
-from medusa_jax.drafters import registry, shipped
+from medusa_jax.drafters import registry, resolve, shipped
 from medusa_jax.drafters.formats import bundled_model, load_heads
 from medusa_jax.model.backbone import Params, decoding_layout, head_units, param_axes, param_specs
 from medusa_jax.model.config import ModelConfig, stop_tokens
@@ -158,7 +157,7 @@ def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
     Megatron-style over the `model` axis, replicated over the batch axes."""
     mesh = sharding.make_mesh(mesh)
     bb = sharding.decode_shardings(param_axes(cfg), param_specs(cfg), mesh, head_units(cfg))
-    hd = None if heads is None else sharding.decode_shardings(drafter.axes_of(heads), heads, mesh)
+    hd = None if heads is None else sharding.decode_shardings(registry.axes_of(heads), heads, mesh)
     return bb, hd
 
 
@@ -232,7 +231,7 @@ class Medusa:
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
                                 f"{type(value).__name__} {_clip(value)}")
-        drafter.check_heads_dtype(heads_dtype, "heads_dtype")
+        registry.check_heads_dtype(heads_dtype, "heads_dtype")
         ngram = _ngram_arg(ngram)
         shipped.check_ngram(heads, ngram, ngram_max, ngram_min, names=_NGRAM_ARGS)
         fileless = shipped.fileless(heads)
@@ -274,7 +273,7 @@ class Medusa:
                 head_params = load_heads(heads, cfg, base_model=model_dir,
                                          embed=params["embed"])[0] if heads is not None else None
             if head_params is not None and heads_dtype != "float32":
-                head_params = drafter.with_weight_dtype(head_params, heads_dtype)
+                head_params = registry.with_weight_dtype(head_params, heads_dtype)
         tokenizer = text_tokenizer.load_tokenizer(model_dir)
         tree = registry.default_tree_of(head_params) if head_params is not None else None
         m = cls(cfg, params, tokenizer, head_params, model_dir,
@@ -287,7 +286,7 @@ class Medusa:
         """The kind of the loaded drafter (`drafters.registry`; None without heads)."""
         if self.heads is None:
             return None
-        return drafter.kind_of(self.heads)
+        return registry.kind_of(self.heads)
 
     def under_mesh(self):
         """The context decoding runs in: `jax.set_mesh(self.mesh)` (the KV cache is then
@@ -502,7 +501,7 @@ class Medusa:
         """The loaded heads bound to a drafter that merges an `ngram`-node chain (built once:
         the same drafter reuses its compiled decoder)."""
         if ngram not in self._merged:
-            self._merged[ngram] = registry.merge_ngram(self.heads, ngram, *self.ngram_sizes)
+            self._merged[ngram] = resolve.merge_ngram(self.heads, ngram, *self.ngram_sizes)
         return self._merged[ngram]
 
 

@@ -17,19 +17,20 @@ pytree): a drafter whose configuration the tensors' shapes do not hold (EAGLE-3'
 its norm eps and rope) travels with its parameters through every decoder that way.
 
 The kinds of drafter live in `medusa_jax.drafters` (one folder each), registered in
-`drafters.registry`; this layer looks a kind up there by name only when heads of it are
-decoded, so decoding never imports a drafter's code. Besides decoding, a kind's class
+`drafters.registry`, the one door to them; that layer installs its lookup of unbound
+parameters here (`decoding.kinds`), so decoding never imports a drafter's code. Besides decoding, a kind's class
 declares its file formats (`formats`: see `drafters.formats`) and how it is enlarged
 (`enlarge`); the conformance test (tests/drafters/test_conformance.py) is the recipe.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from medusa_jax.decoding import kinds
 
 Params = Any  # a parameter pytree
 
@@ -174,35 +175,14 @@ jax.tree_util.register_pytree_with_keys(
     lambda aux, leaves: BoundParams(dict(zip(aux[0], leaves)), aux[1]))
 
 
-def _registry():
-    """The kinds live with the drafters (`drafters.registry`), a layer above this one: it is
-    imported by name when a kind is first looked up, so decoding never imports their code."""
-    return importlib.import_module("medusa_jax.drafters.registry")
-
-
-def __getattr__(name):
-    if name == "DRAFTERS":  # kind -> "module:class" (or class), kept by `drafters.registry`
-        return _registry().KINDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def drafter_class(kind: str) -> type:
-    """The drafter class registered for `kind` (`drafters.registry`)."""
-    return _registry().drafter_class(kind)
-
-
-def kind_of(heads: Params) -> str:
-    """The kind of drafter `heads` are the parameters of (`drafters.registry`)."""
-    return _registry().kind_of(heads)
-
-
 def drafter_for(heads: Params, head_fn=None) -> Drafter:
-    """The drafter of `heads` (`drafters.registry.drafter_for`): `head_fn` when it is a
-    drafter, else the one bound to `heads`, else the registered kind's."""
-    return _registry().drafter_for(heads, head_fn)
-
-
-HEADS_DTYPES = ("float32", "bfloat16")
+    """The drafter of `heads`: `head_fn` when it is a drafter, else the one bound to `heads`
+    (`BoundParams`), else the registered kind's (`drafters.registry.drafter_for`)."""
+    if head_fn is not None and hasattr(head_fn, "propose"):
+        return head_fn
+    if head_fn is None and isinstance(heads, BoundParams):
+        return heads.drafter
+    return kinds.lookup(heads, head_fn)
 
 
 def refuse_head_fn(head_fn, what: str) -> None:
@@ -210,36 +190,3 @@ def refuse_head_fn(head_fn, what: str) -> None:
     one line (`what`: what the parameters are instead)."""
     if head_fn is not None:
         raise ValueError(f"head_fn is a Medusa head function, but {what}; leave head_fn unset")
-
-
-def check_heads_dtype(dtype, name: str = "heads dtype") -> None:
-    """A one-line ValueError naming `name` unless `dtype` is one of `HEADS_DTYPES`."""
-    if dtype not in HEADS_DTYPES:
-        raise ValueError(f"{name} must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
-
-
-# Logical axes that stack copies of a tensor (one per head, one per block) rather than
-# being one of its matrix dimensions.
-_STACKING_AXES = ("medusa_heads", "medusa_layers")
-
-
-def with_weight_dtype(heads: Params, dtype: str) -> Params:
-    """Heads of any kind with their weight matrices (floating tensors with two logical axes
-    or more besides the per-head and per-block stacking, `axes_of`) in `dtype`, one of
-    `HEADS_DTYPES`; biases and norms keep theirs. The heads compute in the backbone's dtype
-    whatever their weights are stored in: bfloat16 weights halve what a step reads of them,
-    and change only what they propose (verification decides what is emitted)."""
-    check_heads_dtype(dtype)
-    axes = axes_of(heads)
-    out = dict(heads)
-    for name, x in heads.items():
-        matrix = len([a for a in axes.get(name, ()) if a not in _STACKING_AXES]) >= 2
-        if matrix and jnp.issubdtype(x.dtype, jnp.floating):
-            out[name] = x.astype(getattr(jnp, dtype))
-    return BoundParams(out, heads.drafter) if isinstance(heads, BoundParams) else out
-
-
-def axes_of(heads: Params) -> dict:
-    """{name: logical axes} of heads of any kind (`BoundParams` like `heads`, to map with it)."""
-    axes = drafter_class(kind_of(heads)).axes(heads)
-    return BoundParams(axes, heads.drafter) if isinstance(heads, BoundParams) else axes

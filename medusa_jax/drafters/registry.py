@@ -1,5 +1,8 @@
 """The kinds of drafter: kind -> its class (`decoding.drafter.Drafter`), each written here as
 "module:class" and imported on first use, so a command pays only for the kinds it decodes.
+This module is the one door to them: which kind parameters are (`kind_of`), their drafter
+(`drafter_for`, what the decoders reach through `decoding.kinds`), their class
+(`drafter_class`), their logical axes (`axes_of`) and weight dtype (`with_weight_dtype`).
 
 A new kind is a folder under `medusa_jax.drafters` and one line in `KINDS` (or, from a test
 or a plugin, one `register(kind, "module:class")` call, or `register(kind, TheClass)`).
@@ -11,6 +14,11 @@ of `KINDS` is the order in which `matches` is asked (and file layouts are detect
 from __future__ import annotations
 
 import importlib
+
+import jax.numpy as jnp
+
+from medusa_jax.constants import HEADS_DTYPES
+from medusa_jax.decoding.drafter import BoundParams
 
 Params = object  # a parameter pytree
 
@@ -83,7 +91,7 @@ def drafter_for(heads: Params, head_fn=None):
     function `(heads, hidden [B, H], lengths [B]) -> logits [K, B, V]`, tests' oracles)."""
     if head_fn is not None and hasattr(head_fn, "propose"):
         return head_fn
-    if head_fn is None and getattr(heads, "drafter", None) is not None:
+    if head_fn is None and isinstance(heads, BoundParams):
         return heads.drafter
     if head_fn is not None and not any(cls.matches(heads) for _, cls in classes()):
         # a head function takes whatever parameters it likes (tests' oracle heads)
@@ -111,14 +119,34 @@ def default_tree_of(heads: Params):
     return getattr(bound, "default_tree", None) if bound is not None else None
 
 
-def merge_ngram(heads: Params, extra: int | None = None, max_n: int | None = None,
-                min_n: int | None = None):
-    """`heads` of any kind bound to a drafter that adds the n-gram continuation (`extra`
-    chain nodes; None: the measured default) to their tree: decode with
-    `heads.drafter.tree_for(tree)` (`drafters.ngram.merged`)."""
-    merged = importlib.import_module("medusa_jax.drafters.ngram.merged")
-    ngram = without_files("ngram", max_n=max_n, min_n=min_n).drafter
-    if isinstance(getattr(heads, "drafter", None), type(ngram)):
-        raise ValueError("n-gram drafts merge into another drafter's tree, not the n-gram "
-                         "drafter's own")
-    return merged.merged(heads, merged.DEFAULT_EXTRA if extra is None else extra, ngram)
+def check_heads_dtype(dtype, name: str = "heads dtype") -> None:
+    """A one-line ValueError naming `name` unless `dtype` is one of `HEADS_DTYPES`."""
+    if dtype not in HEADS_DTYPES:
+        raise ValueError(f"{name} must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
+
+
+# Logical axes that stack copies of a tensor (one per head, one per block) rather than
+# being one of its matrix dimensions.
+_STACKING_AXES = ("medusa_heads", "medusa_layers")
+
+
+def with_weight_dtype(heads: Params, dtype: str) -> Params:
+    """Heads of any kind with their weight matrices (floating tensors with two logical axes
+    or more besides the per-head and per-block stacking, `axes_of`) in `dtype`, one of
+    `HEADS_DTYPES`; biases and norms keep theirs. The heads compute in the backbone's dtype
+    whatever their weights are stored in: bfloat16 weights halve what a step reads of them,
+    and change only what they propose (verification decides what is emitted)."""
+    check_heads_dtype(dtype)
+    axes = axes_of(heads)
+    out = dict(heads)
+    for name, x in heads.items():
+        matrix = len([a for a in axes.get(name, ()) if a not in _STACKING_AXES]) >= 2
+        if matrix and jnp.issubdtype(x.dtype, jnp.floating):
+            out[name] = x.astype(getattr(jnp, dtype))
+    return BoundParams(out, heads.drafter) if isinstance(heads, BoundParams) else out
+
+
+def axes_of(heads: Params) -> dict:
+    """{name: logical axes} of heads of any kind (`BoundParams` like `heads`, to map with it)."""
+    axes = drafter_class(kind_of(heads)).axes(heads)
+    return BoundParams(axes, heads.drafter) if isinstance(heads, BoundParams) else axes

@@ -34,7 +34,7 @@ from medusa_jax.decoding.decode import MIN_BUCKET
 from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.step import follows_plain_steps, rebuilds_from_tokens, static_tree
-from medusa_jax.drafters import registry
+from medusa_jax.drafters import resolve
 from medusa_jax.serving.config import ACCEPTANCE, MAX_STOP, WARMUPS, EngineConfig
 from medusa_jax.serving.layout import Layout
 from medusa_jax.serving.layout import auto_plain_above as _auto_plain_above
@@ -138,7 +138,7 @@ class Engine:
         heads = model.heads
         merge = model.ngram  # `Medusa.load(ngram=N)`: n-gram chain nodes merged (or None)
         if use_medusa and merge is not None:
-            heads = registry.merge_ngram(model.heads, merge, *model.ngram_sizes)
+            heads = resolve.merge_ngram(model.heads, merge, *model.ngram_sizes)
         self.drafter = drafter_for(heads) if use_medusa else None
         self.pool = None  # the drafter's pool shared across requests (`ngram_shared`)
         if config.ngram_shared:

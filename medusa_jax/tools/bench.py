@@ -584,7 +584,7 @@ def step_breakdown(params, heads, cfg: ModelConfig, prompt: list[int], trees: li
     for tree in trees:
         state, used = decode.medusa_init(params, heads, cfg, tokens, lengths, key, tree,
                                          Sampling(), max_new_tokens, eos=eos)
-        drafter = decode.drafter_for(heads)
+        drafter = registry.drafter_for(heads)
         config = f"{drafter.kind} {tree.name} ({tree.num_nodes} tokens)"
         every = frozenset(MEDUSA_STAGES)
         variants = [("whole step", every)] + [(f"- {stage}", every - {stage})

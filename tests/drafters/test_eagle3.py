@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 
-from medusa_jax.decoding import drafter as drafters  # noqa: E402
+from medusa_jax.drafters import registry as drafters  # noqa: E402
 from medusa_jax.decoding.drafter import BoundParams  # noqa: E402
 from medusa_jax.decoding.tree import DynamicTree, Tree  # noqa: E402
 from medusa_jax.drafters.eagle3 import formats  # noqa: E402

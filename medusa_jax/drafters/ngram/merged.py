@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams, drafter_for
+from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import shipped
+from medusa_jax.drafters.registry import drafter_for
 from medusa_jax.drafters.ngram.drafter import NgramCarry, NgramDrafter
 from medusa_jax.model.backbone import Params
 
