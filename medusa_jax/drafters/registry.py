@@ -18,7 +18,7 @@ import importlib
 import jax.numpy as jnp
 
 from medusa_jax.constants import HEADS_DTYPES
-from medusa_jax.decoding.drafter import BoundParams
+from medusa_jax.decoding.drafter import BoundParams, Drafter
 
 Params = object  # a parameter pytree
 
@@ -74,9 +74,8 @@ def classes():
 def kind_of(heads: Params) -> str:
     """The kind of drafter `heads` are the parameters of: the one bound to them, else the
     first whose `matches` says yes."""
-    bound = getattr(heads, "drafter", None)
-    if bound is not None:
-        return bound.kind
+    if isinstance(heads, BoundParams):
+        return heads.drafter.kind
     for kind, cls in classes():
         if cls.matches(heads):
             return kind
@@ -89,7 +88,7 @@ def drafter_for(heads: Params, head_fn=None):
     """The drafter of `heads`: `head_fn` when it is a drafter already, else the one bound to
     `heads` (`BoundParams`), else the registered kind's, built from `head_fn` (a plain head
     function `(heads, hidden [B, H], lengths [B]) -> logits [K, B, V]`, tests' oracles)."""
-    if head_fn is not None and hasattr(head_fn, "propose"):
+    if isinstance(head_fn, Drafter):
         return head_fn
     if head_fn is None and isinstance(heads, BoundParams):
         return heads.drafter
@@ -107,16 +106,12 @@ def depth_of(heads: Params) -> int | None:
 def without_files(kind: str, **options):
     """The heads of a kind that needs no files (`shipped.FILELESS`: `--heads ngram`), bound
     to their drafter (`BoundParams`); `options` are the kind's (the n-gram sizes)."""
-    cls = drafter_class(kind)
-    if not hasattr(cls, "without_files"):
-        raise ValueError(f"drafter kind {kind!r} is read from files: give its folder")
-    return cls.without_files(**options)
+    return drafter_class(kind).without_files(**options)
 
 
 def default_tree_of(heads: Params):
     """The tree the drafter bound to `heads` decodes with unless told (None: the model's)."""
-    bound = getattr(heads, "drafter", None)
-    return getattr(bound, "default_tree", None) if bound is not None else None
+    return heads.drafter.default_tree if isinstance(heads, BoundParams) else None
 
 
 def check_heads_dtype(dtype, name: str = "heads dtype") -> None:

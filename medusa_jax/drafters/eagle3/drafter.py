@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams
+from medusa_jax.decoding.drafter import BoundParams, Context
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.kind import Kind
 from medusa_jax.model.backbone import MAX_UNROLLED_ROWS, Params
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.runtime import pytree as struct
@@ -191,7 +192,7 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(Kind):
     """`config`: the drafter's (its aux layers, norm eps, rope; None: `config_of` defaults),
     `model_cfg`: the backbone's, for its embedding (None: the plain table lookup)."""
 
@@ -199,7 +200,7 @@ class Eagle3Drafter:
     model_cfg: ModelConfig | None = None
     kind = "eagle3"
     formats = "medusa_jax.drafters.eagle3.formats:Eagle3Formats"  # its layouts, its artifact
-    keeps_context = True  # its own KV cache of every committed entry
+    context = Context.HIDDEN_STATES  # its own KV cache of every committed entry
     batch_axis = 0  # of the carry: every leaf has the rows first
 
     @classmethod
@@ -304,7 +305,8 @@ def enlarge(heads, src: ModelConfig, dst: ModelConfig, grow) -> BoundParams:
     (bound to its new config): its layer grown to dst's layer shape, exactly as
     `tools.enlarge` grows a backbone layer (`grow`: that module's `plan` and `place`), its
     fc and q/k/v inputs padded block by block."""
-    c = getattr(getattr(heads, "drafter", None), "config", None)
+    bound = heads.drafter if isinstance(heads, BoundParams) else None
+    c = bound.config if isinstance(bound, Eagle3Drafter) else None
     if c is None:
         raise ValueError("an EAGLE-3 drafter to enlarge must carry its config (load it "
                            "with load_heads)")
