@@ -396,10 +396,11 @@ def _merged_sets(args, sets):
     for label, heads, trees in sets:
         out.append((label, heads, trees))
         try:
-            merged = resolve.merge_ngram(heads, args.ngram, args.ngram_max, args.ngram_min)
+            merged = [resolve.resolve(heads, t, args.ngram, (args.ngram_max, args.ngram_min))
+                      for t in trees]
         except ValueError:  # the n-gram drafter: its drafts are n-grams already
             continue
-        out.append((f"{label}+ngram", merged, [merged.drafter.tree_for(t) for t in trees]))
+        out.append((f"{label}+ngram", merged[0].heads, [m.tree for m in merged]))
     return out
 
 

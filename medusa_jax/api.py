@@ -193,7 +193,6 @@ class Medusa:
         self._compiled: set = set()  # the decoder calls compiled so far
         self.ngram = None  # n-gram chain nodes merged into the drafter's tree (None: none)
         self.ngram_sizes = (None, None)  # (max_n, min_n) of those n-grams (None: default)
-        self._merged: dict = {}  # chain nodes -> the heads bound to their merged drafter
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
@@ -421,8 +420,9 @@ class Medusa:
         the_tree = self.tree(tree) if use_medusa else None
         heads = self.heads
         if ngram is not None:
-            heads = self._merged_heads(ngram)
-            the_tree = heads.drafter.tree_for(the_tree)
+            # the drafter built again is equal to the last one: its decoder is compiled once
+            merged = resolve.resolve(heads, the_tree, ngram, self.ngram_sizes)
+            heads, the_tree = merged.heads, merged.tree
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
         tree_tokens = the_tree.num_nodes if the_tree else 0
@@ -496,13 +496,6 @@ class Medusa:
                              "decoding (no heads, or medusa=False) drafts nothing")
         shipped.check_ngram(self.drafter_kind, ngram, *self.ngram_sizes,
                             self.cfg.max_position_embeddings, _NGRAM_ARGS)
-
-    def _merged_heads(self, ngram: int):
-        """The loaded heads bound to a drafter that merges an `ngram`-node chain (built once:
-        the same drafter reuses its compiled decoder)."""
-        if ngram not in self._merged:
-            self._merged[ngram] = resolve.merge_ngram(self.heads, ngram, *self.ngram_sizes)
-        return self._merged[ngram]
 
 
 _NGRAM_ARGS = shipped.API_ARGS  # the arguments, as `shipped.check_ngram` names them

@@ -137,9 +137,9 @@ class Drafter:
         return carry
 
     def shared_pool(self, size: int):
-        """(this drafter reading a pool shared across requests of `size` entries, the pool);
-        only the n-gram drafter keeps one."""
-        raise ValueError(f"a {self.name} drafter keeps no shared n-gram pool")
+        """(this drafter reading a pool shared across requests of `size` entries, the pool),
+        or None: this default, a drafter that keeps no such pool."""
+        return None
 
     def pool_hits(self, carry):
         """[B] int32: each row's lookups that found an entry of a shared pool (None: the
