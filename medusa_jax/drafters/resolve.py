@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.drafters import registry
 from medusa_jax.drafters.ngram import merged
 
@@ -55,7 +56,7 @@ def merge_ngram(heads: Params, extra: int | None = None, max_n: int | None = Non
     chain nodes; None: the measured default) to their tree: decode with
     `heads.drafter.tree_for(tree)` (`drafters.ngram.merged`)."""
     ngram = registry.without_files("ngram", max_n=max_n, min_n=min_n).drafter
-    if isinstance(getattr(heads, "drafter", None), type(ngram)):
+    if isinstance(heads, BoundParams) and isinstance(heads.drafter, type(ngram)):
         raise ValueError("n-gram drafts merge into another drafter's tree, not the n-gram "
                          "drafter's own")
     return merged.merged(heads, merged.DEFAULT_EXTRA if extra is None else extra, ngram)

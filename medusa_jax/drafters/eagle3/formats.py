@@ -466,8 +466,11 @@ def config_of_meta(meta: dict, file: Path) -> eagle3.Eagle3Config:
 
 
 def _config_of(heads: Params, what: str) -> eagle3.Eagle3Config:
-    bound = getattr(heads, "drafter", None)
-    if bound is None or getattr(bound, "config", None) is None:
+    from medusa_jax.decoding.drafter import BoundParams
+    from medusa_jax.drafters.eagle3.drafter import Eagle3Drafter
+
+    bound = heads.drafter if isinstance(heads, BoundParams) else None
+    if not isinstance(bound, Eagle3Drafter) or bound.config is None:
         raise HeadsFormatError(f"{what}: these EAGLE-3 parameters carry no configuration (aux "
                                f"layers, norm eps, rope); bind them first "
                                f"(drafters.eagle3.drafter.bind(heads, config, model_cfg))")
