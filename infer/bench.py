@@ -33,7 +33,7 @@ import sys
 from collections import defaultdict
 
 from medusa_jax import cli
-from medusa_jax.drafters import shipped
+from medusa_jax.drafters import registry, shipped
 from medusa_jax.kernels.flags import add_flag as kernels_flag
 from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
@@ -44,7 +44,7 @@ from medusa_jax.tools.bench_config import BenchConfig
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
+    cli.add_model_flags(p, heads_help=f"a drafter ({registry.help_kinds(files_only=True)}), "
                                       f"{shipped.help_names()} for the embedded model's "
                                       f"shipped ones, or {shipped.NGRAM!r} for n-gram drafts "
                                       "(no files; default: the shipped Medusa heads)",
@@ -390,16 +390,17 @@ def _merged_sets(args, sets):
     drafts (a drafter that is n-grams already gets no merged row)."""
     if args.ngram is None:
         return sets
-    from medusa_jax.drafters import registry
+    from medusa_jax.drafters import resolve
 
     out = []
     for label, heads, trees in sets:
         out.append((label, heads, trees))
         try:
-            merged = registry.merge_ngram(heads, args.ngram, args.ngram_max, args.ngram_min)
+            merged = [resolve.resolve(heads, t, args.ngram, (args.ngram_max, args.ngram_min))
+                      for t in trees]
         except ValueError:  # the n-gram drafter: its drafts are n-grams already
             continue
-        out.append((f"{label}+ngram", merged, [merged.drafter.tree_for(t) for t in trees]))
+        out.append((f"{label}+ngram", merged[0].heads, [m.tree for m in merged]))
     return out
 
 
@@ -410,9 +411,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
         return []
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
-    from medusa_jax.decoding.drafter import with_weight_dtype
     from medusa_jax.drafters import formats as heads_formats
-    from medusa_jax.drafters import registry
 
     out = []
     for name in args.also_heads.split(","):
@@ -425,7 +424,7 @@ def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
         path = assets.shipped_heads_dir(name) if name in assets.SHIPPED_HEADS else name
         heads, _ = heads_formats.load_heads(path, model.cfg, base_model=model.model_dir)
         if args.heads_dtype != "float32":
-            heads = with_weight_dtype(heads, args.heads_dtype)
+            heads = registry.with_weight_dtype(heads, args.heads_dtype)
         kind = registry.kind_of(heads)
         k = registry.depth_of(heads)
         for t in trees:

@@ -25,7 +25,6 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from medusa_jax.decoding import drafter
 from medusa_jax.decoding.decode import (
     check_fits,
     generate,
@@ -36,7 +35,7 @@ from medusa_jax.decoding.decode import (
 from medusa_jax.decoding.sampling import MODES, Rows
 from medusa_jax.decoding.sampling import check as check_sampling
 from medusa_jax.decoding.tree import DEFAULT_TREE, DynamicTree, Tree, check_size
-from medusa_jax.drafters import registry, shipped
+from medusa_jax.drafters import registry, resolve, shipped
 from medusa_jax.drafters.formats import bundled_model, load_heads
 from medusa_jax.model.backbone import Params, decoding_layout, head_units, param_axes, param_specs
 from medusa_jax.model.config import ModelConfig, stop_tokens
@@ -158,7 +157,7 @@ def decode_shardings(cfg: ModelConfig, mesh, heads: Params | None = None):
     Megatron-style over the `model` axis, replicated over the batch axes."""
     mesh = sharding.make_mesh(mesh)
     bb = sharding.decode_shardings(param_axes(cfg), param_specs(cfg), mesh, head_units(cfg))
-    hd = None if heads is None else sharding.decode_shardings(drafter.axes_of(heads), heads, mesh)
+    hd = None if heads is None else sharding.decode_shardings(registry.axes_of(heads), heads, mesh)
     return bb, hd
 
 
@@ -194,7 +193,6 @@ class Medusa:
         self._compiled: set = set()  # the decoder calls compiled so far
         self.ngram = None  # n-gram chain nodes merged into the drafter's tree (None: none)
         self.ngram_sizes = (None, None)  # (max_n, min_n) of those n-grams (None: default)
-        self._merged: dict = {}  # chain nodes -> the heads bound to their merged drafter
         self.mesh = None if mesh is None else sharding.make_mesh(mesh)
         if self.mesh is not None:
             self.params, self.heads = shard_for_decoding(cfg, params, heads, self.mesh)
@@ -232,7 +230,7 @@ class Medusa:
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a str such as 'float32' or 'bfloat16', got "
                                 f"{type(value).__name__} {_clip(value)}")
-        drafter.check_heads_dtype(heads_dtype, "heads_dtype")
+        registry.check_heads_dtype(heads_dtype, "heads_dtype")
         ngram = _ngram_arg(ngram)
         shipped.check_ngram(heads, ngram, ngram_max, ngram_min, names=_NGRAM_ARGS)
         fileless = shipped.fileless(heads)
@@ -274,7 +272,7 @@ class Medusa:
                 head_params = load_heads(heads, cfg, base_model=model_dir,
                                          embed=params["embed"])[0] if heads is not None else None
             if head_params is not None and heads_dtype != "float32":
-                head_params = drafter.with_weight_dtype(head_params, heads_dtype)
+                head_params = registry.with_weight_dtype(head_params, heads_dtype)
         tokenizer = text_tokenizer.load_tokenizer(model_dir)
         tree = registry.default_tree_of(head_params) if head_params is not None else None
         m = cls(cfg, params, tokenizer, head_params, model_dir,
@@ -287,7 +285,7 @@ class Medusa:
         """The kind of the loaded drafter (`drafters.registry`; None without heads)."""
         if self.heads is None:
             return None
-        return drafter.kind_of(self.heads)
+        return registry.kind_of(self.heads)
 
     def under_mesh(self):
         """The context decoding runs in: `jax.set_mesh(self.mesh)` (the KV cache is then
@@ -426,8 +424,9 @@ class Medusa:
         the_tree = self.tree(tree) if use_medusa else None
         heads = self.heads
         if ngram is not None:
-            heads = self._merged_heads(ngram)
-            the_tree = heads.drafter.tree_for(the_tree)
+            # the drafter built again is equal to the last one: its decoder is compiled once
+            merged = resolve.resolve(heads, the_tree, ngram, self.ngram_sizes)
+            heads, the_tree = merged.heads, merged.tree
         encoded = [self.encode(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
         longest = max(len(e) for e in encoded)
         tree_tokens = the_tree.num_nodes if the_tree else 0
@@ -501,13 +500,6 @@ class Medusa:
                              "decoding (no heads, or medusa=False) drafts nothing")
         shipped.check_ngram(self.drafter_kind, ngram, *self.ngram_sizes,
                             self.cfg.max_position_embeddings, _NGRAM_ARGS)
-
-    def _merged_heads(self, ngram: int):
-        """The loaded heads bound to a drafter that merges an `ngram`-node chain (built once:
-        the same drafter reuses its compiled decoder)."""
-        if ngram not in self._merged:
-            self._merged[ngram] = registry.merge_ngram(self.heads, ngram, *self.ngram_sizes)
-        return self._merged[ngram]
 
 
 _NGRAM_ARGS = shipped.API_ARGS  # the arguments, as `shipped.check_ngram` names them

@@ -7,7 +7,7 @@ import pytest
 
 from medusa_jax import Medusa, api
 from medusa_jax.decoding.tree import chain_tree
-from medusa_jax.drafters import registry, shipped
+from medusa_jax.drafters import registry, resolve, shipped
 
 PROMPTS = ["Lily had a red ball. Lily liked the ball. One day Lily", "Once upon a time"]
 
@@ -59,7 +59,7 @@ def test_the_ngram_drafter_needs_no_files_and_decodes_a_chain():
     assert dict(heads) == {} and heads.drafter.max_n == 3 and heads.drafter.min_n == 1
     assert registry.default_tree_of(heads).name == f"chain{shipped.NGRAM_ALONE_CHAIN}"
     with pytest.raises(ValueError, match="not the n-gram drafter's own"):
-        registry.merge_ngram(heads)
+        resolve.merge_ngram(heads)
 
 
 @pytest.mark.slow

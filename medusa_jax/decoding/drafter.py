@@ -1,11 +1,15 @@
-"""The drafter protocol: what the decoding step asks of whatever proposes its tree.
+"""The drafter protocol, runtime half: what the decoding step asks of whatever proposes
+its tree (`Drafter`, a base class whose defaults and one-line refusals every kind inherits,
+so the decoders find no capability by probing for it).
 
 A drafter keeps a carry (any pytree, e.g. head logits [K, B, V], a hidden state [1, B, H],
 or a drafter's own KV cache) and proposes the tree's candidates from it and the root
 (`propose`, stage 1 of the step). The step hands it what the backbone computed twice: after
 prefill (`begin`: the prompt's hidden states, and the inputs of the backbone layers the
 drafter names in `aux_layers`) and after each commit (`advance`: the same along the accepted
-path, with its tokens and the next root). Drafters that read only the last accepted token's
+path, with its tokens and the next root). What the carry holds of the context is declared
+once (`context`, a `Context`): it decides whether plain steps may run beside the drafter and
+whether it can start after a cached prefix. Drafters that read only the last accepted token's
 hidden state (Medusa, Hydra) implement `start` and take `begin`/`advance` from
 `FromLastHidden`. A drafter with its own cache over the context cuts it to the backbone's
 attention window where the decoders cut theirs (`window`; `put_leading` writes it back).
@@ -17,68 +21,82 @@ pytree): a drafter whose configuration the tensors' shapes do not hold (EAGLE-3'
 its norm eps and rope) travels with its parameters through every decoder that way.
 
 The kinds of drafter live in `medusa_jax.drafters` (one folder each), registered in
-`drafters.registry`; this layer looks a kind up there by name only when heads of it are
-decoded, so decoding never imports a drafter's code. Besides decoding, a kind's class
-declares its file formats (`formats`: see `drafters.formats`) and how it is enlarged
-(`enlarge`); the conformance test (tests/drafters/test_conformance.py) is the recipe.
+`drafters.registry`, the one door to them; that layer installs its lookup of unbound
+parameters here (`decoding.kinds`), so decoding never imports a drafter's code. The kind's
+half of the protocol (file formats, axes, init, cost, enlarging...) is `drafters.kind.Kind`;
+the conformance test (tests/drafters/test_conformance.py) is the recipe.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, Protocol
+import enum
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from medusa_jax.decoding import kinds
+
 Params = Any  # a parameter pytree
 
 
-class Drafter(Protocol):
-    kind: str  # the artifact's kind ("medusa", "hydra", "eagle3")
-    batch_axis: int  # the axis of the carry's leaves that holds the rows
-    aux_layers: tuple  # backbone layers whose inputs `begin`/`advance` receive (() : none)
-    # whether the carry holds state built from every committed token (its own KV cache): such
-    # a drafter cannot start after a cached prefix, nor be carried along by plain steps
-    keeps_context: bool
-    # a drafter that keeps context may still follow plain steps: `append(carry, tokens [B],
-    # live [B])` adds the token each live row's plain step commits, so the carry stays
-    # complete (the plain step calls it when this is True)
-    follows_plain_steps: bool
-    # whether `begin` reads only `tokens` and, of `hidden`, each row's last prompt token
-    # (hidden[b, lengths[b] - 1]): after a cached prefix such a drafter is begun on the whole
-    # prompt's tokens, the hidden states of the tokens fed at their positions
-    rebuilds_from_tokens: bool
+class Context(enum.Enum):
+    """What a drafter's carry holds of the committed context, which decides how it meets
+    plain steps (the engine runs them for busy batches) and a cached prefix."""
 
-    # the kind's file formats: an object or "module:class" with `layouts`, `save`, `load`,
-    # `sizes` (`drafters.formats` loops over every kind's)
-    formats: object
+    # only the last committed token's hidden state (Medusa, Hydra): plain steps leave the
+    # carry as it was (verification decides), and after a cached prefix it begins from the
+    # last prompt token
+    LAST_HIDDEN = "last_hidden"
+    # state built from every committed token's id (the n-gram history): plain steps hand it
+    # their token (`append`), and after a cached prefix it is begun on the whole prompt's
+    # tokens (of `hidden`, only each row's last prompt token is read)
+    TOKENS = "tokens"
+    # state built from every committed position's hidden states (EAGLE-3's own KV cache): no
+    # plain steps beside it, no start after a cached prefix
+    HIDDEN_STATES = "hidden_states"
 
-    @classmethod
-    def matches(cls, heads: Params) -> bool:
-        """Whether `heads` (arrays, numpy or shapes) are this kind's parameters."""
 
-    @classmethod
-    def from_head_fn(cls, head_fn) -> "Drafter":
-        """The drafter of plain parameters of this kind (`head_fn`: a head function, for
-        the kinds that take one; others refuse it in one line)."""
+class Drafter:
+    """The runtime half of the protocol. A kind declares `kind` (its artifact's kind),
+    `batch_axis` (the axis of the carry's leaves that holds the rows) and `context`, and
+    implements `begin`, `advance` and `propose`; the rest has defaults here."""
 
-    @staticmethod
-    def enlarge(heads: Params, src, dst, grow) -> Params:
-        """The same drafter for a backbone grown from config `src` to `dst` by
-        `tools.enlarge` (`grow`: that module, whose `plan` and `place` grow a layer)."""
+    kind: str
+    batch_axis: int
+    context: Context
+    aux_layers: tuple = ()  # backbone layers whose inputs `begin`/`advance` receive
+
+    @property
+    def name(self) -> str:
+        """How logs and the server name this drafter."""
+        return self.kind
+
+    # derived from `context`, for the decoders and the serving layout
+    @property
+    def keeps_context(self) -> bool:
+        """Whether the carry holds state of every committed token."""
+        return self.context is not Context.LAST_HIDDEN
+
+    @property
+    def follows_plain_steps(self) -> bool:
+        """Whether plain steps hand it their tokens (`append`) to keep the carry complete."""
+        return self.context is Context.TOKENS
+
+    @property
+    def rebuilds_from_tokens(self) -> bool:
+        """Whether, after a cached prefix, it is begun on the whole prompt's tokens."""
+        return self.context is not Context.HIDDEN_STATES
 
     def depth(self, heads: Params) -> int | None:
         """How many levels of a tree this drafter can fill with `heads` (None: any): the
         one answer the API, the decoders and the tools check a tree against."""
+        return None
 
-    @classmethod
-    def axes(cls, heads: Params) -> dict:
-        """{name: logical axes} of the parameters `heads` has (`runtime.sharding`)."""
-
-    def prepare(self, heads: Params, tree, cpu_kernels: bool) -> Params:
+    def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
         """The parameters the tree uses (deeper heads dropped; the CPU kernel's layout when
         `cpu_kernels`)."""
+        return heads
 
     def begin(self, params: Params, heads: Params, hidden, aux, tokens, lengths, root,
               capacity: int):
@@ -86,6 +104,7 @@ class Drafter(Protocol):
         the inputs of `aux_layers` (None without any), tokens [B, P] right-padded to
         lengths [B], root [B] each row's first token, `capacity` the cache slots a row may
         fill -> the carry (a pytree whose leaves have the rows on axis `batch_axis`)."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} does not implement begin")
 
     def advance(self, params: Params, heads: Params, carry, hidden, aux, tokens, acc_len,
                 next_root, lengths, live):
@@ -94,16 +113,19 @@ class Drafter(Protocol):
         committed), tokens [B, W] its tokens, acc_len [B] nodes accepted below the root,
         next_root [B], lengths [B] the cache lengths after commit, live [B] the rows that
         stepped -> the next carry (rows not live are restored by the step)."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} does not implement advance")
 
     def propose(self, params: Params, heads: Params, carry, root, tree, draw=None):
         """Stage 1: the carry and the root [B] -> a `step.Proposal`. `draw` (a
         `step.DraftSampler`, given when some row accepts by rejection sampling): pick each
         node's children with `draw.top_k` instead of the top-k, and return the drafts in the
         Proposal (`draws`, `draft_logq`); the step calls `propose` without it otherwise."""
+        raise NotImplementedError(f"drafter kind {self.kind!r} does not implement propose")
 
     def append(self, carry, tokens, live):
         """Only where `follows_plain_steps`: after a plain step, tokens [B] the token each
         row committed (its root), live [B] the rows that stepped -> the carry with them."""
+        raise ValueError(f"a {self.name} drafter does not follow plain steps")
 
     def window(self, carry, slots: int):
         """The carry with its context (what it keeps per committed position, if anything)
@@ -111,17 +133,25 @@ class Drafter(Protocol):
         an attention window: only a row's first `length` positions hold anything. The
         decoders cut the carry with it where they cut the cache (a cache phase, a serving
         call, a resize) and write it back with `put_leading`. A carry without a context
-        comes back as it is (the default for a drafter without `window`)."""
+        comes back as it is (this default)."""
+        return carry
+
+    def shared_pool(self, size: int):
+        """(this drafter reading a pool shared across requests of `size` entries, the pool),
+        or None: this default, a drafter that keeps no such pool."""
+        return None
+
+    def pool_hits(self, carry):
+        """[B] int32: each row's lookups that found an entry of a shared pool (None: the
+        drafter reads none)."""
+        return None
 
 
-class FromLastHidden:
+class FromLastHidden(Drafter):
     """`begin` and `advance` of a drafter whose carry is `start(params, heads, hidden [B, H]
     of the last committed token, lengths [B])`: Medusa and Hydra heads."""
 
-    aux_layers = ()
-    keeps_context = False
-    follows_plain_steps = False  # plain steps leave its carry as it was (verification decides)
-    rebuilds_from_tokens = True  # it reads the last prompt token's hidden state only
+    context = Context.LAST_HIDDEN
 
     def begin(self, params, heads, hidden, aux, tokens, lengths, root, capacity):
         last = hidden[jnp.arange(hidden.shape[0]), lengths - 1]
@@ -132,15 +162,11 @@ class FromLastHidden:
         return self.start(params, heads, hidden[jnp.arange(hidden.shape[0]), acc_len],
                           lengths)
 
-    def window(self, carry, slots: int):
-        return carry  # no context: the last hidden state's output only
 
-
-def carry_window(drafter, carry, slots: int):
+def carry_window(drafter: Drafter | None, carry, slots: int):
     """`drafter.window(carry, slots)`: the carry's context cut or padded to `slots`
-    positions; the carry as it is for a drafter without one (or no carry: plain)."""
-    fn = getattr(drafter, "window", None)
-    return carry if carry is None or fn is None else fn(carry, slots)
+    positions (no drafter, no carry: plain decoding)."""
+    return carry if carry is None or drafter is None else drafter.window(carry, slots)
 
 
 def put_leading(full, sub):
@@ -174,35 +200,14 @@ jax.tree_util.register_pytree_with_keys(
     lambda aux, leaves: BoundParams(dict(zip(aux[0], leaves)), aux[1]))
 
 
-def _registry():
-    """The kinds live with the drafters (`drafters.registry`), a layer above this one: it is
-    imported by name when a kind is first looked up, so decoding never imports their code."""
-    return importlib.import_module("medusa_jax.drafters.registry")
-
-
-def __getattr__(name):
-    if name == "DRAFTERS":  # kind -> "module:class" (or class), kept by `drafters.registry`
-        return _registry().KINDS
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def drafter_class(kind: str) -> type:
-    """The drafter class registered for `kind` (`drafters.registry`)."""
-    return _registry().drafter_class(kind)
-
-
-def kind_of(heads: Params) -> str:
-    """The kind of drafter `heads` are the parameters of (`drafters.registry`)."""
-    return _registry().kind_of(heads)
-
-
 def drafter_for(heads: Params, head_fn=None) -> Drafter:
-    """The drafter of `heads` (`drafters.registry.drafter_for`): `head_fn` when it is a
-    drafter, else the one bound to `heads`, else the registered kind's."""
-    return _registry().drafter_for(heads, head_fn)
-
-
-HEADS_DTYPES = ("float32", "bfloat16")
+    """The drafter of `heads`: `head_fn` when it is a drafter, else the one bound to `heads`
+    (`BoundParams`), else the registered kind's (`drafters.registry.drafter_for`)."""
+    if isinstance(head_fn, Drafter):
+        return head_fn
+    if head_fn is None and isinstance(heads, BoundParams):
+        return heads.drafter
+    return kinds.lookup(heads, head_fn)
 
 
 def refuse_head_fn(head_fn, what: str) -> None:
@@ -210,36 +215,3 @@ def refuse_head_fn(head_fn, what: str) -> None:
     one line (`what`: what the parameters are instead)."""
     if head_fn is not None:
         raise ValueError(f"head_fn is a Medusa head function, but {what}; leave head_fn unset")
-
-
-def check_heads_dtype(dtype, name: str = "heads dtype") -> None:
-    """A one-line ValueError naming `name` unless `dtype` is one of `HEADS_DTYPES`."""
-    if dtype not in HEADS_DTYPES:
-        raise ValueError(f"{name} must be one of {', '.join(HEADS_DTYPES)}, got {dtype!r}")
-
-
-# Logical axes that stack copies of a tensor (one per head, one per block) rather than
-# being one of its matrix dimensions.
-_STACKING_AXES = ("medusa_heads", "medusa_layers")
-
-
-def with_weight_dtype(heads: Params, dtype: str) -> Params:
-    """Heads of any kind with their weight matrices (floating tensors with two logical axes
-    or more besides the per-head and per-block stacking, `axes_of`) in `dtype`, one of
-    `HEADS_DTYPES`; biases and norms keep theirs. The heads compute in the backbone's dtype
-    whatever their weights are stored in: bfloat16 weights halve what a step reads of them,
-    and change only what they propose (verification decides what is emitted)."""
-    check_heads_dtype(dtype)
-    axes = axes_of(heads)
-    out = dict(heads)
-    for name, x in heads.items():
-        matrix = len([a for a in axes.get(name, ()) if a not in _STACKING_AXES]) >= 2
-        if matrix and jnp.issubdtype(x.dtype, jnp.floating):
-            out[name] = x.astype(getattr(jnp, dtype))
-    return BoundParams(out, heads.drafter) if isinstance(heads, BoundParams) else out
-
-
-def axes_of(heads: Params) -> dict:
-    """{name: logical axes} of heads of any kind (`BoundParams` like `heads`, to map with it)."""
-    axes = drafter_class(kind_of(heads)).axes(heads)
-    return BoundParams(axes, heads.drafter) if isinstance(heads, BoundParams) else axes

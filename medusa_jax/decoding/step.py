@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding import acceptance
+from medusa_jax.decoding.drafter import Drafter
 from medusa_jax.decoding.sampling import (
     PLAIN_DRAWS,
     ROOT_DRAWS,
@@ -243,20 +244,21 @@ class DecodeState:
     rows: Rows
 
 
-def batch_axis(drafter) -> int:
-    """The axis of a drafter's carry leaves that holds the rows."""
-    return getattr(drafter, "batch_axis", 1)
+def batch_axis(drafter: Drafter | None) -> int:
+    """The axis of a drafter's carry leaves that holds the rows (plain decoding: no carry,
+    any axis)."""
+    return 1 if drafter is None else drafter.batch_axis
 
 
-def follows_plain_steps(drafter) -> bool:
-    """Whether plain steps keep a drafter's carry complete (`Drafter.follows_plain_steps`)."""
-    return drafter is not None and getattr(drafter, "follows_plain_steps", False)
+def follows_plain_steps(drafter: Drafter | None) -> bool:
+    """Whether plain steps keep a drafter's carry complete (`Drafter.context`)."""
+    return drafter is not None and drafter.follows_plain_steps
 
 
-def rebuilds_from_tokens(drafter) -> bool:
+def rebuilds_from_tokens(drafter: Drafter | None) -> bool:
     """Whether a drafter is begun on the whole prompt after a cached prefix
-    (`Drafter.rebuilds_from_tokens`)."""
-    return drafter is not None and getattr(drafter, "rebuilds_from_tokens", False)
+    (`Drafter.context`)."""
+    return drafter is not None and drafter.rebuilds_from_tokens
 
 
 def select_rows(which: jax.Array, new, old, axis: int):

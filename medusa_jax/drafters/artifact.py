@@ -33,7 +33,7 @@ def heads_config_of(heads) -> HeadsConfig:
 def formats_of(kind: str):
     """The formats of `kind`: its class's `formats` ("module:class" imported here, or the
     object), which `drafters.formats` asks for layouts, `save`, `load` and `sizes`."""
-    f = getattr(registry.drafter_class(kind), "formats", None)
+    f = registry.drafter_class(kind).formats
     if f is None:
         raise HeadsFormatError(f"drafters of kind {kind!r} declare no file formats "
                                f"(their class has no `formats`)")
@@ -44,7 +44,7 @@ def formats_of(kind: str):
 
 
 def has_formats(kind: str) -> bool:
-    return getattr(registry.drafter_class(kind), "formats", None) is not None
+    return registry.drafter_class(kind).formats is not None
 
 
 def writable_layouts(kind: str) -> list[str]:

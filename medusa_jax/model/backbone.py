@@ -16,8 +16,8 @@ pass is one `lax.scan` over layers (one compiled layer, whatever the depth):
 
 Decoding on one device uses `decoding_layout` (a tuple of per-layer dicts run as a straight
 line, fused q/k/v and gate/up); `forward` takes either layout. The forward functions can
-also return the residual stream entering chosen layers (`aux_layers`; EAGLE-3 drafters read
-three of them, `eagle3_layers`).
+also return the residual stream entering chosen layers (`aux_layers`, for drafters that read
+the backbone's intermediate features).
 
 The caller passes explicit positions and an explicit boolean attention mask over the cache
 slots, so causal prefill, one-token decoding and Medusa's tree verification all use the same
@@ -46,7 +46,6 @@ from medusa_jax.model.cache import (  # noqa: F401 (re-exported: callers import 
     write_kv,
 )
 from medusa_jax.model.cache import write_layer as _write_layer
-from medusa_jax.model.cache import write_rows as _write_rows  # noqa: F401 (EAGLE-3's carry)
 from medusa_jax.model.config import ModelConfig, as_dtype
 from medusa_jax.model.layout import (  # noqa: F401 (re-exported: callers import them from here)
     CPU_OUTPUT,
@@ -64,6 +63,14 @@ from medusa_jax.model.layout import (  # noqa: F401 (re-exported: callers import
     standard_layout,
     with_cpu_output,
     without_cpu_output,
+)
+
+from medusa_jax.model.rope import (  # noqa: F401 (re-exported: callers import them from here)
+    apply_rope,
+    rope_frequencies,
+    rope_rows,
+    rope_table,
+    rotate,
 )
 
 Params = dict
@@ -112,30 +119,6 @@ def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
     return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
 
 
-def rope_frequencies(cfg: ModelConfig, local: bool = False) -> jax.Array:
-    """[D/2] inverse frequencies, with 'linear' or 'llama3' scaling applied. `local`: those
-    of the sliding-window layers (Gemma 3's `rope_local_base_freq`, when the config has one)."""
-    d = cfg.head_dim
-    theta, scaling = cfg.rope_theta, cfg.rope_scaling
-    if local and cfg.local_rope_theta is not None:
-        theta, scaling = cfg.local_rope_theta, cfg.local_rope_scaling
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    kind = scaling[0]
-    if kind == "linear":
-        inv_freq = inv_freq / scaling[1]
-    elif kind == "llama3":
-        _, factor, low_ff, high_ff, old_ctx = scaling
-        low_wavelen = old_ctx / low_ff
-        high_wavelen = old_ctx / high_ff
-        wavelen = 2 * math.pi / inv_freq
-        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_ctx / wavelen - low_ff) / (high_ff - low_ff)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = jnp.where(medium, smoothed, scaled)
-    return inv_freq
-
-
 def layer_kinds(cfg: ModelConfig) -> tuple:
     """Each layer's sliding window (None: global attention), from `cfg.layer_windows`."""
     return cfg.layer_windows or (None,) * cfg.num_layers
@@ -172,49 +155,17 @@ def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Arr
     return x.astype(as_dtype(cfg.compute_dtype))
 
 
-def rope_table(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions [B, T] -> (cos, sin) [B, T, 1, D/2] float32: the rotation `rotate` applies."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-
-
-def rope_rows(positions: jax.Array, inv_freq: jax.Array, size: int
-              ) -> tuple[jax.Array, jax.Array]:
-    """`rope_table(positions, inv_freq)` for positions [B, T] in [0, size), read from the
-    table of positions 0 .. size-1. Sines and cosines computed from the positions would be
-    fused by XLA into each layer's rotation and computed again for every element it
-    rotates; the table depends on no input, so it is computed once, outside a decoding
-    loop, and a pass only reads its T rows."""
-    cos, sin = rope_table(jnp.arange(size, dtype=jnp.int32)[None], inv_freq)  # [1, S, 1, D/2]
-    at = jnp.clip(positions, 0, size - 1)
-    return cos[0][at], sin[0][at]
-
-
-def rotate(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Half-split (Hugging Face layout) rotary embedding of x [B, T, N, D] by a
-    `rope_table`."""
-    cos, sin = rope
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Half-split (Hugging Face layout) rotary embedding. x: [B, T, N, D], positions: [B, T]."""
-    return rotate(x, rope_table(positions, inv_freq))
-
-
 def cached_attention(cfg: ModelConfig, q, k_new, v_new, k_cache, v_cache, prefix_mask,
                      new_mask, extra=None):
     """Attention over the committed cache plus the T new tokens: the scores of the two are
-    concatenated, never the keys, so the cache is only read. The backbone's layers and the
-    EAGLE-3 drafter's (`drafters.eagle3.heads.layer`) both attend with it.
+    concatenated, never the keys, so the cache is only read. The backbone's layers and a
+    drafter's own decoder layer over its own cache both attend with it.
 
     q [B, T, NH, D]; k_new, v_new [B, KVH, T, D]; k_cache, v_cache [B, KVH, S, D] (read
     only: the new tokens are written once after all layers); prefix_mask [B, T, S];
     new_mask [B, T, T]. k_cache None: an empty cache. `extra`: None, or (k, v [B, KVH, N,
     D], mask [B, T, N]) a third block of N keys read between the cache and the new tokens
-    (the EAGLE-3 drafter's tree nodes drafted so far), so neither block is copied into the
+    (a drafter's tree nodes drafted so far), so neither block is copied into the
     other. Returns [B, T, NH*D].
     """
     b, t, _, d = q.shape
@@ -271,8 +222,8 @@ def _attention_flat(cfg: ModelConfig, q, k_cache, v_cache, mask, kernel: bool = 
 
 def attention_inputs(cfg: ModelConfig, h, layer, rope, kv_dtype):
     """The attention block's input half over its normalised input h [B, T, I] (I = H: a
-    backbone layer's `attn_norm` of the residual stream; 2H: the EAGLE-3 drafter's two
-    normalised inputs side by side), rope a `rope_table` -> (q [B, T, NH, D] after rope,
+    backbone layer's `attn_norm` of the residual stream; wider: a drafter's normalised
+    inputs side by side), rope a `rope_table` -> (q [B, T, NH, D] after rope,
     k, v [B, KVH, T, D] in `kv_dtype`, k after rope)."""
     b, t, _ = h.shape
     dt = h.dtype
@@ -328,15 +279,15 @@ def residual_and_mlp(cfg: ModelConfig, x, attn, layer):
 
 def decoder_layer(cfg: ModelConfig, x, layer, k_cache, v_cache, rope, prefix_mask, new_mask,
                   extra=None, attn_input=None):
-    """One decoder layer over a cache it only reads: the backbone's layers and the EAGLE-3
-    drafter's (`drafters.eagle3.heads.layer`, its weights in this layout) are this function.
+    """One decoder layer over a cache it only reads: the backbone's layers, and a drafter's
+    own layer (its weights in this layout), are this function.
 
     x [B, T, H] the residual stream; layer the weights (`attn_norm`, `wq`/`wk`/`wv` or
     `wqkv`, `wo`, `mlp_norm`, the MLP's); k_cache, v_cache [B, KVH, S, D] or None (empty);
     rope a `rope_table` of the new tokens' positions; prefix_mask [B, T, S], new_mask
     [B, T, T] and `extra` as `cached_attention`'s. `attn_input` [B, T, I]: what q, k and v
-    are projected from instead of `attn_norm(x)` (the EAGLE-3 drafter's normalised
-    embedding and feature, 2H wide); x stays the residual. Returns (x, this layer's new keys
+    are projected from instead of `attn_norm(x)` (a drafter's normalised embedding and
+    feature side by side); x stays the residual. Returns (x, this layer's new keys
     and values [B, KVH, T, D])."""
     dt = x.dtype
     kv_dtype = dt if k_cache is None else k_cache.dtype
@@ -428,18 +379,6 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, hidden: jax.Array) -> j
     return _softcap(logits, cfg.final_softcap)
 
 
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The layers whose inputs an EAGLE-3 drafter reads (low, mid, high), as `aux_layers`:
-    (2, L // 2, L - 3), the rule of EAGLE's `modeling_llama_kv.py`, SGLang and vLLM (the
-    outputs of layers 1, L // 2 - 1, L - 4: SpecForge's ids). Below 7 layers two of them
-    coincide (or fall outside the model), which gives no three distinct features."""
-    layers = (2, num_layers // 2, num_layers - 3)
-    if not layers[0] < layers[1] < layers[2]:
-        raise ValueError(f"EAGLE-3 reads the inputs of layers (2, L//2, L-3), three distinct "
-                         f"layers only when L >= 7; this backbone has {num_layers} layers")
-    return layers
-
-
 def check_aux_layers(cfg: ModelConfig, aux_layers) -> tuple[int, ...]:
     """`aux_layers` as a tuple of distinct layer indices 0 <= i < L (a static argument of
     the forward functions), or a one-line ValueError naming the bad value."""
@@ -491,8 +430,7 @@ def forward_uncommitted(
 
     `aux_layers` (static; `check_aux_layers`): also return the residual stream at the input
     of these layers, concatenated in that order, [B, T, len(aux_layers) * H] in the compute
-    dtype, as a fourth element (layer 0's input is the embedding; EAGLE-3 drafters read
-    `eagle3_layers(L)`). With none (the default) the result and the program are those of a
+    dtype, as a fourth element (layer 0's input is the embedding). With none (the default) the result and the program are those of a
     plain forward pass."""
     aux_layers = check_aux_layers(cfg, aux_layers)
     if isinstance(cache.k, tuple):  # a per-layer cache is written as it is read

@@ -30,10 +30,9 @@ import jax
 import numpy as np
 
 from medusa_jax.decoding.decode import MIN_BUCKET
-from medusa_jax.decoding.drafter import drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.step import follows_plain_steps, rebuilds_from_tokens, static_tree
-from medusa_jax.drafters import registry
+from medusa_jax.drafters import resolve
 from medusa_jax.serving.checks import check_fits, check_request
 from medusa_jax.serving.config import ACCEPTANCE, MAX_STOP, WARMUPS, EngineConfig
 from medusa_jax.serving.layout import Layout
@@ -135,23 +134,14 @@ class Engine:
         use_medusa = model.heads is not None if config.medusa is None else bool(config.medusa)
         if use_medusa and model.heads is None:
             raise ValueError("a Medusa engine needs heads (load the model with heads)")
-        heads = model.heads
-        merge = model.ngram  # `Medusa.load(ngram=N)`: n-gram chain nodes merged (or None)
-        if use_medusa and merge is not None:
-            heads = registry.merge_ngram(model.heads, merge, *model.ngram_sizes)
-        self.drafter = drafter_for(heads) if use_medusa else None
-        self.pool = None  # the drafter's pool shared across requests (`ngram_shared`)
-        if config.ngram_shared:
-            share = getattr(self.drafter, "shared_pool", None)
-            if share is None:
-                raise ValueError("ngram_shared: " + (
-                    f"a {self.drafter.kind} drafter keeps no shared n-gram pool"
-                    if use_medusa else "plain decoding drafts nothing")
-                    + " (the n-gram drafter does: --heads ngram)")
-            self.drafter, self.pool = share(config.ngram_shared_size)
-        self.tree = model.tree(config.tree) if use_medusa else None
-        if use_medusa and merge is not None:
-            self.tree = self.drafter.tree_for(self.tree)
+        # the drafter with n-gram drafts merged (`Medusa.load(ngram=N)`) and a shared pool
+        # (`ngram_shared`), resolved as the API and the benchmark resolve them
+        decoding = resolve.resolve(
+            model.heads if use_medusa else None,
+            model.tree(config.tree) if use_medusa else None, model.ngram, model.ngram_sizes,
+            config.ngram_shared_size if config.ngram_shared else None)
+        self.drafter, self.tree = decoding.drafter, decoding.tree
+        self.pool = decoding.pool  # the drafter's pool shared across requests
         self.medusa = use_medusa
         # the modes a slot may follow: greedy (temperature 0), else the acceptance setting
         # (plain decoding samples either way); one compiled step serves both

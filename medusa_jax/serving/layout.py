@@ -155,8 +155,9 @@ class Layout:
               follows_plain_steps: bool = False,
               rebuilds_from_tokens: bool = False) -> "Layout":
         """`config`'s sizes for a model of `model_context` tokens; keeps_context,
-        follows_plain_steps, rebuilds_from_tokens: the drafter's (`decoding.drafter.Drafter`;
-        keeps_context None: a plain engine); width / fed: a step's tokens out / in;
+        follows_plain_steps, rebuilds_from_tokens: what the drafter's `context` implies
+        (`decoding.drafter.Context`; keeps_context None: a plain engine); width / fed: a
+        step's tokens out / in;
         min_bucket: the shortest default prompt bucket (the offline decoders')."""
         medusa = keeps_context is not None
         slots = config.slots

@@ -215,9 +215,9 @@ def engine_step(params, heads, s: DecodeState, steps: jax.Array, *, cfg: ModelCo
     s0 = s
     _, s, buf, counts = jax.lax.while_loop(
         more, body, (jnp.int32(0), s, jnp.zeros((b, k * width), jnp.int32), zeros))
-    hits = None
-    if drafter is not None and hasattr(drafter, "pool_hits"):  # a drafter's shared pool
-        hits = jnp.sum(drafter.pool_hits(s.draft) - drafter.pool_hits(s0.draft))
+    hits = None if drafter is None else drafter.pool_hits(s.draft)  # a shared pool's
+    if hits is not None:
+        hits = jnp.sum(hits - drafter.pool_hits(s0.draft))
     out = StepOut(tokens=buf, counts=counts, steps=s.steps - s0.steps,
                   lengths=s.cache.lengths, done=s.done, pool_hits=hits)
     return (put_leading_rows(full, s) if part else s), out

@@ -21,7 +21,7 @@ import numpy as np
 from medusa_jax import kernels
 from medusa_jax.decoding import step
 from medusa_jax.decoding.decode import generate, pad_prompts
-from medusa_jax.decoding.drafter import drafter_for
+from medusa_jax.drafters.registry import drafter_for
 from medusa_jax.decoding.tree import Tree
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig

@@ -280,7 +280,7 @@ EAGLE_DRAFT_VOCAB = 32000  # the reference's draft vocabulary (capped at the mod
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
     """The backbone layers whose inputs the drafter reads by default: EAGLE's rule
-    (`backbone.eagle3_layers`: 2, L // 2, L - 3) from 7 layers on, (1, L // 2, L - 1) below
+    (`eagle3.heads.eagle3_layers`: 2, L // 2, L - 3) from 7 layers on, (1, L // 2, L - 1) below
     (the embedded 5-layer model: 1, 2, 4)."""
     if num_layers >= 7:
         return 2, num_layers // 2, num_layers - 3

@@ -20,7 +20,7 @@ def finish(result: TrainResult) -> dict:
     run_dir = Path(summary["run_dir"])
     check = result.decoding
     if check is not None:
-        from medusa_jax.decoding import drafter
+        from medusa_jax.drafters import registry as drafter
         from medusa_jax.tools import bench
 
         summary["benchmarks"] = []

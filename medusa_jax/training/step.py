@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from medusa_jax.decoding import drafter
+from medusa_jax.drafters import registry as drafter
 from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.model.backbone import param_axes as backbone_param_axes
 from medusa_jax.model.config import ModelConfig

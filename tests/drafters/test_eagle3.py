@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 from safetensors.torch import load_file as load_torch  # noqa: E402
 
-from medusa_jax.decoding import drafter as drafters  # noqa: E402
+from medusa_jax.drafters import registry as drafters  # noqa: E402
 from medusa_jax.decoding.drafter import BoundParams  # noqa: E402
 from medusa_jax.decoding.tree import DynamicTree, Tree  # noqa: E402
 from medusa_jax.drafters.eagle3 import formats  # noqa: E402
@@ -30,7 +30,7 @@ from medusa_jax.drafters.eagle3.drafter import (  # noqa: E402
     init_carry,
 )
 from medusa_jax.drafters.io import HeadsFormatError  # noqa: E402
-from medusa_jax.model.backbone import eagle3_layers  # noqa: E402
+from medusa_jax.drafters.eagle3.heads import eagle3_layers  # noqa: E402
 from medusa_jax.model.config import ModelConfig  # noqa: E402
 
 H, NH, KVH, F, V, VD, L = 32, 4, 2, 48, 50, 20, 8  # NH * D == H, as the reference assumes

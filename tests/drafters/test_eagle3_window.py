@@ -17,6 +17,7 @@ from medusa_jax.decoding.drafter import BoundParams, carry_window, put_leading
 from medusa_jax.decoding.tree import Tree
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.eagle3.drafter import Eagle3Carry, Eagle3Drafter, bind
+from medusa_jax.drafters.medusa.drafter import MedusaDrafter
 
 AUX = (1, 2, 4)  # stories260K has 5 layers
 TREE = Tree.load("mc_sim_7b_63:16")
@@ -53,8 +54,10 @@ def test_window_cuts_pads_and_writes_back_the_drafters_cache():
     np.testing.assert_array_equal(np.asarray(back.k[:, :, :6]), np.asarray(k[:, :, :6] + 100))
     np.testing.assert_array_equal(np.asarray(back.k[:, :, 6:]), np.asarray(k[:, :, 6:]))
     assert np.asarray(back.length).tolist() == [4, 6]
-    # a drafter without a context cache (or none declared) keeps its carry as it is
-    assert carry_window(object(), carry, 6) is carry
+    # a drafter without a context cache (the protocol's default `window`), or plain
+    # decoding, keeps its carry as it is
+    assert carry_window(MedusaDrafter(), carry, 6) is carry
+    assert carry_window(None, carry, 6) is carry
 
 
 @pytest.mark.slow

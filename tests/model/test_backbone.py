@@ -356,7 +356,8 @@ def test_no_aux_layers_lowers_to_the_same_program():
 
 
 def test_aux_layer_choices_are_checked():
-    from medusa_jax.model.backbone import check_aux_layers, eagle3_layers
+    from medusa_jax.drafters.eagle3.heads import eagle3_layers
+    from medusa_jax.model.backbone import check_aux_layers
 
     assert eagle3_layers(32) == (2, 16, 29)  # Llama 3.1 8B: the inputs of layers 2, 16, 29
     assert eagle3_layers(7) == (2, 3, 4)

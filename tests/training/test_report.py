@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from medusa_jax.decoding import drafter
+from medusa_jax.drafters import registry as drafter
 from medusa_jax.tools import bench
 from medusa_jax.training import report
 from medusa_jax.training.trainer import DecodingCheck, TrainResult

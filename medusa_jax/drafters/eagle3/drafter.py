@@ -26,43 +26,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams
+from medusa_jax.decoding.drafter import BoundParams, Context
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
-from medusa_jax.model.backbone import MAX_UNROLLED_ROWS, Params
+from medusa_jax.drafters.kind import Kind
+from medusa_jax.drafters.toolkit import context, tree_loop
+from medusa_jax.drafters.toolkit.backbone import Backbone
+from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
-from medusa_jax.runtime import pytree as struct
 
 
-@struct.dataclass
-class Eagle3Carry:
-    # heads first, the layout the attention reads in place (no per-call transposed copy)
-    k: jax.Array  # [B, KVH, S, D] the drafter's keys (rotated) of the committed entries
-    v: jax.Array  # [B, KVH, S, D]
-    out: jax.Array  # [B, H] the layer's output at entry length-1 (predicts the depth-1 nodes)
-    length: jax.Array  # [B] int32 entries committed (= the backbone's cache length)
+Eagle3Carry = context.ContextCache  # the drafter's KV cache over the committed context
 
 
 def init_carry(c: eagle3.Eagle3Config, batch: int, capacity: int, dtype=jnp.float32
                ) -> Eagle3Carry:
     """An empty carry with room for `capacity` entries per row."""
-    kv = jnp.zeros((batch, c.num_kv_heads, capacity, c.head_dim), dtype)
-    return Eagle3Carry(k=kv, v=kv, out=jnp.zeros((batch, c.hidden_size), dtype),
-                       length=jnp.zeros((batch,), jnp.int32))
-
-
-def fit_context(carry: Eagle3Carry, slots: int) -> Eagle3Carry:
-    """The carry with room for `slots` entries: its keys/values cut, or zero-padded at the
-    end (only a row's first `length` entries hold anything, the rest are masked)."""
-    s = carry.k.shape[2]
-    if slots == s:
-        return carry
-    if slots < s:
-        fit = lambda a: jax.lax.slice_in_dim(a, 0, slots, axis=2)  # noqa: E731
-    else:
-        fit = lambda a: jnp.pad(a, ((0, 0), (0, 0), (0, slots - s), (0, 0)))  # noqa: E731
-    return carry.replace(k=fit(carry.k), v=fit(carry.v))
+    return context.init(batch, c.num_kv_heads, capacity, c.head_dim, c.hidden_size, dtype)
 
 
 def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux: jax.Array,
@@ -81,28 +62,11 @@ def extend(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry, aux
                             jnp.broadcast_to(eagle3.causal_mask(t), (b, t, t))], axis=-1)
     out, k_new, v_new = eagle3.layer(heads, c, embed(next_tokens), hidden, pos, carry.k,
                                      carry.v, mask)
-    k = _write_rows(carry.k, k_new.astype(carry.k.dtype), carry.length)
-    v = _write_rows(carry.v, v_new.astype(carry.v.dtype), carry.length)
+    k = context.write_rows(carry.k, k_new.astype(carry.k.dtype), carry.length)
+    v = context.write_rows(carry.v, v_new.astype(carry.v.dtype), carry.length)
     last = out[jnp.arange(b), jnp.clip(n_valid - 1, 0, t - 1)]
     return Eagle3Carry(k=k, v=v, out=jnp.where((n_valid > 0)[:, None], last, carry.out),
                        length=carry.length + n_valid.astype(jnp.int32))
-
-
-def _write_rows(cache: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-    """cache [B, KVH, S, D], new [B, KVH, T, D]: row b's T entries go to slots starts[b] ...
-    (the caller keeps starts[b] + T <= S for the rows it reads). One in-place update per row, as
-    the backbone writes its cache (`backbone.MAX_UNROLLED_ROWS`). Under a mesh a scatter
-    here is partitioned into all-gathers over parts of `model`, which run beside the
-    backbone's collectives; on XLA:CPU's simulated devices such concurrent collectives can
-    hold every thread of the shared pool while they wait for each other."""
-    if cache.shape[0] > MAX_UNROLLED_ROWS:
-        return jax.vmap(lambda c, n, st: jax.lax.dynamic_update_slice_in_dim(c, n, st, 1))(
-            cache, new, starts)
-    zero = jnp.zeros((), jnp.int32)
-    for b in range(cache.shape[0]):
-        at = (jnp.int32(b), zero, starts[b].astype(jnp.int32), zero)
-        cache = jax.lax.dynamic_update_slice(cache, new[b:b + 1], at)
-    return cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,27 +96,26 @@ def _plan(paths_ranks, num_nodes: int) -> tuple[_Depth, ...]:
 def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
                root: jax.Array, paths_ranks, num_nodes: int, top_k_fn=small_top_k,
                want_logp: bool = True, draw=None, top_k: int = 0):
-    """Fill a static tree (node i+1 = paths_ranks[i]) with EAGLE-3 drafts: the carry and
-    root [B] -> (tokens [B, N] target ids, node log-probabilities [B, N] under the draft
-    vocabulary: each node's own, under its parent's output; 0 at the root; None unless
-    `want_logp`; sampled drafts or None). One layer call per depth below the root, over
-    that depth's nodes with children. `draw` (`decoding.step.DraftSampler`): a node of rank
-    r takes its parent's r-th draw from the draft distribution instead of its r-th most
-    likely token, and the drafts come back as (each node's `top_k` draws [B, N, top_k]
-    and the distribution they were drawn from [B, N, V], both over the target
-    vocabulary)."""
+    """Fill a static tree (node i+1 = paths_ranks[i]) with EAGLE-3 drafts
+    (`toolkit.tree_loop.draft_tree`): the carry and root [B] -> (tokens [B, N] target ids,
+    node log-probabilities [B, N] under the draft vocabulary: each node's own, under its
+    parent's output; 0 at the root; None unless `want_logp`; sampled drafts or None). One
+    layer call per depth below the root, over that depth's nodes with children. `draw`
+    (`decoding.step.DraftSampler`): a node of rank r takes its parent's r-th draw from the
+    draft distribution instead of its r-th most likely token, and the drafts come back as
+    (each node's `top_k` draws [B, N, top_k] and the distribution they were drawn from
+    [B, N, V], both over the target vocabulary)."""
     b = root.shape[0]
     s, h = carry.k.shape[2], carry.out.shape[-1]
-    dt = carry.out.dtype
-    tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
-    logp = jnp.zeros((b, num_nodes), jnp.float32)
     # the nodes' keys/values, a block apart from the context's: [B, KVH, N, D]
     tree_k = jnp.zeros(carry.k.shape[:2] + (num_nodes, carry.k.shape[3]), carry.k.dtype)
-    tree_v = jnp.zeros_like(tree_k)
-    outs = jnp.zeros((b, num_nodes, h), dt).at[:, 0].set(carry.out)
+    outs = jnp.zeros((b, num_nodes, h), carry.out.dtype).at[:, 0].set(carry.out)
     ctx = jnp.arange(s)[None, None, :] < carry.length[:, None, None]  # [B, 1, S]
-    draws = logq = None
-    for d, step in enumerate(_plan(tuple(map(tuple, paths_ranks)), num_nodes)):
+    plan = _plan(tuple(map(tuple, paths_ranks)), num_nodes)
+
+    def level(state, d, paths, tokens):
+        tree_k, tree_v, outs = state
+        step = plan[d]
         e = step.parents.shape[0]
         if d > 0:  # the parents sit at depth d >= 1: run the layer on them first
             pos = jnp.broadcast_to(carry.length[:, None] - 1 + d, (b, e))
@@ -167,31 +130,23 @@ def draft_tree(heads: Params, c: eagle3.Eagle3Config, embed, carry: Eagle3Carry,
             tree_k = tree_k.at[:, :, step.parents].set(k_new.astype(tree_k.dtype))
             tree_v = tree_v.at[:, :, step.parents].set(v_new.astype(tree_v.dtype))
             outs = outs.at[:, step.parents].set(out)
-        logits = eagle3.draft_logits(heads, c, outs[:, step.parents])  # [B, E, Vd]
-        if draw is None:
-            top = top_k_fn(logits, step.k)  # [B, E, k] draft ids
-        else:
-            top, lq = draw.top_k(logits, step.k, axis=0, call=d)  # [B, E, k], [B, E, Vd]
-            if draws is None:
-                draws = jnp.zeros((b, num_nodes, top_k), jnp.int32)
-                logq = jnp.full((b, num_nodes, c.vocab_size), jnp.finfo(jnp.float32).min)
-            targets = eagle3.target_ids(heads)  # [Vd]
-            draws = draws.at[:, step.parents, :step.k].set(
-                eagle3.to_target(heads, top).astype(jnp.int32))
-            logq = logq.at[:, step.parents].set(
-                jnp.full(lq.shape[:-1] + (c.vocab_size,), jnp.finfo(jnp.float32).min)
-                .at[..., targets].set(lq))
-        pick = top[:, step.parent_pos, step.rank]  # [B, M]
-        tokens = tokens.at[:, step.nodes].set(eagle3.to_target(heads, pick).astype(jnp.int32))
-        if want_logp:
-            lp = jax.nn.log_softmax(logits, axis=-1)
-            own = jnp.take_along_axis(lp, top, axis=-1)[:, step.parent_pos, step.rank]
-            logp = logp.at[:, step.nodes].set(own)
-    return tokens, (logp if want_logp else None), (None if draw is None else (draws, logq))
+        return (tree_k, tree_v, outs), eagle3.draft_logits(heads, c, outs[:, step.parents])
+
+    floor = float(jnp.finfo(jnp.float32).min)
+
+    def spread(lq):  # [..., Vd] -> [..., V]: the draft distribution on the target ids
+        return jnp.full(lq.shape[:-1] + (c.vocab_size,), floor).at[
+            ..., eagle3.target_ids(heads)].set(lq)
+
+    vocab = tree_loop.Vocab(to_target=lambda ids: eagle3.to_target(heads, ids),
+                            spread=spread, size=c.vocab_size, fill=floor)
+    return tree_loop.draft_tree(level, (tree_k, jnp.zeros_like(tree_k), outs), root,
+                                paths_ranks, num_nodes, want_logp, draw, top_k, vocab,
+                                top_k_fn)
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(Kind):
     """`config`: the drafter's (its aux layers, norm eps, rope; None: `config_of` defaults),
     `model_cfg`: the backbone's, for its embedding (None: the plain table lookup)."""
 
@@ -199,7 +154,7 @@ class Eagle3Drafter:
     model_cfg: ModelConfig | None = None
     kind = "eagle3"
     formats = "medusa_jax.drafters.eagle3.formats:Eagle3Formats"  # its layouts, its artifact
-    keeps_context = True  # its own KV cache of every committed entry
+    context = Context.HIDDEN_STATES  # its own KV cache of every committed entry
     batch_axis = 0  # of the carry: every leaf has the rows first
 
     @classmethod
@@ -213,6 +168,16 @@ class Eagle3Drafter:
     @classmethod
     def axes(cls, heads: Params) -> dict:
         return {n: eagle3.AXES.get(n, ()) for n in heads}  # norms, token maps: replicated
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, backbone: Params, key, depth: int) -> BoundParams:
+        """A fresh drafter shaped like one of `cfg`'s layers, over the full vocabulary,
+        bound to its config (any depth: it drafts on its own outputs). It reads EAGLE's
+        layers (2, L//2, L-3) from 7 layers on, (1, L//2, L-1) below."""
+        n = cfg.num_layers
+        aux = eagle3.eagle3_layers(n) if n >= 7 else (1, n // 2, n - 1)
+        c = eagle3.default_config(cfg, aux_layers=aux)
+        return bind(eagle3.init_eagle3(key, c), c, cfg)
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
@@ -232,9 +197,8 @@ class Eagle3Drafter:
         return self.config if self.config is not None else eagle3.config_of(heads)
 
     def embed(self, params: Params):
-        if self.model_cfg is not None:
-            return lambda tokens: eagle3.embed(self.model_cfg, params, tokens)
-        return lambda tokens: params["embed"][tokens]
+        """tokens -> the backbone's embedding of them (`toolkit.backbone.Backbone`)."""
+        return Backbone(self.model_cfg, params).embed
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
         # one layer: nothing to drop; on the CPU kernel, the backbone's decoding layout
@@ -245,12 +209,9 @@ class Eagle3Drafter:
         """After prefill: aux [B, P, 3*Ht] the prompt's features, tokens [B, P] (right-padded,
         lengths [B]), root [B] the chosen next token -> the carry with entries 0..length-1
         (room for `capacity`)."""
-        b, p = tokens.shape
         c = self.cfg(heads)
-        j = jnp.arange(p)[None]
-        after = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-        nxt = jnp.where(j == lengths[:, None] - 1, root[:, None], after)
-        carry = init_carry(c, b, capacity, aux.dtype)
+        nxt = context.next_tokens(tokens, lengths - 1, root)
+        carry = init_carry(c, tokens.shape[0], capacity, aux.dtype)
         return extend(heads, c, self.embed(params), carry, aux, nxt, lengths)
 
     def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root,
@@ -258,10 +219,7 @@ class Eagle3Drafter:
         """After commit: aux [B, D+1, 3*Ht] the features of the accepted path (root first),
         tokens [B, D+1] its tokens, acc_len [B] the nodes accepted below the root (acc_len + 1
         tokens committed), next_root [B] -> the carry extended by them (live rows only)."""
-        w = tokens.shape[1]
-        j = jnp.arange(w)[None]
-        after = jnp.concatenate([tokens[:, 1:], tokens[:, -1:]], axis=1)
-        nxt = jnp.where(j == acc_len[:, None], next_root[:, None], after)
+        nxt = context.next_tokens(tokens, acc_len, next_root)
         return extend(heads, self.cfg(heads), self.embed(params), carry, aux, nxt,
                       jnp.where(live, acc_len + 1, 0))
 
@@ -272,7 +230,7 @@ class Eagle3Drafter:
     def window(self, carry: Eagle3Carry, slots: int) -> Eagle3Carry:
         """The carry over the backbone cache's window of `slots` slots: a step then attends
         over that many entries, not the whole context (entry p sits at slot p)."""
-        return fit_context(carry, slots)
+        return context.fit(carry, slots)
 
     def depth(self, heads) -> None:
         return None  # any depth: the drafter runs on its own outputs
@@ -304,7 +262,8 @@ def enlarge(heads, src: ModelConfig, dst: ModelConfig, grow) -> BoundParams:
     (bound to its new config): its layer grown to dst's layer shape, exactly as
     `tools.enlarge` grows a backbone layer (`grow`: that module's `plan` and `place`), its
     fc and q/k/v inputs padded block by block."""
-    c = getattr(getattr(heads, "drafter", None), "config", None)
+    bound = heads.drafter if isinstance(heads, BoundParams) else None
+    c = bound.config if isinstance(bound, Eagle3Drafter) else None
     if c is None:
         raise ValueError("an EAGLE-3 drafter to enlarge must carry its config (load it "
                            "with load_heads)")

@@ -31,7 +31,7 @@ top-level eagle_aux_hidden_state_layer_ids (the speculators format) as input-of-
 indices, ours as they are; we write both (theirs in eagle_config, ours at the top level) and
 refuse a file where they disagree. Without either, the `aux_layers` argument of
 `read_eagle3` / `load_eagle3` (input-of-layer ids, ours), else the rule every reader applies
-(`backbone.eagle3_layers`: backbones of 7 layers or more); else a one-line error naming
+(`heads.eagle3_layers`: backbones of 7 layers or more); else a one-line error naming
 config.json and the field to set.
 
 Which folders: a config naming an Eagle3 architecture (SpecForge's `LlamaForCausalLMEagle3`,
@@ -68,7 +68,6 @@ from medusa_jax.drafters.io import (
     write_json,
     write_safetensors,
 )
-from medusa_jax.model import backbone
 from medusa_jax.model import config as model_config
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -181,7 +180,7 @@ def aux_layers_of(conf: dict, cf: Path, model_cfg: ModelConfig | None,
                                f"(inputs of layers 2, L//2, L-3) needs the backbone's config; "
                                f"load it against the backbone, or {what}")
     try:
-        return backbone.eagle3_layers(model_cfg.num_layers), "default (2, L//2, L-3)"
+        return eagle3.eagle3_layers(model_cfg.num_layers), "default (2, L//2, L-3)"
     except ValueError:
         raise HeadsFormatError(f"{cf}: names no eagle_config.{key}, and the reference's rule "
                                f"(inputs of layers 2, L//2, L-3) needs a backbone of 7 layers "
@@ -467,8 +466,11 @@ def config_of_meta(meta: dict, file: Path) -> eagle3.Eagle3Config:
 
 
 def _config_of(heads: Params, what: str) -> eagle3.Eagle3Config:
-    bound = getattr(heads, "drafter", None)
-    if bound is None or getattr(bound, "config", None) is None:
+    from medusa_jax.decoding.drafter import BoundParams
+    from medusa_jax.drafters.eagle3.drafter import Eagle3Drafter
+
+    bound = heads.drafter if isinstance(heads, BoundParams) else None
+    if not isinstance(bound, Eagle3Drafter) or bound.config is None:
         raise HeadsFormatError(f"{what}: these EAGLE-3 parameters carry no configuration (aux "
                                f"layers, norm eps, rope); bind them first "
                                f"(drafters.eagle3.drafter.bind(heads, config, model_cfg))")

@@ -4,7 +4,7 @@
 The drafter is one Llama decoder layer of its own, fed two things per position: a feature
 `hidden` [H] and the backbone's embedding of the next token. At the root, `hidden` is
 `fc(concat(f_low, f_mid, f_high))`, the residual stream entering three backbone layers
-(`backbone.eagle3_layers`, read with `aux_layers`); deeper down the tree it is the layer's
+(`eagle3_layers`, read with `aux_layers`); deeper down the tree it is the layer's
 own previous output (pre-norm), so the drafter runs on its own outputs. The layer normalises
 the two inputs apart (`input_norm` on the embedding, `hidden_norm` on the feature),
 concatenates them embedding first into 2H and projects that to q, k, v; its residual is the
@@ -57,7 +57,7 @@ TTT_STEPS, TTT_DECAY = 7, 0.8  # eagle/traineagle3: Model.length = 7, weights 0.
 class Eagle3Config:
     """What the forward pass needs beyond the parameters' shapes. Hashable (a static
     argument of jitted functions). `aux_layers` are backbone layer indices whose INPUT the
-    drafter reads (`backbone.eagle3_layers`); checkpoints store the OUTPUT-of-layer ids, one
+    drafter reads (`eagle3_layers`); checkpoints store the OUTPUT-of-layer ids, one
     less (`formats`)."""
 
     hidden_size: int
@@ -86,7 +86,7 @@ def default_config(model_cfg: ModelConfig, draft_vocab_size: int | None = None,
                    aux_layers=None) -> Eagle3Config:
     """A drafter shaped like one layer of `model_cfg` (as SpecForge's configs are: heads,
     head size, intermediate size, norm eps and rope copied from the target), reading
-    `backbone.eagle3_layers`, over the full vocabulary unless `draft_vocab_size` is given."""
+    `eagle3_layers`, over the full vocabulary unless `draft_vocab_size` is given."""
     v = model_cfg.vocab_size
     return Eagle3Config(
         hidden_size=model_cfg.hidden_size, num_heads=model_cfg.num_heads,
@@ -95,7 +95,7 @@ def default_config(model_cfg: ModelConfig, draft_vocab_size: int | None = None,
         draft_vocab_size=v if draft_vocab_size is None else int(draft_vocab_size),
         vocab_size=v, target_hidden_size=model_cfg.hidden_size,
         aux_layers=tuple(aux_layers) if aux_layers is not None
-        else backbone.eagle3_layers(model_cfg.num_layers),
+        else eagle3_layers(model_cfg.num_layers),
         rms_norm_eps=model_cfg.rms_norm_eps, rope_theta=model_cfg.rope_theta,
         rope_scaling=model_cfg.rope_scaling,
         max_position_embeddings=model_cfg.max_position_embeddings)
@@ -175,6 +175,18 @@ def init_eagle3(key: jax.Array, c: Eagle3Config, counts=None,
                           c.draft_vocab_size)
     out.update(d2t=jnp.asarray(d2t), t2d=jnp.asarray(t2d))
     return out
+
+
+def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """The layers whose inputs an EAGLE-3 drafter reads (low, mid, high), as `aux_layers`:
+    (2, L // 2, L - 3), the rule of EAGLE's `modeling_llama_kv.py`, SGLang and vLLM (the
+    outputs of layers 1, L // 2 - 1, L - 4: SpecForge's ids). Below 7 layers two of them
+    coincide (or fall outside the model), which gives no three distinct features."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if not layers[0] < layers[1] < layers[2]:
+        raise ValueError(f"EAGLE-3 reads the inputs of layers (2, L//2, L-3), three distinct "
+                         f"layers only when L >= 7; this backbone has {num_layers} layers")
+    return layers
 
 
 def is_eagle3(heads) -> bool:

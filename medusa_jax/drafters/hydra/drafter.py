@@ -10,6 +10,7 @@ import numpy as np
 
 from medusa_jax import kernels
 from medusa_jax.decoding.drafter import FromLastHidden, refuse_head_fn
+from medusa_jax.drafters.kind import Kind
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
 from medusa_jax.drafters.hydra import heads as hydra
@@ -17,7 +18,7 @@ from medusa_jax.model.backbone import Params
 
 
 @dataclasses.dataclass(frozen=True)
-class HydraDrafter(FromLastHidden):
+class HydraDrafter(FromLastHidden, Kind):
     kind = "hydra"
     formats = "medusa_jax.drafters.hydra.formats:HydraFormats"  # its layouts, its artifact
     batch_axis = 1  # of the carry: [1, B, H] hidden state
@@ -33,6 +34,11 @@ class HydraDrafter(FromLastHidden):
     @classmethod
     def axes(cls, heads: Params) -> dict:
         return {n: a for n, a in hydra.axes().items() if n in heads}
+
+    @classmethod
+    def init(cls, cfg, backbone: Params, key, depth: int) -> Params:
+        """Fresh heads, `depth` of them (each starts as the backbone's output layer)."""
+        return hydra.init_hydra(cfg, backbone, num_heads=depth)
 
     @staticmethod
     def enlarge(heads: Params, src, dst, grow) -> Params:

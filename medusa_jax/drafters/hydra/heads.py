@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
-from medusa_jax.decoding.tree import tree_plan
 from medusa_jax.drafters.io import check_float_tensors
+from medusa_jax.drafters.toolkit import tree_loop
 from medusa_jax.model.backbone import Params, ParamSpec, output_projection
 from medusa_jax.model.config import ModelConfig
 
@@ -198,33 +198,18 @@ def draft_tree(heads: Params, embed_table: jax.Array, hidden: jax.Array, root: j
                top_k: int = 0):
     """Fill a static tree with Hydra drafts: hidden [B, H], root [B] -> (tokens [B, N],
     node log-probabilities [B, N]: each node's own, under its parent's head call; 0 at the
-    root; sampled drafts or None). One head call per depth over the nodes at the depth
-    before it that have children; a node of rank r takes its parent's r-th most likely
-    token. `want_logp` False (a static tree needs none): no log-softmax, None instead.
+    root; sampled drafts or None; `toolkit.tree_loop.draft_tree`). One head call per depth
+    over the nodes at the depth before it that have children; a node of rank r takes its
+    parent's r-th most likely token. `want_logp` False (a static tree needs none): no log-softmax, None instead.
     `draw` (`decoding.step.DraftSampler`): a node of rank r takes its parent's r-th draw
     instead, and the drafts come back as (each node's `top_k` draws [B, N, top_k], the
     distribution they were drawn from [B, N, V])."""
     b, h = hidden.shape
-    dt = hidden.dtype
-    tokens = jnp.zeros((b, num_nodes), jnp.int32).at[:, 0].set(root.astype(jnp.int32))
-    logp = jnp.zeros((b, num_nodes), jnp.float32)
-    draws = logq = None
-    for d, (anc, nodes, parent_pos, rank, k) in enumerate(tree_plan(paths_ranks)):
-        path_emb = embed(embed_table, tokens[:, anc], dt)  # [B, E, d+1, H]
-        base = jnp.broadcast_to(hidden[:, None, None, :], (b, anc.shape[0], 1, h))
-        logits = apply_head(heads, d, jnp.concatenate([base, path_emb], axis=2))  # [B, E, V]
-        if draw is None:
-            top = top_k_fn(logits, k)  # [B, E, k]
-        else:
-            top, lq = draw.top_k(logits, k, axis=0, call=d)  # [B, E, k], [B, E, V]
-            if draws is None:
-                draws = jnp.zeros((b, num_nodes, top_k), jnp.int32)
-                logq = jnp.zeros((b, num_nodes, logits.shape[-1]), jnp.float32)
-            parents = anc[:, -1]  # the E nodes whose children this call drafts
-            draws = draws.at[:, parents, :k].set(top.astype(jnp.int32))
-            logq = logq.at[:, parents].set(lq)
-        tokens = tokens.at[:, nodes].set(top[:, parent_pos, rank])
-        if want_logp:
-            top_lp = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), top, axis=-1)
-            logp = logp.at[:, nodes].set(top_lp[:, parent_pos, rank])
-    return tokens, (logp if want_logp else None), (None if draw is None else (draws, logq))
+
+    def level(state, d, paths, tokens):  # the head of depth d over the paths drafted so far
+        path_emb = embed(embed_table, tokens[:, paths], hidden.dtype)  # [B, E, d+1, H]
+        base = jnp.broadcast_to(hidden[:, None, None, :], (b, paths.shape[0], 1, h))
+        return state, apply_head(heads, d, jnp.concatenate([base, path_emb], axis=2))
+
+    return tree_loop.draft_tree(level, None, root, paths_ranks, num_nodes, want_logp, draw,
+                                top_k, top_k_fn=top_k_fn)

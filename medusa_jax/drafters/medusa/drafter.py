@@ -10,6 +10,7 @@ import numpy as np
 
 from medusa_jax import kernels
 from medusa_jax.decoding.drafter import FromLastHidden
+from medusa_jax.drafters.kind import Kind
 from medusa_jax.decoding.step import Proposal, propose_candidates
 from medusa_jax.drafters.medusa import heads as medusa_heads
 from medusa_jax.drafters.medusa.heads import apply_heads
@@ -30,7 +31,7 @@ def standard_heads(heads: Params, hidden: jax.Array, lengths: jax.Array) -> jax.
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter(FromLastHidden):
+class MedusaDrafter(FromLastHidden, Kind):
     """`head_fn(heads, hidden [B, H], lengths [B]) -> [K, B, V]`: tests plug in oracle
     heads here."""
 

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
-from medusa_jax.decoding import drafter
+from medusa_jax.drafters import registry
 from medusa_jax.drafters.artifact import (  # noqa: F401 - kind-neutral, here too
     HEADS_FILE,
     HeadsConfig,
@@ -103,7 +103,7 @@ def apply_heads(heads: Params, hidden: jax.Array) -> jax.Array:
     """hidden [..., H] (after the final norm) -> logits [K, ..., V] in float32."""
     if not is_medusa(heads):
         raise ValueError(f"apply_heads computes Medusa heads (tensors w, b, proj); these are "
-                         f"{drafter.kind_of(heads)} heads (tensors {', '.join(sorted(heads))})")
+                         f"{registry.kind_of(heads)} heads (tensors {', '.join(sorted(heads))})")
     dt = hidden.dtype
     k = heads["b"].shape[0]
     x = head_states(heads, hidden)

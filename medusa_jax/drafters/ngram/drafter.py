@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams, refuse_head_fn
+from medusa_jax.decoding.drafter import BoundParams, Context, refuse_head_fn
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree, chain_tree
 from medusa_jax.drafters import shipped
+from medusa_jax.drafters.kind import Kind
 from medusa_jax.drafters.ngram import pool
 from medusa_jax.model.backbone import Params
 from medusa_jax.runtime import pytree as struct
@@ -116,16 +117,15 @@ def history_with_root(carry: NgramCarry, root: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class NgramDrafter:
+class NgramDrafter(Kind):
     """`max_n`, `min_n`: the n-gram lengths looked up, longest first (1 <= min_n <= max_n)."""
 
     max_n: int = DEFAULT_MAX_N
     min_n: int = DEFAULT_MIN_N
     kind = "ngram"
-    aux_layers = ()
-    # its history holds every committed token: started after a cached prefix it would miss
-    # the prefix, and plain steps would leave out their tokens
-    keeps_context = True
+    # its history holds every committed token's id: plain steps hand it theirs, and after
+    # a cached prefix it is begun on the whole prompt
+    context = Context.TOKENS
     batch_axis = 0  # of the carry: every leaf has the rows first
 
     def __post_init__(self):
@@ -157,6 +157,11 @@ class NgramDrafter:
         the defaults)."""
         return BoundParams({}, cls(DEFAULT_MAX_N if max_n is None else max_n,
                                    DEFAULT_MIN_N if min_n is None else min_n))
+
+    @classmethod
+    def init(cls, cfg, backbone: Params, key, depth: int) -> BoundParams:
+        """The drafter as heads, with its default sizes (no tensors: nothing to draw)."""
+        return cls.without_files()
 
     @property
     def default_tree(self) -> Tree:
@@ -212,11 +217,6 @@ class NgramDrafter:
         drafts, found = self.drafts(carry, root, static.top_k, static.depth)
         tokens, logp = tree_tokens(drafts, found, root, static.paths_ranks)
         return tree_proposal(tokens, logp if isinstance(tree, DynamicTree) else None, tree)
-
-    # its history is tokens only: plain steps hand it theirs (`append`), and after a cached
-    # prefix it is begun on the whole prompt (`decoding.drafter.Drafter`)
-    follows_plain_steps = True
-    rebuilds_from_tokens = True
 
     def append(self, carry: NgramCarry, tokens: jax.Array, live: jax.Array) -> NgramCarry:
         """After a plain step: tokens [B] each row's committed token -> the history with it

@@ -27,10 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.drafter import BoundParams, drafter_for
+from medusa_jax.decoding.drafter import BoundParams, Context, Drafter
 from medusa_jax.decoding.step import Proposal, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import shipped
+from medusa_jax.drafters.registry import drafter_for
 from medusa_jax.drafters.ngram.drafter import NgramCarry, NgramDrafter
 from medusa_jax.model.backbone import Params
 
@@ -109,7 +110,7 @@ def _rows_at(carry: NgramCarry, axis: int) -> NgramCarry:
 
 
 @dataclasses.dataclass(frozen=True)
-class MergedDrafter:
+class MergedDrafter(Drafter):
     """`inner`: any drafter; `ngram`: the n-gram drafter of the chain; `extra`: its length
     (what `tree_for` adds). The carry is (the inner's, the n-gram history with its rows on
     the inner's batch axis)."""
@@ -117,8 +118,6 @@ class MergedDrafter:
     inner: object
     ngram: NgramDrafter = NgramDrafter()
     extra: int = DEFAULT_EXTRA
-    # its history holds every committed token (and the inner drafter may keep more)
-    keeps_context = True
 
     def __post_init__(self):
         merge_tree(Tree.from_paths([[0]]), self.extra)  # the same check, before any work
@@ -133,7 +132,14 @@ class MergedDrafter:
 
     @property
     def batch_axis(self) -> int:
-        return getattr(self.inner, "batch_axis", 1)
+        return self.inner.batch_axis
+
+    @property
+    def context(self) -> Context:
+        # the n-gram history follows plain steps and rebuilds from tokens; so does the
+        # pair, unless the inner drafter keeps hidden states of every position
+        inner = self.inner.context
+        return inner if inner is Context.HIDDEN_STATES else self.ngram.context
 
     @property
     def aux_layers(self) -> tuple:
@@ -156,7 +162,7 @@ class MergedDrafter:
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
         inner_tree, _ = split_tree(tree)
-        have = getattr(self.inner, "depth", lambda h: None)(heads)
+        have = self.inner.depth(heads)
         if have is not None and have < inner_tree.depth:
             raise ValueError(f"tree {inner_tree.name!r} has depth {inner_tree.depth} but "
                              f"there are only {have} {self.inner.kind.title()} heads")
@@ -179,22 +185,9 @@ class MergedDrafter:
                                    tokens, acc_len, next_root, lengths, live)
         return inner, _rows_at(ngram, self.batch_axis)
 
-    # plain steps and a cached prefix: where the inner drafter can (one that keeps no
-    # context of its own is left as it is by plain steps) and the n-gram history can
-    @property
-    def follows_plain_steps(self) -> bool:
-        inner = (not self.inner.keeps_context
-                 or getattr(self.inner, "follows_plain_steps", False))
-        return inner and self.ngram.follows_plain_steps
-
-    @property
-    def rebuilds_from_tokens(self) -> bool:
-        return (getattr(self.inner, "rebuilds_from_tokens", False)
-                and self.ngram.rebuilds_from_tokens)
-
     def append(self, carry, tokens, live):
         inner, ngram = carry
-        if getattr(self.inner, "follows_plain_steps", False):
+        if self.inner.follows_plain_steps:
             inner = self.inner.append(inner, tokens, live)
         ngram = self.ngram.append(self._ngram_carry(ngram), tokens, live)
         return inner, _rows_at(ngram, self.batch_axis)

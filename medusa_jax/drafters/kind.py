@@ -1,0 +1,75 @@
+"""The drafter protocol, the kind's half: what a kind of drafter declares besides decoding
+(`Kind`, on top of the runtime half `decoding.drafter.Drafter`). Every member has a default
+or a one-line refusal here, so the registry, the formats, the tools and the commands ask a
+kind directly and never probe it for a capability.
+
+A new kind subclasses `Kind` (or `decoding.drafter.FromLastHidden` and `Kind` together),
+declares `kind`, `batch_axis`, `context`, `formats`, `matches` and `axes`, implements
+`begin` / `advance` / `propose` (or `start`), and overrides what it can do of the rest;
+tests/drafters/test_conformance.py runs it through the doors.
+"""
+
+from __future__ import annotations
+
+from medusa_jax.decoding.drafter import Drafter, refuse_head_fn
+
+Params = object  # a parameter pytree
+
+
+class Kind(Drafter):
+    """A kind of drafter: the runtime half (`Drafter`) and the kind's declaration."""
+
+    # the kind's file formats: an object or "module:class" with `layouts`, `save`, `load`,
+    # `sizes(heads) -> (hidden size, vocabulary size)` the backbone sizes the parameters
+    # imply, `what` (how messages name them); `drafters.formats` loops over every kind's
+    formats: object = None
+    # the tree this kind decodes with unless told (None: the model's); a kind whose best tree
+    # differs from a head-shaped one (the n-gram drafter's chain) says so here
+    default_tree = None
+
+    @classmethod
+    def matches(cls, heads: Params) -> bool:
+        """Whether `heads` (arrays, numpy or shapes) are this kind's parameters."""
+        return False
+
+    @classmethod
+    def axes(cls, heads: Params) -> dict:
+        """{name: logical axes} of the parameters `heads` has (`runtime.sharding`)."""
+        return {}
+
+    @classmethod
+    def shape_of(cls, heads: Params) -> tuple[int, int]:
+        """(head count, blocks per head) of `heads`: what our artifact's metadata and the
+        training report record."""
+        raise ValueError(f"drafter kind {cls.kind!r} records no (heads, blocks) shape")
+
+    @classmethod
+    def from_head_fn(cls, head_fn) -> "Kind":
+        """The drafter of plain parameters of this kind (`head_fn`: a head function, for
+        the kinds that take one; others refuse it in one line)."""
+        refuse_head_fn(head_fn, f"these are {cls.kind} drafter parameters")
+        return cls()
+
+    @classmethod
+    def init(cls, cfg, backbone: Params, key, depth: int) -> Params:
+        """Fresh parameters of `depth` levels for a backbone of config `cfg`
+        (`tools.sizing`)."""
+        raise ValueError(f"drafter kind {cls.kind!r} has no fresh initialisation here; "
+                         f"train one with its recipe")
+
+    @staticmethod
+    def cost(hidden: int, vocab: int, **kw) -> dict:
+        """Seconds of one drafting call on one token, per variant (`tools.bench`)."""
+        raise ValueError("this drafter kind has no cost model (--heads-cost)")
+
+    @staticmethod
+    def enlarge(heads: Params, src, dst, grow) -> Params:
+        """The same drafter for a backbone grown from config `src` to `dst` by
+        `tools.enlarge` (`grow`: that module, whose `plan` and `place` grow a layer)."""
+        raise ValueError("this drafter kind cannot be enlarged with its backbone")
+
+    @classmethod
+    def without_files(cls, **options) -> Params:
+        """The heads of a kind that needs no files (`--heads ngram`), bound to their drafter;
+        a kind read from files refuses."""
+        raise ValueError(f"drafter kind {cls.kind!r} is read from files: give its folder")
