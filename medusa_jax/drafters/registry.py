@@ -28,6 +28,7 @@ KINDS: dict[str, object] = {
     "hydra": "medusa_jax.drafters.hydra.drafter:HydraDrafter",
     "medusa": "medusa_jax.drafters.medusa.drafter:MedusaDrafter",
     "ngram": "medusa_jax.drafters.ngram.drafter:NgramDrafter",
+    "mtp": "medusa_jax.drafters.mtp.drafter:MtpDrafter",
 }
 
 # the kind of heads decoded with a plain head function (`drafter_for(heads, head_fn)`), and
