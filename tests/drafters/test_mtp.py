@@ -33,7 +33,9 @@ def modules(cfg, d, seed=1):
 @pytest.fixture(scope="module")
 def drafters(stories):
     cfg, _, _ = stories
-    return {d: bind(modules(cfg, d), cfg) for d in (1, 2, 3)}
+    out = {d: bind(modules(cfg, d), cfg) for d in (1, 2, 3)}
+    out["mimo"] = bind(modules(cfg, 2), cfg, "mimo")
+    return out
 
 
 def test_the_kind_is_registered_and_known_by_its_parameters(stories, drafters):
@@ -54,7 +56,8 @@ def test_the_kind_is_registered_and_known_by_its_parameters(stories, drafters):
     (2, TREE), (3, TREE), (1, TREE),
     (2, DynamicTree(Tree.load("mc_sim_7b_63:32"), 8)),
     (2, Tree.from_paths([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [1]])),
-], ids=["static-2", "static-3", "static-1", "dynamic-2", "chain4-reuse"])
+    ("mimo", TREE),
+], ids=["static-2", "static-3", "static-1", "dynamic-2", "chain4-reuse", "mimo-2"])
 def test_greedy_equals_plain_greedy(stories, drafters, story_plain, d, tree):
     cfg, params, _ = stories
     tokens, lengths = pad_prompts(story_plain.prompts)

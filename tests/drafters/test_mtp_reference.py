@@ -1,4 +1,4 @@
-"""MTP modules against a PyTorch transcription of vLLM's `deepseek_mtp.py`
+"""MTP modules against PyTorch transcriptions of vLLM's `deepseek_mtp.py` (and `mimo_mtp.py`)
 (`DeepSeekMultiTokenPredictorLayer`: the embedding zeroed at position 0, enorm / hnorm,
 eh_proj over [embedding; hidden], the decoder block, `residual + hidden_states`; logits
 through `shared_head.norm` and `shared_head.head`), its decoder block the backbone's
@@ -159,3 +159,38 @@ def test_the_drafters_carry_holds_vllms_outputs(setup):
     assert np.array_equal(np.asarray(carry[1].length), [T - 1] * B)
     assert np.max(np.abs(np.asarray(carry[0].out) - want_h[0][:, T - 1])) < 1e-4
     assert np.max(np.abs(np.asarray(carry[1].out) - want_h[1][:, T - 2])) < 1e-4
+
+
+class MimoLayer(MtpLayer):
+    """vLLM's MiMoMultiTokenPredictorLayer: [hidden; embedding] into input_proj, and the
+    output returned after final_layernorm (what the next step reads); logits the lm_head's."""
+
+    def forward(self, positions, previous_hidden_states, inputs_embeds):
+        inputs_embeds = inputs_embeds.clone()
+        inputs_embeds[positions == 0] = 0
+        inputs_embeds = self.enorm(inputs_embeds)
+        previous_hidden_states = self.hnorm(previous_hidden_states)
+        hidden_states = self.eh_proj(torch.cat([previous_hidden_states, inputs_embeds], -1))
+        hidden_states, residual = self.mtp_block(positions, hidden_states)
+        return self.shared_norm(residual + hidden_states)
+
+    def compute_logits(self, hidden_states):
+        return hidden_states @ self.head
+
+
+def test_mimo_style_matches_vllms_mimo_forward(setup):
+    params, heads, hidden, tokens = setup
+    emb = torch.tensor(np.asarray(params["embed"]))
+    mods = [MimoLayer(heads, m, params["lm_head"]) for m in range(2)]
+    padded = jnp.pad(hidden, ((0, 0), (0, 2), (0, 0)))
+    got = jax.jit(lambda: mtp.chain_hidden(params, CFG, heads, padded, tokens, depths=2,
+                                           style="mimo"))()
+    for b in range(B):
+        h = torch.tensor(np.asarray(hidden[b]))
+        for k, mod in enumerate(mods):
+            h = mod(torch.arange(T), h, emb[torch.tensor(np.asarray(tokens[b, k + 1:k + 1 + T]))])
+            ours = got[k][b, :T]
+            assert float(jnp.max(jnp.abs(mtp.normed(heads, CFG, k, ours) - h.detach().numpy()))
+                         ) < 1e-4, (b, k)
+            lg = mtp.logits(params, CFG, heads, k, ours)
+            assert float(jnp.max(jnp.abs(lg - mod.compute_logits(h).detach().numpy()))) < 1e-4

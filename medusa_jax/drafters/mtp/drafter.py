@@ -43,7 +43,7 @@ MtpCarry = tuple  # one context.ContextCache per module
 
 def extend(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
            hidden: jax.Array, next_tokens: jax.Array, n_valid: jax.Array,
-           hidden_first: bool = False) -> MtpCarry:
+           style: str = "deepseek") -> MtpCarry:
     """Append the entries of n_valid [B] new committed tokens (T at most per row) to every
     module: hidden [B, T, H] their backbone states, next_tokens [B, T] the token after each
     (the root after the last). Module k's entries lag k positions behind module 0's, so its
@@ -74,8 +74,9 @@ def extend(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
                                 jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))],
                                -1)
         out, k_new, v_new = mtp.module(heads, cfg, k, embed(toks), h_in, pos, c.k, c.v, mask,
-                                       hidden_first=hidden_first)
-        prev_src = jnp.concatenate([c.out[:, None], out], axis=1)  # [B, 1 + T, H]
+                                       style=style)
+        prev_src = mtp.fed_on(heads, cfg, k, jnp.concatenate([c.out[:, None], out], axis=1),
+                              style)  # [B, 1 + T, H]
         prev_start = start
         last = out[jnp.arange(b), jnp.clip(n - 1, 0, t - 1)]
         out_caches.append(context.ContextCache(
@@ -87,7 +88,7 @@ def extend(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
 
 def draft_tree(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
                root: jax.Array, paths_ranks, num_nodes: int, want_logp: bool = True,
-               draw=None, top_k: int = 0, hidden_first: bool = False):
+               draw=None, top_k: int = 0, style: str = "deepseek"):
     """Fill a static tree (node i+1 = paths_ranks[i]) with MTP drafts: -> (tokens [B, N],
     node log-probabilities [B, N] or None, sampled drafts or None), as
     `toolkit.tree_loop.draft_tree`."""
@@ -120,9 +121,11 @@ def draft_tree(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
                                     jnp.broadcast_to(jnp.asarray(seen), (b, e, num_nodes)),
                                     jnp.broadcast_to(jnp.eye(e, dtype=bool), (b, e, e))], -1)
             x_embed = backbone.embed_tokens(cfg, params, tokens[:, parents])
+            m_grand = min(d - 1, last_mod)  # the module whose call gave the parent
             out, k_new, v_new = mtp.module(heads, cfg, m, x_embed.astype(outs.dtype),
-                                           outs[:, grand], pos, c.k, c.v, mask,
-                                           extra=(tree_k, tree_v), hidden_first=hidden_first)
+                                           mtp.fed_on(heads, cfg, m_grand, outs[:, grand], style),
+                                           pos, c.k, c.v, mask, extra=(tree_k, tree_v),
+                                           style=style)
             tree_k = tree_k.at[:, :, parents].set(k_new.astype(tree_k.dtype))
             tree_v = tree_v.at[:, :, parents].set(v_new.astype(tree_v.dtype))
             outs = outs.at[:, parents].set(out)
@@ -136,13 +139,13 @@ def draft_tree(params: Params, heads: Params, cfg: ModelConfig, carry: MtpCarry,
 
 @dataclasses.dataclass(frozen=True)
 class MtpDrafter(Kind):
-    """`model_cfg`: the backbone's (the modules' layer is one of its layers),
-    `hidden_first`: the concatenation order (MiMo's; DeepSeek-V3, GLM and Qwen3.5 put the
-    embedding first), `reuse_last`: whether the last module drafts the depths past the
-    module count."""
+    """`model_cfg`: the backbone's (the modules' layer is one of its layers), `style`: the
+    layout's conventions (`heads.STYLES`: "deepseek", the embedding first, as DeepSeek-V3,
+    GLM and Qwen3.5; "mimo", the hidden state first and the normed output fed on),
+    `reuse_last`: whether the last module drafts the depths past the module count."""
 
     model_cfg: ModelConfig | None = None
-    hidden_first: bool = False
+    style: str = "deepseek"
     reuse_last: bool = True
     kind = mtp.KIND
     formats = "medusa_jax.drafters.mtp.formats:MtpFormats"
@@ -191,13 +194,13 @@ class MtpDrafter(Kind):
                              hidden.dtype)
         carry = (empty,) * mtp.num_modules(heads)
         nxt = context.next_tokens(tokens, lengths - 1, root)
-        return extend(params, heads, cfg, carry, hidden, nxt, lengths, self.hidden_first)
+        return extend(params, heads, cfg, carry, hidden, nxt, lengths, self.style)
 
     def advance(self, params, heads, carry, hidden, aux, tokens, acc_len, next_root,
                 lengths, live) -> MtpCarry:
         nxt = context.next_tokens(tokens, acc_len, next_root)
         return extend(params, heads, self._cfg(), carry, hidden, nxt,
-                      jnp.where(live, acc_len + 1, 0), self.hidden_first)
+                      jnp.where(live, acc_len + 1, 0), self.style)
 
     def window(self, carry: MtpCarry, slots: int) -> MtpCarry:
         return tuple(context.fit(c, slots) for c in carry)
@@ -210,12 +213,14 @@ class MtpDrafter(Kind):
         tokens, logp, drafts = draft_tree(
             params, heads, self._cfg(), carry, root, static.paths_ranks, static.num_nodes,
             want_logp=isinstance(tree, DynamicTree), draw=draw, top_k=static.top_k,
-            hidden_first=self.hidden_first)
+            style=self.style)
         return tree_proposal(tokens, logp, tree, drafts)
 
 
-def bind(heads: Params, model_cfg: ModelConfig, hidden_first: bool = False,
+def bind(heads: Params, model_cfg: ModelConfig, style: str = "deepseek",
          reuse_last: bool = True) -> BoundParams:
-    """MTP modules with the drafter that decodes them (the backbone's config, the
-    concatenation order, whether the last module is reused for deeper depths)."""
-    return BoundParams(dict(heads), MtpDrafter(model_cfg, hidden_first, reuse_last))
+    """MTP modules with the drafter that decodes them (the backbone's config, the layout's
+    style, whether the last module is reused for deeper depths)."""
+    if style not in mtp.STYLES:
+        raise ValueError(f"MTP style {style!r} is not one of {', '.join(mtp.STYLES)}")
+    return BoundParams(dict(heads), MtpDrafter(model_cfg, style, reuse_last))

@@ -11,7 +11,10 @@ backbone's embedding of token t_{i+k+1}:
     h_k = decoder_layer_k(x)                        one layer of the backbone's own kind
     logits = the backbone's output head(final_norm_k(h_k))   (DeepSeek-V3's shared_head)
 
-and predicts t_{i+k+2}. The embedding is zeroed at rotary position 0 (vLLM: "masking inputs
+and predicts t_{i+k+2}. Under MiMo's layout (`STYLES`) the projection reads the hidden
+state first, and the state handed to the next depth is the output after its final norm
+(vLLM's `mimo_mtp.py` returns `final_layernorm(h)`); DeepSeek-V3's hands on the output
+before it (its `shared_head.norm` is applied only for the logits). The embedding is zeroed at rotary position 0 (vLLM: "masking inputs
 at position 0, as not needed by MTP"). The embedding and output head are the backbone's
 (frozen, shared); each module has its norms, its projection and its decoder layer.
 
@@ -41,6 +44,9 @@ from medusa_jax.model.config import ModelConfig
 KIND = "mtp"
 LAYER = "layer."  # the prefix of the decoder layer's tensors
 OWN = ("enorm", "hnorm", "eh_proj", "final_norm")
+# layout style -> (hidden state first in the projection's input, next depth fed the normed
+# output)
+STYLES = {"deepseek": (False, False), "mimo": (True, True)}
 MODULE_AXIS = "medusa_layers"  # a stacking axis (`registry._STACKING_AXES`): not a matrix dim
 
 
@@ -135,9 +141,11 @@ def layer_weights(heads: Params, m: int, dtype) -> dict:
 
 
 def projected(heads: Params, cfg: ModelConfig, m: int, x_embed: jax.Array, hidden: jax.Array,
-              positions: jax.Array, hidden_first: bool = False) -> jax.Array:
+              positions: jax.Array, style: str = "deepseek") -> jax.Array:
     """[..., H]: eh_proj of the normalised embedding and hidden state side by side (the
-    embedding zeroed at position 0), the decoder layer's input."""
+    embedding zeroed at position 0; their order the layout `style`'s), the decoder layer's
+    input."""
+    hidden_first = STYLES[style][0]
     dt = hidden.dtype
     eps, off = cfg.rms_norm_eps, cfg.norm_offset
     e = jnp.where((positions == 0)[..., None], 0, x_embed.astype(dt))
@@ -150,7 +158,7 @@ def projected(heads: Params, cfg: ModelConfig, m: int, x_embed: jax.Array, hidde
 
 def module(heads: Params, cfg: ModelConfig, m: int, x_embed: jax.Array, hidden: jax.Array,
            positions: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array,
-           extra: tuple | None = None, hidden_first: bool = False):
+           extra: tuple | None = None, style: str = "deepseek"):
     """Module m over T new positions: x_embed [B, T, H] the backbone's embeddings of the
     tokens read, hidden [B, T, H] the previous depth's states, positions [B, T], k_cache /
     v_cache [B, KVH, S, D] the module's keys/values of S earlier entries (S may be 0),
@@ -158,7 +166,7 @@ def module(heads: Params, cfg: ModelConfig, m: int, x_embed: jax.Array, hidden: 
     S + N + T]. Returns (h [B, T, H] before the final norm, k_new, v_new [B, KVH, T, D])."""
     s = k_cache.shape[2]
     n = 0 if extra is None else extra[0].shape[2]
-    x = projected(heads, cfg, m, x_embed, hidden, positions, hidden_first)
+    x = projected(heads, cfg, m, x_embed, hidden, positions, style)
     rope = backbone.rope_table(positions, backbone.rope_frequencies(cfg))
     return backbone.decoder_layer(
         cfg, x, layer_weights(heads, m, hidden.dtype), k_cache if s else None,
@@ -166,11 +174,20 @@ def module(heads: Params, cfg: ModelConfig, m: int, x_embed: jax.Array, hidden: 
         (extra[0], extra[1], mask[..., s:s + n]) if n else None)
 
 
+def normed(heads: Params, cfg: ModelConfig, m: int, h: jax.Array) -> jax.Array:
+    """Module m's final norm of its output h [..., H]."""
+    return backbone.rms_norm(h, heads["final_norm"][m], cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def fed_on(heads: Params, cfg: ModelConfig, m: int, h: jax.Array, style: str) -> jax.Array:
+    """What the next depth reads of module m's output h: h itself, or (MiMo) normed."""
+    return normed(heads, cfg, m, h) if STYLES[style][1] else h
+
+
 def logits(params: Params, cfg: ModelConfig, heads: Params, m: int, h: jax.Array) -> jax.Array:
     """h [..., H] (a `module` output) -> float32 logits [..., V]: module m's final norm,
     then the backbone's output head."""
-    x = backbone.rms_norm(h, heads["final_norm"][m], cfg.rms_norm_eps, cfg.norm_offset)
-    return backbone.logits_from_hidden(cfg, params, x)
+    return backbone.logits_from_hidden(cfg, params, normed(heads, cfg, m, h))
 
 
 # ----------------------------------------------------------------------------- training
@@ -185,13 +202,14 @@ def shift(x: jax.Array, n: int) -> jax.Array:
 
 
 def chain_hidden(params: Params, cfg: ModelConfig, heads: Params, hidden: jax.Array,
-                 tokens: jax.Array, depths: int | None = None, hidden_first: bool = False,
+                 tokens: jax.Array, depths: int | None = None, style: str = "deepseek",
                  valid: jax.Array | None = None) -> list[jax.Array]:
     """MaxText's MTP over whole sequences (teacher-forced tokens): hidden [B, T, H] the
     backbone's final hidden states, tokens [B, T]; module k at position i reads module
     k-1's output at i (the backbone's state for k = 0) and the embedding of tokens[i+k+1],
     attending causally over its own sequence (`valid` [B, T]: keys that are real tokens).
-    Returns each depth's outputs [B, T, H] (`depths` of them: the module count if None)."""
+    Returns each depth's outputs [B, T, H] (`depths` of them: the module count if None;
+    the last module reused past it)."""
     b, t = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
@@ -201,7 +219,9 @@ def chain_hidden(params: Params, cfg: ModelConfig, heads: Params, hidden: jax.Ar
     embedded = jax.lax.stop_gradient(backbone.embed_tokens(cfg, params, tokens))
     outs, h = [], hidden
     for k in range(depths or num_modules(heads)):
-        h, _, _ = module(heads, cfg, min(k, num_modules(heads) - 1), shift(embedded, k + 1),
-                         h, pos, empty, empty, mask, hidden_first=hidden_first)
-        outs.append(h)
+        m = min(k, num_modules(heads) - 1)
+        out, _, _ = module(heads, cfg, m, shift(embedded, k + 1), h, pos, empty, empty, mask,
+                           style=style)
+        outs.append(out)
+        h = fed_on(heads, cfg, m, out, style)
     return outs
