@@ -203,18 +203,23 @@ def shift(x: jax.Array, n: int) -> jax.Array:
 
 def chain_hidden(params: Params, cfg: ModelConfig, heads: Params, hidden: jax.Array,
                  tokens: jax.Array, depths: int | None = None, style: str = "deepseek",
-                 valid: jax.Array | None = None) -> list[jax.Array]:
+                 valid: jax.Array | None = None, segments: jax.Array | None = None,
+                 positions: jax.Array | None = None) -> list[jax.Array]:
     """MaxText's MTP over whole sequences (teacher-forced tokens): hidden [B, T, H] the
     backbone's final hidden states, tokens [B, T]; module k at position i reads module
     k-1's output at i (the backbone's state for k = 0) and the embedding of tokens[i+k+1],
-    attending causally over its own sequence (`valid` [B, T]: keys that are real tokens).
-    Returns each depth's outputs [B, T, H] (`depths` of them: the module count if None;
-    the last module reused past it)."""
+    attending causally over its own sequence (`valid` [B, T]: keys that are real tokens;
+    packed rows: `segments` [B, T] keep attention inside each example, `positions` [B, T]
+    its rotary positions, from 0 per example). Returns each depth's outputs [B, T, H]
+    (`depths` of them: the module count if None; the last module reused past it)."""
     b, t = tokens.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    pos = (jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+           if positions is None else positions)
     mask = jnp.tril(jnp.ones((t, t), bool))[None]
     if valid is not None:
         mask = mask & valid.astype(bool)[:, None, :]
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])
     empty = jnp.zeros((b, cfg.num_kv_heads, 0, cfg.head_dim), hidden.dtype)
     embedded = jax.lax.stop_gradient(backbone.embed_tokens(cfg, params, tokens))
     outs, h = [], hidden
