@@ -135,6 +135,14 @@ def test_writing_needs_bound_modules_of_the_layouts_style(tmp_path, heads, one_l
                    "mimo style")
     one_line_error(HeadsFormatError, lambda: formats.save_heads(tmp_path / "c", heads, CFG),
                    "bind")
-    other = CFG.replace(hidden_size=64)
+    saved = formats.save_heads(tmp_path / "d", bind(heads, CFG), CFG)
     one_line_error(HeadsFormatError, lambda: formats.load_heads(
-        formats.save_heads(tmp_path / "d", bind(heads, CFG), CFG), other), "eh_proj", "64")
+        saved, CFG.replace(hidden_size=64)), "medusa_heads.safetensors", "hidden_size=32", "64")
+    one_line_error(HeadsFormatError, lambda: formats.load_heads(
+        saved, CFG.replace(vocab_size=60)), "medusa_heads.safetensors", "vocab_size=50", "60")
+    t = load_file(saved)
+    t["eh_proj"] = t["eh_proj"].copy()
+    t["eh_proj"][1, 0, 0] = np.inf
+    save_file(t, saved, metadata=dict(formats.safetensors_names(saved)[1]))
+    one_line_error(HeadsFormatError, lambda: formats.load_heads(saved, CFG),
+                   "medusa_heads.safetensors", "eh_proj", "non-finite")

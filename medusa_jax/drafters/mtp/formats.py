@@ -272,6 +272,11 @@ class MtpFormats:
                                    f"drafter's style and reuse") from None
         if cfg is None:
             raise HeadsFormatError(f"{file}: MTP modules are read with their backbone's config")
+        for key, ours in (("hidden_size", cfg.hidden_size), ("vocab_size", cfg.vocab_size)):
+            if key in meta and meta[key] != str(ours):
+                raise HeadsFormatError(f"{file}: metadata {key}={meta[key]}, but the "
+                                       f"backbone's is {ours}: these modules belong to another "
+                                       f"model")
         try:
             mtp.check(tensors, cfg, str(file))
         except ValueError as e:
