@@ -33,7 +33,7 @@ import sys
 from collections import defaultdict
 
 from medusa_jax import cli
-from medusa_jax.drafters import shipped
+from medusa_jax.drafters import registry, shipped
 from medusa_jax.kernels.flags import add_flag as kernels_flag
 from medusa_jax.kernels.flags import apply_flag as kernels_apply
 from medusa_jax.model.paths import check_model_paths
@@ -44,7 +44,7 @@ from medusa_jax.tools.bench_config import BenchConfig
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
+    cli.add_model_flags(p, heads_help=f"a drafter ({registry.help_kinds(files_only=True)}), "
                                       f"{shipped.help_names()} for the embedded model's "
                                       f"shipped ones, or {shipped.NGRAM!r} for n-gram drafts "
                                       "(no files; default: the shipped Medusa heads)",
@@ -412,7 +412,6 @@ def _also_heads(args, model, trees) -> list[tuple[str, object, list]]:
     if args.mesh:
         raise ValueError("--also-heads runs on one device: leave out --mesh")
     from medusa_jax.drafters import formats as heads_formats
-    from medusa_jax.drafters import registry
 
     out = []
     for name in args.also_heads.split(","):

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from medusa_jax.constants import HEADS_DTYPES
-from medusa_jax.drafters import shipped
+from medusa_jax.drafters import registry, shipped
 from medusa_jax.runtime.options import errors_to_exit, mesh_spec
 
 
@@ -19,10 +19,10 @@ def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
     ap.add_argument("--model", help="Hugging Face model directory or hub id such as "
                     "HuggingFaceTB/SmolLM2-135M (downloaded into huggingface_hub's cache, or "
                     "found there with HF_HUB_OFFLINE=1; default: embedded stories260K)")
-    ap.add_argument("--heads", help=(heads_help or "a drafter: Medusa or Hydra heads, an "
-                    "EAGLE-3 drafter (any layout load_heads reads), or 'default' / 'hydra' / "
-                    "'eagle' for the embedded model's shipped ones (default: the shipped "
-                    "Medusa heads for the embedded model)") + "; a hub id works here too")
+    ap.add_argument("--heads", help=(heads_help or (
+        f"a drafter: {registry.help_kinds(files_only=True)} (any layout load_heads reads), "
+        f"or {shipped.help_names()} for the embedded model's shipped ones (default: the "
+        f"shipped Medusa heads for the embedded model)")) + "; a hub id works here too")
     ap.add_argument("--heads-dtype", choices=HEADS_DTYPES, default="float32",
                     help="the heads' weight matrices in bfloat16 halve what a step reads of "
                          "them; they change only the drafts, not what is emitted (default "

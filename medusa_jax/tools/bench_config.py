@@ -12,7 +12,7 @@ import dataclasses
 
 from medusa_jax.constants import MODES
 from medusa_jax.decoding.config import DecodeConfig, check_temperature
-from medusa_jax.drafters import shipped
+from medusa_jax.drafters import registry, shipped
 from medusa_jax.runtime.options import int_list, name_list, option, positive_int, same_option
 
 
@@ -46,7 +46,7 @@ class BenchConfig:
               "over the whole KV cache every step; default: the decoders' own); each value "
               "gets its own plain and Medusa rows", type=int_list(1), metavar="CACHE_PHASES")
     also_heads: str | None = option(
-        None, "comma list of more drafters (Medusa or Hydra heads, EAGLE-3 drafters; "
+        None, f"comma list of more drafters ({registry.help_kinds(files_only=True)}; "
               f"{shipped.help_names()}: the embedded model's shipped ones; {shipped.NGRAM!r}: "
               "n-gram drafts, on a chain unless --trees), each benchmarked against the same "
               "plain run, side by side with --heads", type=name_list, metavar="HEADS,...")

@@ -32,6 +32,7 @@ from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.kind import Kind
 from medusa_jax.drafters.toolkit import context, tree_loop
+from medusa_jax.drafters.toolkit.backbone import Backbone
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
 
@@ -169,6 +170,16 @@ class Eagle3Drafter(Kind):
         return {n: eagle3.AXES.get(n, ()) for n in heads}  # norms, token maps: replicated
 
     @classmethod
+    def init(cls, cfg: ModelConfig, backbone: Params, key, depth: int) -> BoundParams:
+        """A fresh drafter shaped like one of `cfg`'s layers, over the full vocabulary,
+        bound to its config (any depth: it drafts on its own outputs). It reads EAGLE's
+        layers (2, L//2, L-3) from 7 layers on, (1, L//2, L-1) below."""
+        n = cfg.num_layers
+        aux = eagle3.eagle3_layers(n) if n >= 7 else (1, n // 2, n - 1)
+        c = eagle3.default_config(cfg, aux_layers=aux)
+        return bind(eagle3.init_eagle3(key, c), c, cfg)
+
+    @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
         if head_fn is not None:
             raise ValueError("head_fn is a Medusa head function, but these are EAGLE-3 "
@@ -186,9 +197,8 @@ class Eagle3Drafter(Kind):
         return self.config if self.config is not None else eagle3.config_of(heads)
 
     def embed(self, params: Params):
-        if self.model_cfg is not None:
-            return lambda tokens: eagle3.embed(self.model_cfg, params, tokens)
-        return lambda tokens: params["embed"][tokens]
+        """tokens -> the backbone's embedding of them (`toolkit.backbone.Backbone`)."""
+        return Backbone(self.model_cfg, params).embed
 
     def prepare(self, heads: Params, tree, cpu_kernels: bool = False) -> Params:
         # one layer: nothing to drop; on the CPU kernel, the backbone's decoding layout

@@ -35,6 +35,11 @@ class HydraDrafter(FromLastHidden, Kind):
     def axes(cls, heads: Params) -> dict:
         return {n: a for n, a in hydra.axes().items() if n in heads}
 
+    @classmethod
+    def init(cls, cfg, backbone: Params, key, depth: int) -> Params:
+        """Fresh heads, `depth` of them (each starts as the backbone's output layer)."""
+        return hydra.init_hydra(cfg, backbone, num_heads=depth)
+
     @staticmethod
     def enlarge(heads: Params, src, dst, grow) -> Params:
         """Hydra heads padded to H': every H x H block of in_w / res_w [K, K+1, H, H] (one

@@ -158,6 +158,11 @@ class NgramDrafter(Kind):
         return BoundParams({}, cls(DEFAULT_MAX_N if max_n is None else max_n,
                                    DEFAULT_MIN_N if min_n is None else min_n))
 
+    @classmethod
+    def init(cls, cfg, backbone: Params, key, depth: int) -> BoundParams:
+        """The drafter as heads, with its default sizes (no tensors: nothing to draw)."""
+        return cls.without_files()
+
     @property
     def default_tree(self) -> Tree:
         """What it decodes with unless told: one continuation (a chain does as well as a
