@@ -153,3 +153,34 @@ def test_a_tree_deeper_than_the_modules_is_refused_without_reuse(stories, drafte
     with pytest.raises(ValueError, match="depth 3 but there are only 2"):
         medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0), tree=TREE,
                         max_new_tokens=4)
+
+
+@pytest.mark.slow
+def test_cache_phases_fit_every_modules_cache_to_the_window(stories, drafters, story_plain,
+                                                             monkeypatch):
+    """Cache phases in a 40-token decode: each phase's step drafts over that phase's window
+    of every module's cache (`window`), and greedy stays plain greedy."""
+    from medusa_jax.decoding import decode
+    from medusa_jax.decoding.decode import cache_phases
+
+    cfg, params, _ = stories
+    monkeypatch.setattr(decode, "CACHE_BLOCK", 16)
+    tokens, lengths = pad_prompts(story_plain.prompts)
+    cap = decode.medusa_capacity(tokens.shape[1], story_plain.max_new, TREE)
+    windows = cache_phases(tokens.shape[1], cap, TREE.num_nodes)
+    assert len(windows) >= 3
+    d = drafter_for(drafters[3])
+    seen = []
+    real = type(d).window
+
+    def recording(self, carry, slots):
+        out = real(self, carry, slots)
+        seen.append(tuple(c.k.shape[2] for c in out))
+        return out
+
+    monkeypatch.setattr(type(d), "window", recording)
+    out = medusa_generate(params, drafters[3], cfg, tokens, lengths, jax.random.key(0),
+                          tree=TREE, max_new_tokens=story_plain.max_new, eos=(2,))
+    assert story_plain.rows(out) == story_plain.rows_plain
+    assert {w for w, _, _ in seen} >= set(windows[:-1])
+    assert all(len(set(s)) == 1 for s in seen)  # every module's cache cut alike
