@@ -3,6 +3,8 @@ rows of different lengths, trees deeper than the modules), every module's own ca
 steps equals its cache begun over everything committed (the modules' lag included), and
 rejection sampling lossless."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,12 +12,12 @@ import pytest
 
 from medusa_jax.decoding import step
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
-from medusa_jax.decoding.drafter import drafter_for
+from medusa_jax.decoding.drafter import BoundParams, drafter_for
 from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import registry
 from medusa_jax.drafters.mtp import heads as mtp
-from medusa_jax.drafters.mtp.drafter import bind
+from medusa_jax.drafters.mtp.drafter import MtpDrafter, bind
 from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
 
 TREE = Tree.load("mc_sim_7b_63:16")  # depth 3
@@ -169,17 +171,17 @@ def test_cache_phases_fit_every_modules_cache_to_the_window(stories, drafters, s
     cap = decode.medusa_capacity(tokens.shape[1], story_plain.max_new, TREE)
     windows = cache_phases(tokens.shape[1], cap, TREE.num_nodes)
     assert len(windows) >= 3
-    d = drafter_for(drafters[3])
     seen = []
-    real = type(d).window
 
-    def recording(self, carry, slots):
-        out = real(self, carry, slots)
-        seen.append(tuple(c.k.shape[2] for c in out))
-        return out
+    @dataclasses.dataclass(frozen=True)
+    class Recording(MtpDrafter):  # a class of its own: traced afresh, whatever ran before
+        def window(self, carry, slots):
+            out = super().window(carry, slots)
+            seen.append(tuple(c.k.shape[2] for c in out))
+            return out
 
-    monkeypatch.setattr(type(d), "window", recording)
-    out = medusa_generate(params, drafters[3], cfg, tokens, lengths, jax.random.key(0),
+    heads = BoundParams(dict(drafters[3]), Recording(cfg))
+    out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0),
                           tree=TREE, max_new_tokens=story_plain.max_new, eos=(2,))
     assert story_plain.rows(out) == story_plain.rows_plain
     assert {w for w, _, _ in seen} >= set(windows[:-1])
