@@ -202,6 +202,10 @@ class MtpDrafter(Kind):
         return extend(params, heads, self._cfg(), carry, hidden, nxt,
                       jnp.where(live, acc_len + 1, 0), self.style)
 
+    @staticmethod
+    def enlarge(heads: Params, src: ModelConfig, dst: ModelConfig, grow) -> Params:
+        return enlarge(heads, src, dst, grow)
+
     def window(self, carry: MtpCarry, slots: int) -> MtpCarry:
         return tuple(context.fit(c, slots) for c in carry)
 
@@ -224,3 +228,34 @@ def bind(heads: Params, model_cfg: ModelConfig, style: str = "deepseek",
     if style not in mtp.STYLES:
         raise ValueError(f"MTP style {style!r} is not one of {', '.join(mtp.STYLES)}")
     return BoundParams(dict(heads), MtpDrafter(model_cfg, style, reuse_last))
+
+
+def enlarge(heads: Params, src: ModelConfig, dst: ModelConfig, grow) -> Params:
+    """MTP modules for the backbone `src` -> the same modules for its enlargement `dst`
+    (`tools.enlarge`; `grow`: that module): each decoder layer grown exactly as a backbone
+    layer is (through `grow.enlarge_backbone` on the layers alone), the norms scaled as the
+    backbone's, eh_proj padded block by block (its embedding and hidden halves each to the
+    first H of their H'-wide block). The construction is the same for either style; bound
+    modules stay bound (to `dst`, their style and reuse kept)."""
+    mtp.check(dict(heads), src, "the MTP modules to enlarge")
+    d, h, h2 = mtp.num_modules(heads), src.hidden_size, dst.hidden_size
+    layers = {n[len(mtp.LAYER):]: np.asarray(a) for n, a in heads.items()
+              if n.startswith(mtp.LAYER)}
+    # the layers as a vocabulary-less backbone of d layers: no extra (identity) layer
+    alone = src.replace(num_layers=d, vocab_size=1, tie_word_embeddings=True)
+    shape = {f: getattr(dst, f) for f in grow.SHAPE_FIELDS} | {"num_layers": d}
+    _, grown = grow.enlarge_backbone(alone, {"embed": np.zeros((1, h)),
+                                             "final_norm": np.ones(h), "layers": layers}, shape)
+    hid = np.arange(h)
+    blocks = np.concatenate([hid, h2 + hid])  # [first | second] H-wide input blocks
+    scale = np.sqrt(h / h2)
+    out = {mtp.LAYER + n: a for n, a in grown["layers"].items()}
+    for n in ("enorm", "hnorm", "final_norm"):
+        out[n] = grow.place((d, h2), np.asarray(heads[n], np.float64) * scale)
+    out["eh_proj"] = np.stack([grow.place((2 * h2, h2), np.asarray(w, np.float64), blocks, hid)
+                               for w in heads["eh_proj"]])
+    out = {n: a.astype(np.float32) for n, a in out.items()}
+    bound = heads.drafter if isinstance(heads, BoundParams) else None
+    if isinstance(bound, MtpDrafter):
+        return bind(out, dst, bound.style, bound.reuse_last)
+    return out
