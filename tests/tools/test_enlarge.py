@@ -260,8 +260,8 @@ def test_enlarged_mtp_modules_draft_and_decode_as_the_source(style):
     """Random backbone + two random MTP modules (the hidden half of eh_proj near the
     identity, so some drafts are accepted), both enlarged: the same tree drafted after
     prefill, every module's log-probabilities the same, and greedy decoding with the same
-    tokens as plain decoding and the same steps as the source's (so the same drafts accepted), on a tree
-    deeper than the modules (the last one reused)."""
+    tokens as plain decoding and the same steps as the source's (so the same drafts
+    accepted), on a tree deeper than the modules (the last one reused)."""
     from medusa_jax.decoding import step
     from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
     from medusa_jax.decoding.sampling import Rows, Sampling

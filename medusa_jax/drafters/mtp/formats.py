@@ -30,6 +30,7 @@ and tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -157,13 +158,24 @@ def write_mtp(heads: Params, out_dir, cfg: ModelConfig, style: str,
               base_model: str | None = None) -> list[Path]:
     """The modules in the `style` layout under `out_dir`: config.json (`base_model`'s when
     it is a folder with one, else the backbone's sizes; with num_nextn_predict_layers) and
-    mtp.safetensors."""
+    mtp.safetensors. Into a model folder (`out_dir` holding the backbone's config.json and
+    model.safetensors, DeepSeek-V3's layout only) the modules join the model's weights as
+    layers N .. N+D-1 and its config.json gains num_nextn_predict_layers: the folder is then
+    a model that carries its own drafter."""
     mtp.check(heads, cfg, f"writing the {style} MTP layout")
     out = Path(out_dir)
+    model_file = out / "model.safetensors"
+    into_model = style == "deepseek" and model_file.is_file() and (out / "config.json").is_file()
     out.mkdir(parents=True, exist_ok=True)
     d = mtp.num_modules(heads)
     source = Path(base_model) / "config.json" if base_model else None
-    if source is not None and source.is_file():
+    if into_model:
+        conf = read_json(out / "config.json")
+        if conf.get("num_hidden_layers") != cfg.num_layers:
+            raise HeadsFormatError(f"{out / 'config.json'}: num_hidden_layers="
+                                   f"{conf.get('num_hidden_layers')!r}, but these modules' "
+                                   f"backbone has {cfg.num_layers} layers")
+    elif source is not None and source.is_file():
         conf = read_json(source)
     else:
         conf = {"model_type": "mimo" if style == "mimo" else cfg.model_type,
@@ -184,9 +196,28 @@ def write_mtp(heads: Params, out_dir, cfg: ModelConfig, style: str,
         for hf, (key, transposed) in _layer_names(cfg).items():
             a = np.asarray(heads[mtp.LAYER + key][k], np.float32)
             tensors[pre + hf] = contiguous(a.T if transposed else a)
+    file = out / WEIGHTS_FILE
+    if into_model:  # the model's tensors, less any earlier modules', then these
+        kept = read_files([model_file], keep=lambda n: _module_of(style, cfg.num_layers, n)
+                          is None)
+        tensors = {**{n: a for n, (a, _) in kept.items()}, **tensors}
+        file = model_file
     write_json(out / "config.json", conf)
-    write_safetensors(out / WEIGHTS_FILE, tensors, {"format": "pt"})
-    return [out / "config.json", out / WEIGHTS_FILE]
+    write_safetensors(file, tensors, {"format": "pt"})
+    return [out / "config.json", file]
+
+
+def _has_backbone(folder) -> bool:
+    """Whether a folder of DeepSeek-V3's layout holds a backbone beside its modules (then it
+    is the model too, when none is named)."""
+    p = Path(folder)
+    try:
+        conf = json.loads((p / "config.json").read_text())
+        files = weights.weight_files(p)
+        return isinstance(conf, dict) and NEXTN in conf and any(
+            "model.embed_tokens.weight" in weights.read_header(f) for f in files)
+    except (OSError, ValueError):
+        return False
 
 
 def _style_of(conf: dict) -> str:
@@ -241,7 +272,8 @@ class MtpFormats:
     layouts = tuple(
         Layout(name, f"{name} (config.json with {NEXTN}"
                + (", model_type mimo" if style == "mimo" else "") + ", + *.safetensors)",
-               _detect_dir, _detect_file, _read, _writer(name))
+               _detect_dir, _detect_file, _read, _writer(name),
+               bundles_model=_has_backbone if style == "deepseek" else None)
         for name, style in LAYOUTS.items())
 
     @staticmethod
@@ -254,9 +286,30 @@ class MtpFormats:
         bound = _bound(heads, "save_heads")
         mtp.check(dict(heads), cfg, f"save_heads({file})")
         tensors = {k: contiguous(np.asarray(a, np.float32)) for k, a in heads.items()}
+        backbone = {k: v for k, v in dataclasses.asdict(bound.model_cfg).items()
+                    if k not in ("param_dtype", "compute_dtype")}
         return tensors, {"num_heads": str(mtp.num_modules(heads)), "num_layers": "1",
                          "mtp": json.dumps({"style": bound.style,
-                                            "reuse_last": bool(bound.reuse_last)})}
+                                            "reuse_last": bool(bound.reuse_last),
+                                            "backbone": backbone})}
+
+    @staticmethod
+    def native_cfg(meta: dict, file: Path, cfg: ModelConfig) -> ModelConfig:
+        """The backbone config the artifact records (its modules' layer is one of its
+        layers), so the modules read without the backbone's folder."""
+        try:
+            recorded = json.loads(meta.get("mtp") or "{}").get("backbone")
+        except (ValueError, AttributeError):
+            recorded = None
+        if not isinstance(recorded, dict):
+            raise HeadsFormatError(f"{file}: these MTP modules record no backbone config: "
+                                   f"read them with their backbone's (--model)")
+        try:
+            return ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in recorded.items()})
+        except (TypeError, ValueError) as e:
+            raise HeadsFormatError(f"{file}: metadata mtp.backbone is not a model config "
+                                   f"({str(e).splitlines()[0]})") from None
 
     @staticmethod
     def load(tensors: dict, meta: dict, cfg: ModelConfig | None, file: Path) -> Params:

@@ -14,9 +14,10 @@ backbone's embedding of token t_{i+k+1}:
 and predicts t_{i+k+2}. Under MiMo's layout (`STYLES`) the projection reads the hidden
 state first, and the state handed to the next depth is the output after its final norm
 (vLLM's `mimo_mtp.py` returns `final_layernorm(h)`); DeepSeek-V3's hands on the output
-before it (its `shared_head.norm` is applied only for the logits). The embedding is zeroed at rotary position 0 (vLLM: "masking inputs
-at position 0, as not needed by MTP"). The embedding and output head are the backbone's
-(frozen, shared); each module has its norms, its projection and its decoder layer.
+before it (its `shared_head.norm` is applied only for the logits). The embedding is zeroed
+at rotary position 0 (vLLM: "masking inputs at position 0, as not needed by MTP"). The
+embedding and output head are the backbone's (frozen, shared); each module has its norms,
+its projection and its decoder layer.
 
 Parameters (D modules stacked on the leading axis; ours are [in, out]: y = x @ w):
 
