@@ -312,3 +312,11 @@ def test_enlarged_mtp_modules_draft_and_decode_as_the_source(style):
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_array_equal(b.steps, a.steps)
     assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted
+
+
+def test_the_enlarged_config_claims_no_mtp_layers(stories):
+    """A source carrying its own MTP layers: the enlarged weights do not (the drafter goes
+    to heads/), so its config.json must not declare them."""
+    cfg = stories[0]
+    out = enlarge.hf_config({"model_type": "llama", "num_nextn_predict_layers": 2}, cfg)
+    assert "num_nextn_predict_layers" not in out and out["num_hidden_layers"] == cfg.num_layers
