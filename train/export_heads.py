@@ -13,7 +13,14 @@ folder, vLLM's, zankner/Hydra's, an EAGLE-3 folder). Formats written: `reference
 (config.json + medusa_lm_head.safetensors, and medusa_lm_head.pt when PyTorch is installed),
 `vllm` (config.json + model.safetensors), `medusa_jax` (medusa_heads.safetensors), `medusa2`
 (one model folder: backbone + heads), `hydra` (zankner/Hydra's), `eagle3` (config.json +
-model.safetensors, SafeAILab/SpecForge's, for EAGLE-3 drafters).
+model.safetensors, SafeAILab/SpecForge's, for EAGLE-3 drafters), `deepseek-mtp` (multi-token
+prediction modules in DeepSeek-V3's layout; with a backbone, one model folder: its weights
+with the modules as layers N .. N+D-1 and num_nextn_predict_layers in config.json, which
+serves its own drafter with `--model DIR --heads DIR`), `mimo-mtp` (MiMo's modules and a
+config.json).
+
+    python -m train.export_heads runs/mtp-X --format deepseek-mtp --model M --output out/m
+
 Errors are one line: `error: ...`.
 """
 
@@ -25,7 +32,11 @@ import sys
 from pathlib import Path
 
 # hydra: zankner/Hydra; eagle3: SafeAILab/EAGLE and SpecForge (what SGLang and vLLM read)
-FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra", "eagle3")
+FORMATS = ("reference", "vllm", "medusa_jax", "medusa2", "hydra", "eagle3", "deepseek-mtp",
+           "mimo-mtp")
+# layouts written as one model folder when the backbone is known: its weights and config
+# with the drafter's tensors and fields added (medusa2 has its own writer)
+WITH_BACKBONE = ("deepseek-mtp",)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -38,8 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--force", action="store_true", help="replace an earlier export of the "
                     "same format in --output (a folder of anything else is never replaced)")
     ap.add_argument("--model", help="the backbone the heads belong to: shapes are checked "
-                    "against it, and --format medusa2 bundles it (default: the run's model, "
-                    "the Medusa-2 folder itself, or the one the artifact records)")
+                    "against it, and --format medusa2 / deepseek-mtp bundle it (default: the "
+                    "run's model, the Medusa-2 folder itself, or the one the artifact "
+                    "records)")
     ap.add_argument("--base-model", help="base_model_name_or_path to write (default: the "
                     "source's own, else the backbone's path)")
     return ap.parse_args(argv)
@@ -103,6 +115,8 @@ EXPORT_FILES = {
     "medusa2": _HF_MODEL,
     "hydra": ("config.json", "hydra_lm_head.safetensors", "hydra_lm_head.pt"),
     "eagle3": ("config.json", "model.safetensors"),
+    "deepseek-mtp": _HF_MODEL + ("mtp.safetensors", "medusa_jax.json"),
+    "mimo-mtp": ("config.json", "mtp.safetensors"),
 }
 
 
@@ -181,6 +195,16 @@ def export(args: argparse.Namespace) -> list[Path]:
         cfg, backbone = load_pretrained(model)
         return [hf.write_medusa2_model(out, cfg, backbone, heads, source_dir=model,
                                        base_model=base)]
+    if args.format in WITH_BACKBONE and model is not None:
+        from medusa_jax.model.weights import load_pretrained, save_pretrained
+
+        cfg, backbone = load_pretrained(model)
+        for f in out.glob("*.safetensors*"):  # an earlier export's (--force): not kept
+            f.unlink()
+        save_pretrained(cfg, backbone, out, source_dir=model)
+        return [out / f for f in sorted(p.name for p in out.iterdir())
+                if f not in ("config.json", "model.safetensors")] + \
+            hf.write(heads, args.format, out, cfg=cfg, base_model=base)
     if args.format == "medusa_jax" and cfg is None:
         cfg = hf.sizes_config(heads)
     extra = {"converted_from": str(source), "source_format": found.layout}

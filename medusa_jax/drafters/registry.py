@@ -27,6 +27,7 @@ _ENTRIES = (
     ("hydra", "medusa_jax.drafters.hydra.drafter:HydraDrafter", "Hydra heads"),
     ("medusa", "medusa_jax.drafters.medusa.drafter:MedusaDrafter", "Medusa heads"),
     ("ngram", "medusa_jax.drafters.ngram.drafter:NgramDrafter", "n-gram drafts"),
+    ("mtp", "medusa_jax.drafters.mtp.drafter:MtpDrafter", "MTP modules"),
 )
 KINDS: dict[str, object] = {kind: target for kind, target, _ in _ENTRIES}
 WHAT: dict[str, str] = {kind: what for kind, _, what in _ENTRIES}

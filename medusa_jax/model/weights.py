@@ -1,9 +1,10 @@
 """Hugging Face weights in and out: local safetensors <-> the backbone's parameter pytree.
 
 Loading is strict: every tensor the architecture needs must be present with the right shape,
-and every tensor in the files must be used. Any problem raises one `WeightsError` naming the
-file and tensor. Export writes the Hugging Face layout back so a fine-tuned backbone still
-loads in transformers.
+and every tensor in the files must be used (but for the multi-token-prediction layers that
+config.json's num_nextn_predict_layers declares, a drafter's: `nextn_layers`). Any problem
+raises one `WeightsError` naming the file and tensor. Export writes the Hugging Face layout
+back so a fine-tuned backbone still loads in transformers.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ _TOP_MAP = {
 # heads (medusa_head.*) are read by drafters.formats.load_heads, not here.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|^medusa_head\.")
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+# DeepSeek-V3's layout keeps its multi-token-prediction modules as layers N .. N+D-1 past
+# the backbone's N (D this field of config.json): a drafter's, read by drafters.formats.
+NEXTN = "num_nextn_predict_layers"
 # A multimodal Gemma 3 folder (model_type gemma3): the language model's tensors under one of
 # these prefixes (transformers 5, then older files); the vision tower and projector unused.
 _GEMMA3_TEXT = (("model.language_model.", "model."), ("language_model.model.", "model."),
@@ -272,8 +276,11 @@ def load_pretrained(
     # 1. names and shapes, from the files' headers: (our key, layer or None) -> (name, T?)
     layer_names: dict[str, list] = {k: [None] * cfg.num_layers for k in shapes["layers"]}
     top_names: dict[str, tuple[str, bool]] = {}
+    drafter_layers = nextn_layers(path, cfg)
     for name, file in tensors.where.items():
         m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) in drafter_layers:
+            continue  # a multi-token-prediction module: the drafter's, not the backbone's
         if m and m.group(2) in lmap:
             idx = int(m.group(1))
             key, transpose = lmap[m.group(2)]
@@ -319,6 +326,21 @@ def load_pretrained(
         params["layers"] = {key: to_device(np.stack([read(*found) for found in names]))
                             for key, names in layer_names.items()}
     return cfg, params
+
+
+def nextn_layers(path: Path, cfg: ModelConfig) -> range:
+    """The layer indices a checkpoint's multi-token-prediction modules take (DeepSeek-V3's
+    layout: N .. N+D-1, N the backbone's layer count, D = num_nextn_predict_layers of
+    config.json, none when it is absent)."""
+    config = path / "config.json"
+    try:
+        value = json.loads(config.read_text()).get(NEXTN, 0)
+    except (OSError, ValueError, AttributeError):
+        return range(0)  # ModelConfig.from_dir has read it; a Gemma 3 text config aside
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise WeightsError(f"{config}: {NEXTN}={value!r} is not a count of layers (a "
+                           f"non-negative integer)")
+    return range(cfg.num_layers, cfg.num_layers + value)
 
 
 def _is_multimodal_gemma3(path: Path) -> bool:

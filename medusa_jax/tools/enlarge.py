@@ -251,4 +251,7 @@ def hf_config(source: dict, cfg: ModelConfig) -> dict:
                rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
                dtype="float32")
     out.pop("torch_dtype", None)
+    # a source that carries its own MTP layers: the enlarged weights do not (its drafter,
+    # enlarged, is written apart)
+    out.pop("num_nextn_predict_layers", None)
     return out

@@ -1,6 +1,6 @@
 """Enlarging a model (train.enlarge): the same function at a bigger shape, for the backbone
 (every architecture, with and without the rotation), in transformers too, and for the heads,
-Medusa, Hydra and EAGLE-3 (same drafts, same tokens, same tokens per step)."""
+Medusa, Hydra, EAGLE-3 and MTP (same drafts, same tokens, same tokens per step)."""
 
 import jax
 import jax.numpy as jnp
@@ -252,3 +252,71 @@ def test_enlarged_eagle3_drafter_drafts_and_decodes_as_the_source():
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.steps, b.steps)
     assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("style", ["deepseek", "mimo"])
+def test_enlarged_mtp_modules_draft_and_decode_as_the_source(style):
+    """Random backbone + two random MTP modules (the hidden half of eh_proj near the
+    identity, so some drafts are accepted), both enlarged: the same tree drafted after
+    prefill, every module's log-probabilities the same, and greedy decoding with the same
+    tokens as plain decoding and the same steps as the source's (so the same drafts
+    accepted), on a tree deeper than the modules (the last one reused)."""
+    from medusa_jax.decoding import step
+    from medusa_jax.decoding.decode import generate, medusa_generate, pad_prompts
+    from medusa_jax.decoding.sampling import Rows, Sampling
+    from medusa_jax.decoding.tree import Tree
+    from medusa_jax.drafters.mtp import heads as mtp
+    from medusa_jax.drafters.mtp.drafter import bind
+
+    cfg = ModelConfig(model_type="llama", vocab_size=61, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64, rms_norm_eps=1e-5)
+    params = jax.jit(lambda k: init_params(cfg, k, std=0.3))(jax.random.key(0))
+    raw = mtp.init_mtp(jax.random.key(3), cfg, 2, std=0.05)
+    half = slice(0, 32) if style == "mimo" else slice(32, 64)  # the hidden state's rows
+    raw["eh_proj"] = raw["eh_proj"].at[:, half].add(jnp.eye(32))
+    raw = {n: a * (1 + 0.5 * jax.random.uniform(jax.random.key(1), a.shape))
+           if n.endswith("norm") else a for n, a in raw.items()}  # norms away from one
+    heads = bind(raw, cfg, style)
+    dst, big = _grown(cfg, params, dict(hidden_size=48, intermediate_size=64, num_layers=3,
+                                        num_heads=8, num_kv_heads=2, head_dim=16))
+    big_heads = enlarge.enlarge_heads(jax.tree.map(np.asarray, heads), cfg, dst)
+    assert big_heads.drafter.model_cfg == dst and big_heads.drafter.style == style
+    mtp.check(dict(big_heads), dst, "enlarged")
+    big_heads = jax.tree.map(jnp.asarray, big_heads)
+
+    tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]])
+    tokens, lengths = pad_prompts([[1, 40, 3], [1, 9, 9, 20, 7]])
+
+    def proposal(p, h, model_cfg):  # the drafted tree and each module's log-probabilities
+        d = h.drafter
+        s = step.start(p, model_cfg, tokens, lengths, jax.random.split(jax.random.key(0), 2),
+                       Rows.of(Sampling(), 2, 8, ()), 32, d, h, width=5)
+        prop = d.propose(p, h, s.draft, s.root, tree)
+        logp = [jax.nn.log_softmax(mtp.logits(p, model_cfg, h, m, c.out), axis=-1)
+                for m, c in enumerate(s.draft)]
+        return prop.tokens, prop.valid, logp
+
+    small = jax.jit(lambda p, h: proposal(p, h, cfg))(params, heads)
+    large = jax.jit(lambda p, h: proposal(p, h, dst))(big, big_heads)
+    np.testing.assert_array_equal(large[0], small[0])
+    np.testing.assert_array_equal(large[1], small[1])
+    np.testing.assert_allclose(large[2], small[2], atol=1e-4, rtol=0)
+
+    plain = generate(params, cfg, tokens, lengths, jax.random.key(0), max_new_tokens=24)
+    a, b = (medusa_generate(p, h, m, tokens, lengths, jax.random.key(0), tree=tree,
+                            max_new_tokens=24)
+            for p, h, m in ((params, heads, cfg), (big, big_heads, dst)))
+    np.testing.assert_array_equal(a.tokens, plain.tokens)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.steps, a.steps)
+    assert int(np.sum(a.steps)) < int(np.sum(a.num_new))  # some drafts were accepted
+
+
+def test_the_enlarged_config_claims_no_mtp_layers(stories):
+    """A source carrying its own MTP layers: the enlarged weights do not (the drafter goes
+    to heads/), so its config.json must not declare them."""
+    cfg = stories[0]
+    out = enlarge.hf_config({"model_type": "llama", "num_nextn_predict_layers": 2}, cfg)
+    assert "num_nextn_predict_layers" not in out and out["num_hidden_layers"] == cfg.num_layers
