@@ -195,3 +195,32 @@ def test_eagle_default_target_is_the_references_loss():
         logq = np.log(_softmax(lg[i]))
         ce = -np.take_along_axis(logq, greedy[..., None], -1)[..., 0]
         np.testing.assert_allclose(float(hard[i]), (ce * keep).mean(), rtol=1e-5)
+
+
+def test_hydra_soft_target_is_the_shifted_soft_loss():
+    """train.hydra --target tv: its heads' teacher-forced logits against the backbone's
+    distribution at each target position, as `shifted_soft_loss` says."""
+    from medusa_jax.drafters.hydra import heads as hydra
+    from medusa_jax.training.recipes.hydra import hydra_loss_fn
+
+    params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))
+    heads = jax.jit(lambda p: hydra.init_hydra(CFG, p, K, 1))(params)
+    batch = _batch(seed=7)
+
+    @jax.jit
+    def run(params, heads, batch):
+        got = hydra_loss_fn(CFG, 0.8, target="tv", temperature=0.7)(
+            {"backbone": params, "heads": heads}, batch)
+        hidden = ts.backbone_hidden(params, CFG, batch)
+        emb = hydra.embed(params["embed"], batch["tokens"], hidden.dtype)
+        logits = hydra.teacher_forced_logits(heads, hidden, emb)
+        tgt, valid = ml.medusa_targets(batch, K)
+        want = targets.shifted_soft_loss(logits, logits_from_hidden(CFG, params, hidden), tgt,
+                                         valid, 0.8, "tv", 0.7)
+        return got, want
+
+    (lg, mg), (lw, mw) = run(params, heads, batch)
+    np.testing.assert_allclose(float(lg), float(lw), rtol=1e-6)
+    assert 0 < float(lg)
+    for k in mw:
+        np.testing.assert_allclose(np.asarray(mg[k]), np.asarray(mw[k]), rtol=1e-6)
