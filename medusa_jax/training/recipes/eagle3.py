@@ -185,11 +185,10 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
     With gradient accumulation (batch["totals"]: `eagle3_totals` of the whole batch) the
     micro-batches' losses and metrics add up to the whole batch's."""
     aux_layers = tuple(c.aux_layers)
-    objective = target  # `target` is the backbone's logits below
 
     def loss_fn(params, batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
-        aux, target = frozen_features(backbone, model_cfg, batch, aux_layers, batch_ways)
+        aux, base = frozen_features(backbone, model_cfg, batch, aux_layers, batch_ways)
         heads = drafter_of(params["heads"])
         table = embed_table(model_cfg, backbone)
         aux = aux.astype(jnp.float32)
@@ -197,9 +196,8 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
         masks = step_masks(batch, steps)
         logits = eagle3.ttt_logits(heads, c, table, aux, tokens, seg > 0, steps,
                                    segments=seg, positions=batch["positions"])
-        loss, losses = ttt_loss(heads, c, logits, target, masks, decay, objective,
-                                temperature)
-        top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), target)
+        loss, losses = ttt_loss(heads, c, logits, base, masks, decay, target, temperature)
+        top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), base)
         own = jnp.sum(masks, axis=(1, 2))  # [S]
         b, t = tokens.shape
         totals = batch.get("totals", {})

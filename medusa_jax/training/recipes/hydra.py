@@ -6,8 +6,9 @@ per-head means and decay weights as Medusa-1 (`medusa_loss.medusa_targets`, `med
 so the held-out accuracy of head i is conditional on the true path above it. With
 `--teacher-loss` (Hydra++'s) the hard label is replaced by the soft cross-entropy against
 the frozen base model's own distribution at the target position; `--target` trains
-against that distribution with the other objectives (`training.targets`). Data, self-distillation,
-Orbax checkpoints, resume, signals, meshes and the report are the trainer's.
+against that distribution with the other objectives (`training.targets`). Data,
+self-distillation, Orbax checkpoints, resume, signals, meshes and the report are the
+trainer's.
 """
 
 from __future__ import annotations
