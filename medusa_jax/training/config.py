@@ -11,6 +11,7 @@ and `.medusa2` (which re-export their config from here).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from pathlib import Path
@@ -22,6 +23,32 @@ from medusa_jax.text import data
 from medusa_jax.text.data import FORMATS, TEMPLATES  # names: the config has a field called data
 
 DTYPES = ("float32", "bfloat16")  # --dtype: the backbone's
+
+# --target (`training.targets`): hard labels, or the frozen backbone's distribution
+TARGETS = ("hard", "kl", "tv", "tv+kl")
+SOFT_TARGETS = ("kl", "tv", "tv+kl")
+
+
+def check_target(target: str, temperature: float, flag: str = "--target") -> None:
+    """One-line ValueErrors for a target or temperature that cannot be trained on."""
+    if target not in TARGETS:
+        raise ValueError(f"{flag} must be one of {', '.join(TARGETS)}, got {target!r}")
+    if not (isinstance(temperature, (int, float)) and 0 < temperature < math.inf):
+        raise ValueError(f"--target-temperature must be finite and > 0, got {temperature}")
+    if target == "hard" and temperature != 1.0:
+        raise ValueError(f"--target-temperature {temperature} applies to the soft targets "
+                         f"(--target {', '.join(SOFT_TARGETS)}); --target hard trains on "
+                         f"one token")
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    """argparse type: comma-separated numbers (their range is checked by `validate`)."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got "
+                                         f"{text!r}") from None
+    return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +82,13 @@ class TrainConfig:
     grad_clip: float = option(1.0, "global gradient-norm clip, 0 = off (default {default})")
     adam_b2: float = option(0.999, "Adam's second-moment decay b2 (default {default})")
     loss_decay: float = option(0.8, "head k's loss weighs this**k (default {default})")
+    target: str = option("hard", "what each head learns: hard = the data's token; kl = the "
+                                 "frozen backbone's distribution p, KL(p || q); tv = a drawn "
+                                 "draft's acceptance sum(min(p, q)), i.e. 1 - TV(p, q); "
+                                 "tv+kl = both (default {default})", choices=TARGETS)
+    target_temperature: float = option(1.0, "soft targets compare p = softmax(backbone / T) "
+                                             "with q = softmax(drafter / T), as sampling at T "
+                                             "does (default {default})", metavar="T")
     shared_proj: bool = option(False, "heads share one projection: the base model's output "
                                       "layer, frozen; only their residual blocks train (K x "
                                       "H x H trained weights instead of K x H x (H + V); "
@@ -85,6 +119,11 @@ class TrainConfig:
     # (0.1 beat 0.3 and pure greedy, which has only one answer per opening)
     distill_temperature: float = option(0.1, "sampling temperature of the self-distilled "
                                              "answers, 0 = greedy (default {default})")
+    # the contexts sampled decoding produces: answers drawn at the temperatures served
+    distill_temperatures: tuple[float, ...] = option(
+        (), "self-distill at several temperatures instead (e.g. 0,0.8,1.0): the samples "
+            "split evenly, the same openings each; 0 = greedy, one answer an opening",
+        type=float_list, metavar="T1,T2,...")
     # with a ~20-token opening this nearly fills seq_len 256 (long openings lose a few tail
     # tokens to truncation, which the data summary counts)
     distill_max_new_tokens: int = option(240, "tokens per self-distilled answer "
@@ -150,7 +189,16 @@ class TrainConfig:
         need(0 <= self.adam_b2 < 1, f"--adam-b2 must be in [0, 1), got {self.adam_b2}")
         need(self.grad_clip >= 0, f"--grad-clip must be >= 0, got {self.grad_clip}")
         need(0 < self.loss_decay <= 1, "--loss-decay must be in (0, 1]")
-        need(self.distill_temperature >= 0, "--distill-temperature must be >= 0")
+        for flag, values in (("--distill-temperature", (self.distill_temperature,)),
+                             ("--distill-temperatures", tuple(self.distill_temperatures))):
+            bad = [t for t in values if not (math.isfinite(t) and t >= 0)]
+            need(not bad, f"{flag} must be finite and >= 0, got {bad[0] if bad else ''}")
+        need(not self.distill_temperatures or
+             self.distill_temperature == TrainConfig.distill_temperature,
+             "give --distill-temperature or --distill-temperatures, not both")
+        need(len(set(self.distill_temperatures)) == len(self.distill_temperatures),
+             "--distill-temperatures: a temperature given twice")
+        check_target(self.target, self.target_temperature)
         need(self.eval_prompts >= 0, "--eval-prompts must be >= 0")
         need(0 <= self.heldout_fraction < 1, "--heldout-fraction must be in [0, 1)")
         need(self.init_timeout >= 1, "--init-timeout must be >= 1")
@@ -258,6 +306,9 @@ class HydraConfig(TrainConfig):
         "output_dir": "run directory (default runs/hydra-<timestamp>)"}
 
     def validate(self):
+        if self.teacher_loss and self.target != "hard":
+            raise ValueError(f"--teacher-loss and --target {self.target}: give one (the "
+                             f"teacher loss is --target kl at temperature 1)")
         if self.shared_proj:
             raise ValueError("--shared-proj is a Medusa-heads option; Hydra heads have one "
                              "projection each (train.medusa1 --shared-proj)")
@@ -307,6 +358,11 @@ class EagleConfig(TrainConfig):
                                    "the reference's)")
     adam_b2: float = option(0.95, "Adam's second-moment decay b2 (default {default}, the "
                                   "reference's)")
+    # the reference's loss: the soft cross-entropy against the backbone's distribution
+    target: str = option("kl", "what each step learns: kl = the backbone's distribution p "
+                               "(the reference's soft cross-entropy); tv = a drawn draft's "
+                               "acceptance sum(min(p, q)); tv+kl = both; hard = the "
+                               "backbone's greedy token (default {default})", choices=TARGETS)
     # the default job's budget (under 10 minutes on 2 cores, report included): a row costs
     # a drafter layer forward and back per training-time-test step, so 3 steps of 16 rows
     # (twice the rows of 7 steps of 8 for less compute: the better drafter at 4 and at 16
@@ -439,6 +495,10 @@ class Medusa2Config(TrainConfig):
             if not cond:
                 raise ValueError(msg)
         super().validate()
+        need(self.target == "hard", f"--target {self.target}: Medusa-2 trains the backbone "
+                                    f"that would be the teacher; soft targets are for the "
+                                    f"frozen-backbone recipes (train.medusa1, train.hydra, "
+                                    f"train.eagle)")
         need(self.stage1_steps >= 1, "--stage1-steps must be >= 1")
         need(self.stage1_lr is None or self.stage1_lr > 0, "--stage1-lr must be > 0")
         need(self.head_lr_ratio > 0, "--head-lr-ratio must be > 0")

@@ -188,7 +188,9 @@ def training_memory(recipe, cfg, shape: str, device_memory: int | None = None,
         "head_layers": cfg.num_layers, "loss_chunking": ml.loss_chunking(
             cfg.seq_len, cfg.batch_size // cfg.grad_accum // sharding.batch_ways(mesh),
             cfg.num_heads, getattr(cfg, "reduced_vocab", 0) or full.vocab_size,
-            cfg.loss_chunk, 1 if cfg.shared_proj else cfg.num_heads, not cfg.shared_proj),
+            cfg.loss_chunk, 1 if cfg.shared_proj else cfg.num_heads, not cfg.shared_proj,
+            soft=cfg.target != "hard"),
+        "target": cfg.target, "target_temperature": cfg.target_temperature,
         "remat": bool(getattr(cfg, "remat", False)), "heads": recipe.memory_heads(cfg),
         "per_device_bytes": total, "parts_bytes": parts, "params_bytes": params,
         "temporaries_bytes_by_layers": {str(n): int(r.memory.temp_size_in_bytes)
@@ -226,6 +228,8 @@ def print_report(r: dict):
           f"{r['grad_accum']}, backbone {r['dtype']} (weights {r['backbone_param_dtype']}), "
           + (r.get("heads") or f"{r['num_heads']} heads, heads' loss "
                                  f"{_chunking(r['loss_chunking'])}")
+          + f", target {r['target']}" + (f" at T {r['target_temperature']}"
+                                         if r["target"] != "hard" else "")
           + (", remat" if r["remat"] else ""))
     print("per-device memory:")
     names = {"params": "parameters", "optimizer_state": "optimizer state",

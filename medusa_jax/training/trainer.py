@@ -39,7 +39,7 @@ from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params, decoding_layout
 from medusa_jax.model.config import ModelConfig, stop_tokens
 from medusa_jax.runtime import assets, distributed, rundir, sharding
-from medusa_jax.text import data, prompt_files
+from medusa_jax.text import data
 from medusa_jax.training import distill
 from medusa_jax.training import step as ts
 from medusa_jax.training.checkpoint import Checkpointer, CheckpointError
@@ -325,9 +325,11 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     bar = tqdm(total=total, initial=step, desc=recipe.name, unit="step", file=sys.stdout,
                dynamic_ncols=True, disable=not writer)
     t_train, tokens_seen, t_last = time.perf_counter(), 0, time.perf_counter()
+    tokens_total, first = 0, step  # this session's, for the closing report
     while step < end:
         batch = recipe.batch(next(batches), step)
-        tokens_seen += int((batch["segments"] > 0).sum())
+        real = int((batch["segments"] > 0).sum())  # the rows' tokens, padding excluded
+        tokens_seen, tokens_total = tokens_seen + real, tokens_total + real
         state, m = train_step(state, ctx.put(batch))
         step += 1
         bar.update(1)
@@ -354,7 +356,11 @@ def _train(cfg: TrainConfig, recipe: Recipe, run_dir: Path, mesh, resume: str | 
     train_s = time.perf_counter() - t_train
     ckpt.wait()
     summary = {"run_dir": str(run_dir), "step": step, "total_steps": total,
-               "train_seconds": round(train_s, 1), "checkpoints": ckpt.all_steps()}
+               "train_seconds": round(train_s, 1), "checkpoints": ckpt.all_steps(),
+               "tokens_seen": tokens_total,
+               "tokens_per_minute": round(60 * tokens_total / max(train_s, 1e-9))}
+    print(f"trained {step - first} steps in {train_s:.0f} s: {tokens_total} tokens seen, "
+          f"{summary['tokens_per_minute']} tokens per minute", flush=True)
     ckpt.close()
     if step < total:
         message = f"stopped at step {step} of {total}; continue with --resume {run_dir}"
@@ -480,7 +486,7 @@ def prepare_data(ctx: Context):
         held = [convs[i] for i in order[:n_held]]
         train = [convs[i] for i in order[n_held:]]
     else:
-        train_file, held_file = self_distill(ctx)
+        train_file, held_file = distill.self_distill(ctx)
         train = data.read_file(train_file, "sharegpt", report)
         held = data.read_file(held_file, "sharegpt", data.LoadReport())
     build = lambda convs, what, rep=None: data.build(  # noqa: E731
@@ -492,40 +498,6 @@ def prepare_data(ctx: Context):
     prompts = [data.render_prompt(c, ctx.tokenizer, ctx.template) for c in held
                if c[0][0] != "text"]
     return train_rows, held_rows, prompts, report
-
-
-def self_distill(ctx: Context) -> tuple[Path, Path]:
-    """The backbone's answers to the shipped TinyStories openings (training, temperature
-    --distill-temperature) and its greedy answers to the held-out ones (greedy: that is how
-    the benchmark decodes), cached in <run>/distill/."""
-    cfg = ctx.cfg
-
-    def settings(**kw):
-        return dict(model=cfg.model or assets.EMBEDDED_MODEL, template=ctx.template,
-                    max_new_tokens=cfg.distill_max_new_tokens, seed=cfg.seed, **kw)
-
-    def answers(prompts, n, temperature, desc):
-        return lambda: distill.generate_answers(
-            ctx.backbone, ctx.model_cfg, ctx.tokenizer, prompts, template=ctx.template,
-            num_samples=n, temperature=temperature, max_new_tokens=cfg.distill_max_new_tokens,
-            batch_size=cfg.distill_batch_size, seed=cfg.seed, desc=desc)
-
-    if not distributed.is_writer():  # process 0 distills and writes; the others read
-        distributed.barrier("distilled")
-    train_prompts = prompt_files.read_user_turns(assets.prompts_file("train"))
-    held_prompts = prompt_files.read_user_turns(assets.prompts_file("heldout"))
-    train_file, stats = distill.distill_cached(
-        ctx.run_dir / "distill" / "train.jsonl",
-        settings(samples=cfg.distill_samples, temperature=cfg.distill_temperature),
-        answers(train_prompts, cfg.distill_samples, cfg.distill_temperature, "distill"))
-    print(f"distilled training data: {train_file}" + (f" ({stats})" if stats else " (cached)"),
-          flush=True)
-    held_file, _ = distill.distill_cached(
-        ctx.run_dir / "distill" / "heldout.jsonl", settings(samples=len(held_prompts)),
-        answers(held_prompts, len(held_prompts), 0.0, "heldout"))
-    if distributed.is_writer():
-        distributed.barrier("distilled")
-    return train_file, held_file
 
 
 # ----------------------------------------------------------------------------- reports

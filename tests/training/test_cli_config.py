@@ -81,3 +81,75 @@ def test_api_and_training_stop_on_the_same_tokens(stories):
     stops = stop_tokens(cfg, tok)
     assert tok.bos_token_id in stops and tok.eos_token_id in stops
     assert Medusa.load().eos == stops
+
+
+SOFT_AND_DISTILL_ERRORS = [
+    ("medusa1", ["--target", "tv", "--target-temperature", "0"],
+     "--target-temperature must be finite and > 0, got 0.0"),
+    ("hydra", ["--target", "kl", "--target-temperature", "-0.5"],
+     "--target-temperature must be finite and > 0, got -0.5"),
+    ("eagle", ["--target-temperature", "nan"],
+     "--target-temperature must be finite and > 0, got nan"),
+    ("medusa1", ["--target", "tv", "--target-temperature", "inf"],
+     "--target-temperature must be finite and > 0, got inf"),
+    ("medusa1", ["--target", "js"], "argument --target: invalid choice: 'js'"),
+    ("eagle", ["--target", "TV"], "argument --target: invalid choice: 'TV'"),
+    ("medusa1", ["--target-temperature", "0.8"],
+     "--target-temperature 0.8 applies to the soft targets (--target kl, tv, tv+kl)"),
+    ("medusa2", ["--target", "tv"], "--target tv: Medusa-2 trains the backbone that would be "
+                                    "the teacher"),
+    ("hydra", ["--teacher-loss", "--target", "tv"], "--teacher-loss and --target tv: give one"),
+    ("medusa1", ["--distill-temperatures", "0,-0.8"],
+     "--distill-temperatures must be finite and >= 0, got -0.8"),
+    ("eagle", ["--distill-temperatures", "0.8,nan"],
+     "--distill-temperatures must be finite and >= 0, got nan"),
+    ("hydra", ["--distill-temperature", "inf"],
+     "--distill-temperature must be finite and >= 0, got inf"),
+    ("medusa1", ["--distill-temperatures", "0.8,0.8"],
+     "--distill-temperatures: a temperature given twice"),
+    ("medusa1", ["--distill-temperatures", "0.8,"], "expected comma-separated numbers"),
+    ("medusa1", ["--distill-temperature", "0.3", "--distill-temperatures", "0,0.8"],
+     "give --distill-temperature or --distill-temperatures, not both"),
+]
+
+
+@pytest.mark.parametrize("method, flags, needle", SOFT_AND_DISTILL_ERRORS)
+def test_bad_targets_and_distill_temperatures_are_one_line_errors(method, flags, needle,
+                                                                   tmp_path, capsys):
+    """Refused while the flags are read: before the model is loaded or any data distilled
+    (no run directory is made)."""
+    import importlib
+
+    command = importlib.import_module(f"train.{method}").command
+    with pytest.raises(SystemExit) as e:
+        command.main(["--output-dir", str(tmp_path / "run"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"python -m train.{method}: error: ") and needle in err[-1], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_config_with_a_bad_target_is_refused(tmp_path, capsys):
+    saved = dataclasses.asdict(Medusa1Config(steps=10, output_dir=str(tmp_path)))
+    (tmp_path / "config.json").write_text(json.dumps(dict(saved, target="tv",
+                                                          target_temperature=-1.0)))
+    ap = Command("prog", "doc", Medusa1Config, Recipe).build_parser()
+    with pytest.raises(SystemExit):
+        options.parse_config(ap, Medusa1Config, ["--resume", str(tmp_path)])
+    assert "--target-temperature must be finite and > 0, got -1.0" in capsys.readouterr().err
+
+
+def test_soft_targets_and_distill_temperatures_parse_in_every_recipe():
+    from medusa_jax.training.config import EagleConfig, HydraConfig
+
+    for cls in (Medusa1Config, HydraConfig, EagleConfig):
+        ap = Command("prog", "doc", cls, Recipe).build_parser()
+        cfg, _, _ = options.parse_config(ap, cls, [
+            "--target", "tv+kl", "--target-temperature", "0.8",
+            "--distill-temperatures", "0,0.8,1"])
+        assert (cfg.target, cfg.target_temperature, cfg.distill_temperatures) == \
+            ("tv+kl", 0.8, (0.0, 0.8, 1.0))
+    # each recipe's default is what it trained on before
+    assert (Medusa1Config.target, HydraConfig.target, EagleConfig.target) == \
+        ("hard", "hard", "kl")
+    assert Medusa2Config.target == "hard"

@@ -138,7 +138,7 @@ TINY = ["--steps", "4", "--distill-samples", "8", "--distill-max-new-tokens", "2
 
 
 @pytest.mark.slow
-def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories):
+def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories, capsys):
     run = tmp_path / "run"
     cfg, _, stop_after = train_hydra.command.parse_args(
         ["--output-dir", str(run), "--stop-after", "2", *TINY])
@@ -148,6 +148,14 @@ def test_train_hydra_stops_resumes_and_decodes(tmp_path, stories):
     cfg, resume, _ = train_hydra.command.parse_args(["--resume", str(run)])
     summary = train_hydra.command.run(cfg, resume)
     assert summary["step"] == 4 and len(summary["heldout_top1"]) == 3
+    # the resumed session's 2 steps: at most 2 full batches of real tokens, a rate per minute
+    seen = summary["tokens_seen"]
+    assert 0 < seen <= 2 * int(TINY[TINY.index("--batch-size") + 1]) * \
+        int(TINY[TINY.index("--seq-len") + 1])
+    assert "trained 2 steps in " in capsys.readouterr().out
+    s = summary["train_seconds"]  # rounded to 0.1 s
+    assert 60 * seen / (s + 0.05) - 1 <= summary["tokens_per_minute"] <= \
+        60 * seen / max(s - 0.05, 1e-3) + 1
     bench = summary["benchmark"]
     assert bench["identical_outputs"] == 1 and bench["tokens_per_step"] >= 1.0
     heads, meta = heads_formats.load_heads(run / "heads", stories[0])

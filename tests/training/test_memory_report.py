@@ -40,6 +40,23 @@ def test_medusa1_report_counts_params_and_adam_moments_exactly(capsys):
 
 
 @pytest.mark.slow
+def test_soft_targets_are_reported_and_chunked_over_tokens(capsys):
+    from train.medusa1 import command
+
+    soft = ["--target", "tv", "--target-temperature", "0.8"]
+    one = report(command, [*soft, "--loss-chunk", "128"], capsys)
+    chunked = report(command, [*soft, "--loss-chunk", "8"], capsys)
+    assert (one["target"], one["target_temperature"]) == ("tv", 0.8)
+    assert list(one["loss_chunking"]) == ["one", 128]
+    assert list(chunked["loss_chunking"]) == ["tokens", 8]
+    # unchunked: the heads' [K, B, T, V] float32 logits and the backbone's [B, T, V] at once
+    logits = 3 * 4 * 128 * 32000 * 4
+    assert one["parts_bytes"]["temporaries"] - chunked["parts_bytes"]["temporaries"] > logits
+    command.main(["--memory-report", *SMALL[:-1], *soft])  # the text report names it
+    assert "target tv at T 0.8" in capsys.readouterr().out
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(jax.device_count() < 2, reason="needs 2 (simulated) devices")
 def test_fsdp_splits_the_state_and_the_chunked_loss_cuts_temporaries(capsys):
     from train.medusa1 import command

@@ -64,7 +64,8 @@ def label_counts(rows: data.Packed, vocab: int) -> np.ndarray:
 
 def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
              target_logits: jax.Array, masks: jax.Array,
-             decay: float = eagle3.TTT_DECAY) -> tuple[jax.Array, jax.Array]:
+             decay: float = eagle3.TTT_DECAY, target: str = "kl",
+             temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """The reference trainer's loss from the training-time test's logits [S, B, T, Vd]
     (`eagle3.ttt_logits`) -> (the loss, the per-step losses [S]): sum_i decay**i * loss_i,
     loss_i the soft cross-entropy of step i's draft distribution against the backbone's
@@ -73,18 +74,32 @@ def ttt_loss(heads: Params, c: eagle3.Eagle3Config, logits: jax.Array,
     draft vocabulary. The backbone's side (its argmax, whether that is in the draft
     vocabulary, its softmax over the draft vocabulary) is computed once and moved i + 1
     positions for step i. Equal to SafeAILab/EAGLE's loss on rows of one example each
-    (tests/training/test_eagle_train.py against the reference's form kept there)."""
+    (tests/training/test_eagle_train.py against the reference's form kept there).
+
+    `target` (`training.targets`): kl is that soft cross-entropy (KL(p || q) plus p's
+    entropy, the same gradient); tv 0.5 * sum |p - q|; tv+kl their sum; hard the
+    cross-entropy of the backbone's greedy token. p = softmax(backbone / T) over the draft
+    vocabulary, q = softmax(drafter / T), T = `temperature` (1: the reference's)."""
     steps = logits.shape[0]
     tgt = jax.lax.stop_gradient(target_logits.astype(jnp.float32))
     in_draft = jnp.asarray(heads["t2d"], bool)[jnp.argmax(tgt, axis=-1)]  # [B, T]
     if c.draft_vocab_size != c.vocab_size:  # (the whole vocabulary: d2t is all zeros)
         tgt = tgt[..., eagle3.target_ids(heads)]
-    target_p = jax.nn.softmax(tgt, axis=-1)  # [B, T, Vd]
+    if target == "hard":  # where it counts, the greedy token is in the draft vocabulary
+        target_p = jax.nn.one_hot(jnp.argmax(tgt, axis=-1), tgt.shape[-1])
+    else:
+        target_p = jax.nn.softmax(tgt / temperature, axis=-1)  # [B, T, Vd]
     losses = []
     for i in range(steps):
         pos = eagle3.shift(in_draft.astype(jnp.float32), i + 1) * masks[i]
-        logp = jax.nn.log_softmax(logits[i], axis=-1)
-        ce = -jnp.sum(eagle3.shift(target_p, i + 1) * logp, axis=-1)  # [B, T]
+        logp = jax.nn.log_softmax(logits[i] / temperature, axis=-1)
+        p = eagle3.shift(target_p, i + 1)
+        terms = []  # each [B, T]
+        if target in ("hard", "kl", "tv+kl"):
+            terms.append(-jnp.sum(p * logp, axis=-1))
+        if target in ("tv", "tv+kl"):
+            terms.append(0.5 * jnp.sum(jnp.abs(p - jnp.exp(logp)), axis=-1))
+        ce = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         losses.append(jnp.mean(pos * ce))
     losses = jnp.stack(losses)
     return jnp.sum(decay ** jnp.arange(steps, dtype=jnp.float32) * losses), losses
@@ -162,7 +177,7 @@ def drafter_of(heads: Params) -> Params:
 
 
 def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, decay: float,
-                   batch_ways: int = 1):
+                   batch_ways: int = 1, target: str = "kl", temperature: float = 1.0):
     """(params {"backbone", "heads"}, batch) -> (loss, metrics): the training-time test of
     an EAGLE-3 drafter on a frozen backbone (packed rows: `ttt_logits` and `step_masks`
     follow the segments).
@@ -173,7 +188,7 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
 
     def loss_fn(params, batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
-        aux, target = frozen_features(backbone, model_cfg, batch, aux_layers, batch_ways)
+        aux, base = frozen_features(backbone, model_cfg, batch, aux_layers, batch_ways)
         heads = drafter_of(params["heads"])
         table = embed_table(model_cfg, backbone)
         aux = aux.astype(jnp.float32)
@@ -181,8 +196,8 @@ def eagle3_loss_fn(model_cfg: ModelConfig, c: eagle3.Eagle3Config, steps: int, d
         masks = step_masks(batch, steps)
         logits = eagle3.ttt_logits(heads, c, table, aux, tokens, seg > 0, steps,
                                    segments=seg, positions=batch["positions"])
-        loss, losses = ttt_loss(heads, c, logits, target, masks, decay)
-        top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), target)
+        loss, losses = ttt_loss(heads, c, logits, base, masks, decay, target, temperature)
+        top1, top5 = ttt_hits(heads, jax.lax.stop_gradient(logits), base)
         own = jnp.sum(masks, axis=(1, 2))  # [S]
         b, t = tokens.shape
         totals = batch.get("totals", {})
@@ -276,7 +291,8 @@ class Eagle3(Recipe):
             total_steps, labels)
         steps = cfg.ttt_steps
         return Method(params, labels, tx, schedule,
-                      eagle3_loss_fn(model_cfg, c, steps, cfg.loss_decay, cfg.batch_ways),
+                      eagle3_loss_fn(model_cfg, c, steps, cfg.loss_decay, cfg.batch_ways,
+                                     cfg.target, cfg.target_temperature),
                       totals_fn=lambda batch: eagle3_totals(batch, steps))
 
     def memory_params(self, cfg, model_cfg, backbone) -> dict:

@@ -5,8 +5,10 @@ teacher-forced from the data) and is trained on token t+i+2: the same targets, v
 per-head means and decay weights as Medusa-1 (`medusa_loss.medusa_targets`, `medusa_loss`),
 so the held-out accuracy of head i is conditional on the true path above it. With
 `--teacher-loss` (Hydra++'s) the hard label is replaced by the soft cross-entropy against
-the frozen base model's own distribution at the target position. Data, self-distillation,
-Orbax checkpoints, resume, signals, meshes and the report are the trainer's.
+the frozen base model's own distribution at the target position; `--target` trains
+against that distribution with the other objectives (`training.targets`). Data,
+self-distillation, Orbax checkpoints, resume, signals, meshes and the report are the
+trainer's.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from medusa_jax.drafters.hydra import heads as hydra
 from medusa_jax.model.backbone import logits_from_hidden
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.training import step as ts
+from medusa_jax.training import targets as soft_targets
 from medusa_jax.training.config import HydraConfig  # noqa: F401 - re-exported
 from medusa_jax.training.recipes import medusa_loss as ml
 from medusa_jax.training.trainer import Context, Method, Recipe
@@ -41,9 +44,12 @@ def teacher_ce(head_logits: jax.Array, base_logits: jax.Array, valid: jax.Array,
 
 
 def hydra_loss_fn(cfg: ModelConfig, decay: float = 0.8, batch_ways: int = 1,
-                  teacher_loss: bool = False):
+                  teacher_loss: bool = False, target: str = "hard",
+                  temperature: float = 1.0):
     """(params {"backbone", "heads"}, batch) -> (loss, metrics): Hydra heads on a frozen
-    backbone's last hidden states and input embeddings, paths teacher-forced."""
+    backbone's last hidden states and input embeddings, paths teacher-forced. `target`
+    (`training.targets`): a soft target against the backbone's distribution at the target
+    position, at `temperature` (the backbone's logits [B, T, V] are made once, unchunked)."""
 
     def loss_fn(params, batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
@@ -53,6 +59,10 @@ def hydra_loss_fn(cfg: ModelConfig, decay: float = 0.8, batch_ways: int = 1,
         targets, valid = ml.medusa_targets(batch, hydra.config_of(heads)[0])
         logits = hydra.teacher_forced_logits(heads, hidden, emb)  # [K, B, T, V]
         count = batch.get("totals", {}).get("heads")
+        if target != "hard":
+            base = jax.lax.stop_gradient(logits_from_hidden(cfg, backbone, hidden))
+            return soft_targets.shifted_soft_loss(logits, base, targets, valid, decay, target,
+                                                  temperature, count)
         loss, metrics = ml.medusa_loss(logits, targets, valid, decay, count)
         if teacher_loss:
             base = jax.lax.stop_gradient(logits_from_hidden(cfg, backbone, hidden))
@@ -89,7 +99,7 @@ class Hydra(Recipe):
         num_heads = hydra.config_of(params["heads"])[0]
         return Method(params, labels, tx, schedule,
                       hydra_loss_fn(model_cfg, cfg.loss_decay, cfg.batch_ways,
-                                    cfg.teacher_loss),
+                                    cfg.teacher_loss, cfg.target, cfg.target_temperature),
                       totals_fn=lambda batch: ml.medusa_totals(batch, num_heads))
 
     def artifact_extra(self, ctx: Context) -> dict:

@@ -1,8 +1,9 @@
 """Medusa-1: the backbone is frozen; only the heads train, on its last hidden state.
 
 The loss is `medusa_loss.medusa1_loss_fn` (sum over heads of decay**k * CE_k, the backbone
-under stop_gradient) and the optimizer `training.step.make_optimizer` (AdamW on the heads,
-`set_to_zero` and no state for the backbone). The loop is `trainer.train`.
+under stop_gradient; a soft `--target`: the backbone's own distribution, `training.targets`)
+and the optimizer `training.step.make_optimizer` (AdamW on the heads, `set_to_zero` and no
+state for the backbone). The loop is `trainer.train`.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ class Medusa1(Recipe):
                       ml.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,
                                          cfg.batch_ways, frozen_proj,
                                          placeholder_map(cfg, token_map)
-                                         if cfg.reduced_vocab else None),
+                                         if cfg.reduced_vocab else None,
+                                         cfg.target, cfg.target_temperature),
                       totals_fn=lambda batch: ml.medusa_totals(batch, num_heads))
 
 

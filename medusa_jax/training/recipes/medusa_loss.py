@@ -180,7 +180,8 @@ def vocab_chunks(vocab: int, num_heads: int, tokens: int, limit: int = 0) -> int
 
 
 def loss_chunking(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: int = 0,
-                  proj_heads: int | None = None, train_proj: bool = True) -> tuple[str, int]:
+                  proj_heads: int | None = None, train_proj: bool = True,
+                  soft: bool = False) -> tuple[str, int]:
     """How the heads' loss is computed for a device's `rows` x `seq_len` tokens:
     ("one", seq_len) in one block when it fits `AUTO_CHUNK_BYTES` (or `chunk` >= seq_len);
     with `chunk` >= 1, ("tokens", chunk); else whichever of ("vocab", n chunks) and
@@ -192,7 +193,14 @@ def loss_chunking(seq_len: int, rows: int, num_heads: int, vocab: int, chunk: in
     blocks' activations, the targets' columns, their gradient), all tokens at once. H
     cancels: vocabulary chunks when 4 x K x tokens < proj_heads x V. (XLA:CPU, one layer of
     Llama-2-7B, batch 8 x 2,048, float32: 7.85 GB of temporaries over token chunks against
-    15.96 over vocabulary chunks; Llama-3-8B batch 4: 38.98 against 22.36 GB.)"""
+    15.96 over vocabulary chunks; Llama-3-8B batch 4: 38.98 against 22.36 GB.)
+
+    `soft`: soft targets (`training.targets`): a chunk also holds the backbone's logits and
+    each head's target distribution (sized as 2K + 1 heads' logits), and the tokens are
+    chunked, never the vocabulary (the target distribution needs every column at once)."""
+    if soft:
+        size = loss_chunk_size(seq_len, rows, 2 * num_heads + 1, vocab, chunk)
+        return ("one", seq_len) if size >= seq_len else ("tokens", size)
     size = loss_chunk_size(seq_len, rows, num_heads, vocab, chunk)
     if size >= seq_len:
         return "one", seq_len
@@ -353,12 +361,15 @@ def heads_vocab(heads: Params) -> int:
 
 def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
                     batch_ways: int = 1, frozen_proj: bool = False,
-                    token_map=None) -> LossFn:
+                    token_map=None, target: str = "hard",
+                    temperature: float = 1.0) -> LossFn:
     """Medusa-1: frozen backbone (stop_gradient), heads on its last hidden state; the heads'
     loss in chunks of `chunk` tokens per row (0: `loss_chunk_size`'s automatic size for rows
     split `batch_ways` ways). `frozen_proj`: no gradient for the heads' projection.
     `token_map` ([T] token ids): the heads' projection has T columns, those tokens (a
-    reduced vocabulary; the map is a constant of the loss, not a trained parameter)."""
+    reduced vocabulary; the map is a constant of the loss, not a trained parameter).
+    `target` (`training.targets`): hard, or a soft target against the backbone's
+    distribution at `temperature` (restricted to the heads' columns, renormalised)."""
     token_index = None if token_map is None else \
         jnp.asarray(reduced_token_index(token_map, cfg.vocab_size))
 
@@ -368,11 +379,44 @@ def medusa1_loss_fn(cfg: ModelConfig, decay: float = 0.8, chunk: int = 0,
         if frozen_proj:
             heads = dict(heads, proj=jax.lax.stop_gradient(heads["proj"]))
         targets, valid = medusa_targets(batch, params["heads"]["w"].shape[0])
-        return heads_loss(heads, hidden, targets, valid, decay, chunk,
-                          batch.get("totals", {}).get("heads"), batch_ways, token_index,
-                          train_proj=not frozen_proj)
+        count = batch.get("totals", {}).get("heads")
+        if target == "hard":
+            return heads_loss(heads, hidden, targets, valid, decay, chunk, count, batch_ways,
+                              token_index, train_proj=not frozen_proj)
+        return soft_loss(cfg, jax.lax.stop_gradient(params["backbone"]), heads, hidden,
+                         targets, valid, decay, target, temperature, chunk, count,
+                         batch_ways, token_map)
 
     return loss_fn
+
+
+def soft_loss(cfg: ModelConfig, backbone: Params, heads: Params, hidden: jax.Array,
+              targets: jax.Array, valid: jax.Array, decay: float, target: str,
+              temperature: float, chunk: int = 0, count: jax.Array | None = None,
+              batch_ways: int = 1, token_map=None) -> tuple[jax.Array, dict]:
+    """The heads' loss against soft targets (`targets.soft_heads_loss`): the teacher's logits
+    from the frozen `backbone`'s output layer on the same hidden states, over token chunks
+    as `loss_chunking(soft=True)` says. `token_map`: reduced-vocabulary heads (their
+    columns; the teacher restricted to them, a data target outside them a miss)."""
+    from medusa_jax.model.backbone import logits_from_hidden
+    from medusa_jax.training import targets as soft_targets
+
+    k, b, t = targets.shape
+    scored, columns = None, None
+    if token_map is not None:
+        columns = jnp.asarray(token_map)
+        index = jnp.asarray(reduced_token_index(token_map, cfg.vocab_size))[0][targets]
+        scored = index >= 0
+        targets = jnp.where(scored, index, 0)
+
+    def teacher(h):
+        logits = logits_from_hidden(cfg, backbone, h)
+        return logits if columns is None else logits[..., columns]
+
+    _, size = loss_chunking(t, -(-b // batch_ways), k, heads_vocab(heads), chunk, soft=True)
+    return soft_targets.soft_heads_loss(lambda h: apply_heads(heads, h), teacher, hidden,
+                                        targets, valid, decay, target, temperature, size,
+                                        count, scored)
 
 
 # ----------------------------------------------------------------------------- reduced vocab
