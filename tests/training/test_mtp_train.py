@@ -1,7 +1,8 @@
 """MTP training (`train.mtp`): depth k counts where its target is a label of its example,
 packed rows train as their examples alone, a few steps learn and leave the backbone alone,
-gradient accumulation changes nothing, and the command writes modules that decode as plain
-greedy decoding and load back as the mtp kind."""
+gradient accumulation changes nothing, a soft `--target` is the backbone's distribution one
+position on, and the command writes modules that decode as plain greedy decoding and load back
+as the mtp kind."""
 
 import json
 
@@ -12,7 +13,7 @@ import pytest
 
 from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.mtp import heads as mtp
-from medusa_jax.model.backbone import init_params
+from medusa_jax.model.backbone import init_params, logits_from_hidden
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.text import data
 from medusa_jax.training import step as ts
@@ -79,9 +80,99 @@ def test_a_packed_row_trains_as_its_examples_alone(tiny):
                                        np.asarray(alone[d][0])[counted], atol=1e-5)
 
 
-def _method(backbone, steps=30, accum_cfg=None):
-    cfg = MtpConfig(lr=1e-2, eval_prompts=0, num_heads=2, warmup_ratio=0.0)
+def _method(backbone, steps=30, target="hard", temperature=1.0):
+    cfg = MtpConfig(lr=1e-2, eval_prompts=0, num_heads=2, warmup_ratio=0.0, target=target,
+                    target_temperature=temperature)
     return recipe.Mtp.method(cfg, CFG, recipe.Mtp.params(cfg, CFG, backbone), steps)
+
+
+def _packed_batch():
+    """Two rows: one of two packed examples, one with labels cut short (unequal counts)."""
+    t = 12
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, CFG.vocab_size, (2, t)).astype(np.int32)
+    seg = np.array([[1] * 7 + [2] * 5, [1] * 10 + [0] * 2], np.int32)
+    pos = np.array([list(range(7)) + list(range(5)), list(range(t))], np.int32)
+    lab = (seg > 0) & (np.arange(t) >= 1)
+    lab[1, 8:] = False
+    return {"tokens": tokens, "positions": pos, "segments": seg, "loss_mask": lab}
+
+
+def _softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("target, temperature", [("kl", 1.0), ("tv", 0.7), ("tv+kl", 0.8)])
+def test_soft_loss_is_the_backbones_distribution_one_position_on(tiny, target, temperature):
+    """Depth k at t (scored on token t+k+2) against the backbone's distribution at t+k+1,
+    averaged over each depth's counted positions, then over the depths; computed here in
+    numpy from the module's and the backbone's logits."""
+    b = _packed_batch()
+    batch = {k: jnp.asarray(v) for k, v in b.items()}
+    method = _method(tiny, target=target, temperature=temperature)
+    loss, m = jax.jit(method.loss_fn)(method.params, batch)
+    heads = method.params["heads"]
+    hidden = ts.frozen_hidden(tiny, CFG, batch).astype(jnp.float32)
+    teacher = np.asarray(logits_from_hidden(CFG, tiny, hidden), np.float64)  # [B, T, V]
+    outs = mtp.chain_hidden(tiny, CFG, heads, hidden, batch["tokens"], 2,
+                            segments=batch["segments"], positions=batch["positions"])
+    seg, lab = b["segments"], b["loss_mask"]
+    n, t = seg.shape
+    want = []
+    for k in range(2):
+        q_logits = np.asarray(mtp.logits(tiny, CFG, heads, k, outs[k]), np.float64)
+        losses = []
+        for r in range(n):
+            for p in range(t):
+                j = p + k + 2
+                if not (j < t and lab[r, j] and seg[r, j] == seg[r, p] > 0):
+                    continue
+                pp = _softmax(teacher[r, p + k + 1] / temperature)
+                qq = _softmax(q_logits[r, p] / temperature)
+                value = 0.0
+                if "kl" in target:
+                    value += np.sum(pp * (np.log(pp) - np.log(qq)))
+                if "tv" in target:
+                    value += 0.5 * np.sum(np.abs(pp - qq))
+                losses.append(value)
+        assert len(losses) >= 4
+        want.append(np.mean(losses))
+    np.testing.assert_allclose(np.asarray(m["head_loss"]), want, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(float(loss), np.mean(want), rtol=2e-5, atol=1e-7)
+
+
+def test_a_soft_target_from_the_command_changes_the_loss(tiny, tmp_path):
+    """`--target kl` reaches the loss (not silently the hard labels); hard stays the default
+    and its metrics are the same."""
+    assert MtpConfig.target == "hard"
+    cfg, _, _ = train_mtp.command.parse_args(["--output-dir", str(tmp_path / "r"), "--target",
+                                              "kl", "--target-temperature", "0.8"])
+    assert (cfg.target, cfg.target_temperature) == ("kl", 0.8)
+    batch = {k: jnp.asarray(v) for k, v in _packed_batch().items()}
+    results = {}
+    for target, temperature in (("hard", 1.0), (cfg.target, cfg.target_temperature)):
+        method = _method(tiny, target=target, temperature=temperature)
+        results[target] = jax.jit(method.loss_fn)(method.params, batch)
+    (hard, mh), (kl, mk) = results["hard"], results["kl"]
+    assert abs(float(kl) - float(hard)) > 1e-3 * abs(float(hard)), (float(kl), float(hard))
+    for k in ("top1", "top5", "count"):
+        np.testing.assert_array_equal(np.asarray(mk[k]), np.asarray(mh[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--target", "js"], "argument --target: invalid choice: 'js'"),
+    (["--target", "kl", "--target-temperature", "0"],
+     "--target-temperature must be finite and > 0, got 0.0"),
+    (["--target-temperature", "0.8"], "--target-temperature 0.8 applies to the soft targets"),
+])
+def test_bad_targets_are_one_line_errors(flags, needle, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_mtp.command.main(["--output-dir", str(tmp_path / "r"), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m train.mtp: error: ") and needle in err[-1], err
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow
@@ -101,11 +192,12 @@ def test_a_few_steps_learn_and_leave_the_backbone_alone(tiny, one_device_step):
                  jax.tree.map(np.asarray, state.params["backbone"]))
 
 
-def test_gradient_accumulation_changes_nothing(tiny):
+@pytest.mark.parametrize("target", ["hard", "tv+kl"])
+def test_gradient_accumulation_changes_nothing(tiny, target):
     rows = _rows(n=4, t=12)
     batch = {k: jnp.asarray(v) for k, v in rows.rows(np.arange(4)).items()}
     batch["loss_mask"] = batch["loss_mask"].at[1, 7:].set(False)  # rows of unequal counts
-    method = _method(tiny)
+    method = _method(tiny, target=target, temperature=1.0 if target == "hard" else 0.8)
     params = method.params
 
     @jax.jit

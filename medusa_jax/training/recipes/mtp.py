@@ -7,7 +7,10 @@ module k at position t reads module k-1's output at t (the backbone's state for 
 the embedding of token t+k+1 (teacher-forced from the data), and is scored on token t+k+2
 through its final norm and the backbone's output head. The loss is each depth's
 cross-entropy averaged over its counted tokens, then averaged over the depths (MaxText's,
-without its `mtp_loss_scaling_factor`: here the modules' loss is the only one).
+without its `mtp_loss_scaling_factor`: here the modules' loss is the only one). A soft
+`--target` (`training.targets`) replaces each depth's cross-entropy by `soft_loss` against the
+frozen backbone's distribution at t+k+1, the position whose logits predict the same token
+t+k+2 (the backbone's logits [B, T, V] are made once, unchunked, as each depth's are).
 
 Packed rows: attention stays inside each example and rotary positions restart with it;
 depth k at t counts only where token t+k+2 is a label of t's own example (`depth_masks`).
@@ -26,9 +29,10 @@ import numpy as np
 
 from medusa_jax.drafters.mtp import heads as mtp
 from medusa_jax.drafters.mtp.drafter import bind
-from medusa_jax.model.backbone import Params
+from medusa_jax.model.backbone import Params, logits_from_hidden
 from medusa_jax.model.config import ModelConfig
 from medusa_jax.training import step as ts
+from medusa_jax.training import targets as soft_targets
 from medusa_jax.training.recipes.mtp_config import MtpConfig  # noqa: F401 - re-exported
 from medusa_jax.training.trainer import Context, Method, Recipe
 
@@ -44,10 +48,15 @@ def depth_masks(batch: dict, depths: int) -> jax.Array:
                       .astype(jnp.float32) for k in range(depths)])
 
 
-def mtp_loss_fn(model_cfg: ModelConfig, depths: int, style: str, batch_ways: int = 1):
+def mtp_loss_fn(model_cfg: ModelConfig, depths: int, style: str, batch_ways: int = 1,
+                target: str = "hard", temperature: float = 1.0):
     """(params {"backbone", "heads"}, batch) -> (loss, metrics). With gradient accumulation
     (batch["totals"]: `mtp_totals` of the whole batch) the micro-batches' losses and
-    metrics add up to the whole batch's."""
+    metrics add up to the whole batch's. `target` (`training.targets`): hard = the data's
+    token; a soft one = the backbone's distribution at t+k+1 for depth k at t, at
+    `temperature`. The metrics are the data's token's either way."""
+    if target != "hard" and target not in soft_targets.SOFT:
+        raise ValueError(f"not a target: {target!r}")
 
     def loss_fn(params, batch):
         backbone = jax.lax.stop_gradient(params["backbone"])
@@ -60,16 +69,22 @@ def mtp_loss_fn(model_cfg: ModelConfig, depths: int, style: str, batch_ways: int
         own = jnp.sum(masks, axis=(1, 2))  # [D]
         count = batch.get("totals", {}).get("depths", own)
         denom = jnp.maximum(count, 1.0)
+        if target != "hard":
+            base = jax.lax.stop_gradient(logits_from_hidden(model_cfg, backbone, hidden))
         losses, top1, top5 = [], [], []
         for k, out in enumerate(outs):
             logits = mtp.logits(backbone, model_cfg, heads, min(k, mtp.num_modules(heads) - 1),
                                 out)  # [B, T, V]
-            target = mtp.shift(tokens, k + 2)
-            logp = jax.nn.log_softmax(logits, axis=-1)
-            ce = -jnp.take_along_axis(logp, target[..., None], axis=-1)[..., 0]
-            losses.append(jnp.sum(ce * masks[k]) / denom[k])
+            label = mtp.shift(tokens, k + 2)
+            if target == "hard":
+                logp = jax.nn.log_softmax(logits, axis=-1)
+                loss = -jnp.take_along_axis(logp, label[..., None], axis=-1)[..., 0]
+            else:  # t+k+1 lies in t's example wherever depth k at t counts (t+k+2 does)
+                loss = soft_targets.soft_loss(logits, mtp.shift(base, k + 1), target,
+                                              temperature)
+            losses.append(jnp.sum(loss * masks[k]) / denom[k])
             _, top = jax.lax.top_k(jax.lax.stop_gradient(logits), TOP_K)
-            hit = top == target[..., None]
+            hit = top == label[..., None]
             top1.append(jnp.sum(hit[..., 0] * masks[k]) / denom[k])
             top5.append(jnp.sum(jnp.any(hit, -1) * masks[k]) / denom[k])
         losses = jnp.stack(losses)
@@ -131,7 +146,8 @@ class Mtp(Recipe):
             total_steps, labels)
         depths = cfg.num_heads
         return Method(params, labels, tx, schedule,
-                      mtp_loss_fn(model_cfg, depths, cfg.style, cfg.batch_ways),
+                      mtp_loss_fn(model_cfg, depths, cfg.style, cfg.batch_ways, cfg.target,
+                                  cfg.target_temperature),
                       totals_fn=lambda batch: mtp_totals(batch, depths))
 
     def memory_heads(self, cfg: MtpConfig) -> str:
