@@ -60,10 +60,7 @@ DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answ
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
-                                      "or 'default' / 'hydra' / 'eagle' for the embedded "
-                                      "model's shipped ones, or 'ngram' (n-gram drafts, no "
-                                      "files; omit for plain decoding)")
+    cli.add_model_flags(p, heads_help=cli.drafter_help("omit for plain decoding"))
     cli.add_ngram_flags(p)
     # the engine's options as `EngineConfig` declares them (help and checks written once)
     options.add_config_flags(p, EngineConfig)

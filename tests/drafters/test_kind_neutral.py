@@ -153,3 +153,23 @@ def test_no_kind_is_named_outside_the_drafters(top):
     gone = [f"{f}: {what}" for f, whats in KNOWN.items() if f.startswith(top + "/")
             for what in whats if what not in found.get(f, {})]
     assert not gone, "no longer there (strike them from KNOWN):\n" + "\n".join(gone)
+
+
+@pytest.mark.parametrize("command", ["infer.generate", "infer.bench", "infer.serve",
+                                     "infer.search_tree", "train.enlarge"])
+def test_every_commands_heads_help_names_every_kind(command):
+    """The --heads help is written from the registry: a kind registered before the parser
+    is built shows up in it, with every kind read from files."""
+    import importlib
+
+    module = importlib.import_module(command)
+    registry.register("probe", "medusa_jax.nowhere:Probe", "probe drafters")
+    try:
+        parser = module.build_parser()
+    finally:
+        registry.unregister("probe")
+    text = " ".join(next(a.help for a in parser._actions if "--heads" in a.option_strings)
+                    .split())
+    wanted = [registry.WHAT[k] for k in registry.kinds() if not shipped.fileless(k)]
+    assert all(w in text for w in wanted + ["probe drafters"]), text
+    assert all(repr(n) in text for n in shipped.NAMES), text
