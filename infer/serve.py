@@ -221,8 +221,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = srv.served_model_name or (model.model_dir.name if model.model_dir else "model")
-    drafter = getattr(engine.drafter, "name", None) or getattr(engine.drafter, "kind", "")
-    decoding = f"{drafter} {engine.tree.name}" if engine.medusa else "plain"
+    decoding = f"{engine.drafter.name} {engine.tree.name}" if engine.medusa else "plain"
     if engine.plain_above is not None:
         decoding += f", plain steps above {engine.plain_above} live slots"
     if engine.prefix_cache:
