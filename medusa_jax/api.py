@@ -115,16 +115,10 @@ def default_heads_dir() -> Path:
     return assets.heads_dir()
 
 
-def default_hydra_heads_dir() -> Path:
-    """The Hydra heads trained by the default `python -m train.hydra`, shipped for
-    stories260K."""
-    return shipped.folder(shipped.HYDRA)
-
-
-def default_eagle_heads_dir() -> Path:
-    """The EAGLE-3 drafter trained by the default `python -m train.eagle`, shipped for
-    stories260K."""
-    return shipped.folder(shipped.EAGLE)
+def shipped_heads_dir(name: str) -> Path:
+    """The folder of a drafter shipped for stories260K by the name `heads=` takes (one of
+    `drafters.shipped.NAMES`: "default", "hydra", "eagle")."""
+    return shipped.folder(name)
 
 
 def _is_int(x) -> bool:

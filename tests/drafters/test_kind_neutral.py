@@ -33,12 +33,6 @@ IDENTIFIER = re.compile(r"(?:^|_)(%s)(?:_|$|\d)" % "|".join(
 
 # file -> offences still there (without line numbers), and why
 KNOWN = {
-    # the public API's per-kind folders of the shipped drafters (`default_hydra_heads_dir`)
-    "medusa_jax/api.py": {"identifier default_hydra_heads_dir",
-                          "identifier default_eagle_heads_dir", "identifier HYDRA",
-                          "identifier EAGLE"},
-    # the shipped drafters' folders, read before JAX starts (runtime is below drafters/)
-    "medusa_jax/runtime/assets.py": {"the kind name 'hydra'", "the kind name 'eagle'"},
     # the trainer's generic recipe defaults to Medusa heads; its config branches on
     # aux_layers and names the recipes' defaults (issue 61: the training helper's files)
     "medusa_jax/training/trainer.py": {"the kind name 'medusa'",
