@@ -34,13 +34,16 @@ IDENTIFIER = re.compile(r"(?:^|_)(%s)(?:_|$|\d)" % "|".join(
 # file -> offences still there (without line numbers), and why
 KNOWN = {
     # the trainer's generic recipe defaults to Medusa heads; its config branches on
-    # aux_layers and names the recipes' defaults (issue 61: the training helper's files)
+    # aux_layers, names the recipes' defaults and takes --aux-layers' default from the
+    # drafter's own rule (issue 61: the training helper's files; EagleConfig belongs with
+    # its recipe)
     "medusa_jax/training/trainer.py": {"the kind name 'medusa'",
                                        "imports medusa_jax.drafters.medusa"},
     "medusa_jax/training/config.py": {"the kind name 'medusa'", "the kind name 'hydra'",
                                       "the kind name 'eagle'", "decides on aux_layers",
                                       "identifier EAGLE_LR", "identifier EAGLE_SELF_DISTILL_LR",
-                                      "identifier EAGLE_DRAFT_VOCAB"},
+                                      "identifier EAGLE_DRAFT_VOCAB",
+                                      "imports medusa_jax.drafters.eagle3.layers"},
     # the export command names the layouts each kind is written in
     "train/export_heads.py": {"the kind name 'eagle3'", "the kind name 'hydra'"},
 }
