@@ -170,9 +170,9 @@ def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, m
 
 
 class Medusa:
-    """A backbone, its tokenizer and (optionally) draft heads, Medusa or Hydra (`drafter_kind`);
+    """A backbone, its tokenizer and (optionally) a drafter of any kind (`drafter_kind`);
     with a `mesh`, placed for tensor-parallel decoding (see `sharding`), and `generate` runs
-    under it. Also exported as `Decoder`: the name says what it is for either kind of heads."""
+    under it. Also exported as `Decoder`: the name says what it is for any kind of drafter."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer, heads: Params | None = None,
                  model_dir: Path | None = None, default_tree: str | Path = DEFAULT_TREE,
@@ -336,7 +336,7 @@ class Medusa:
         try:
             return self._tree(spec, k)
         except ValueError as e:  # the tree module's message names Medusa heads
-            name = f"{self.drafter_kind.title()} heads" if self.heads is not None else None
+            name = registry.WHAT[self.drafter_kind] if self.heads is not None else None
             if name is not None and "Medusa heads" in str(e):
                 raise ValueError(str(e).replace("Medusa heads", name)) from None
             raise
@@ -511,4 +511,4 @@ def _ngram_arg(value) -> int | None:
     return int(value)
 
 
-Decoder = Medusa  # the drafter-neutral name: Medusa or Hydra heads
+Decoder = Medusa  # the drafter-neutral name: a drafter of any kind
