@@ -330,7 +330,8 @@ EAGLE_DRAFT_VOCAB = 32000  # the reference's draft vocabulary (capped at the mod
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """--aux-layers' default: the drafter's own rule (`drafters.eagle3.layers.default_aux_layers`)."""
+    """--aux-layers' default: the drafter's own rule
+    (`drafters.eagle3.layers.default_aux_layers`)."""
     from medusa_jax.drafters.eagle3.layers import default_aux_layers as rule
 
     return rule(num_layers, "--aux-layers")
