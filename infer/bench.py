@@ -44,10 +44,7 @@ from medusa_jax.tools.bench_config import BenchConfig
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m infer.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help=f"a drafter ({registry.help_kinds(files_only=True)}), "
-                                      f"{shipped.help_names()} for the embedded model's "
-                                      f"shipped ones, or {shipped.NGRAM!r} for n-gram drafts "
-                                      "(no files; default: the shipped Medusa heads)",
+    cli.add_model_flags(p, heads_help=cli.drafter_help("default: the shipped Medusa heads"),
                         mesh=True)
     # everything else as `BenchConfig` declares it (help and checks written once)
     options.add_config_flags(p, BenchConfig)

@@ -15,7 +15,6 @@ import sys
 
 from medusa_jax import cli
 from medusa_jax.decoding.config import DecodeConfig
-from medusa_jax.drafters import shipped
 from medusa_jax.kernels import flags as kernel_flags
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import compile_cache, options, quiet
@@ -24,12 +23,7 @@ from medusa_jax.runtime import compile_cache, options, quiet
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
-                                      f"or {shipped.help_names()} for the embedded "
-                                      f"model's shipped ones, or {shipped.NGRAM!r} for "
-                                      "n-gram drafts (no files, any model; omit for plain "
-                                      "decoding)",
-                        mesh=True)
+    cli.add_model_flags(p, heads_help=cli.drafter_help("omit for plain decoding"), mesh=True)
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="text lines, or JSONL with 'prompt' or 'turns'")
     options.add_config_flags(p, DecodeConfig)  # --mode, --tree, --max-new-tokens, ...

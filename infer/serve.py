@@ -60,10 +60,7 @@ DRAIN_S = 0.5  # after SIGINT / SIGTERM: requests already sent are read and answ
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m infer.serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    cli.add_model_flags(p, heads_help="a drafter (Medusa or Hydra heads, an EAGLE-3 drafter), "
-                                      "or 'default' / 'hydra' / 'eagle' for the embedded "
-                                      "model's shipped ones, or 'ngram' (n-gram drafts, no "
-                                      "files; omit for plain decoding)")
+    cli.add_model_flags(p, heads_help=cli.drafter_help("omit for plain decoding"))
     cli.add_ngram_flags(p)
     # the engine's options as `EngineConfig` declares them (help and checks written once)
     options.add_config_flags(p, EngineConfig)
@@ -224,8 +221,7 @@ def _serve(args, sock: socket.socket, t_launch: float) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = srv.served_model_name or (model.model_dir.name if model.model_dir else "model")
-    drafter = getattr(engine.drafter, "name", None) or getattr(engine.drafter, "kind", "")
-    decoding = f"{drafter} {engine.tree.name}" if engine.medusa else "plain"
+    decoding = f"{engine.drafter.name} {engine.tree.name}" if engine.medusa else "plain"
     if engine.plain_above is not None:
         decoding += f", plain steps above {engine.plain_above} live slots"
     if engine.prefix_cache:

@@ -115,16 +115,10 @@ def default_heads_dir() -> Path:
     return assets.heads_dir()
 
 
-def default_hydra_heads_dir() -> Path:
-    """The Hydra heads trained by the default `python -m train.hydra`, shipped for
-    stories260K."""
-    return shipped.folder(shipped.HYDRA)
-
-
-def default_eagle_heads_dir() -> Path:
-    """The EAGLE-3 drafter trained by the default `python -m train.eagle`, shipped for
-    stories260K."""
-    return shipped.folder(shipped.EAGLE)
+def shipped_heads_dir(name: str) -> Path:
+    """The folder of a drafter shipped for stories260K by the name `heads=` takes (one of
+    `drafters.shipped.NAMES`: "default", "hydra", "eagle")."""
+    return shipped.folder(name)
 
 
 def _is_int(x) -> bool:
@@ -176,9 +170,9 @@ def shard_for_decoding(cfg: ModelConfig, params: Params, heads: Params | None, m
 
 
 class Medusa:
-    """A backbone, its tokenizer and (optionally) draft heads, Medusa or Hydra (`drafter_kind`);
+    """A backbone, its tokenizer and (optionally) a drafter of any kind (`drafter_kind`);
     with a `mesh`, placed for tensor-parallel decoding (see `sharding`), and `generate` runs
-    under it. Also exported as `Decoder`: the name says what it is for either kind of heads."""
+    under it. Also exported as `Decoder`: the name says what it is for any kind of drafter."""
 
     def __init__(self, cfg: ModelConfig, params: Params, tokenizer, heads: Params | None = None,
                  model_dir: Path | None = None, default_tree: str | Path = DEFAULT_TREE,
@@ -342,7 +336,7 @@ class Medusa:
         try:
             return self._tree(spec, k)
         except ValueError as e:  # the tree module's message names Medusa heads
-            name = f"{self.drafter_kind.title()} heads" if self.heads is not None else None
+            name = registry.WHAT[self.drafter_kind] if self.heads is not None else None
             if name is not None and "Medusa heads" in str(e):
                 raise ValueError(str(e).replace("Medusa heads", name)) from None
             raise
@@ -517,4 +511,4 @@ def _ngram_arg(value) -> int | None:
     return int(value)
 
 
-Decoder = Medusa  # the drafter-neutral name: Medusa or Hydra heads
+Decoder = Medusa  # the drafter-neutral name: a drafter of any kind

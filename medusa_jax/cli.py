@@ -12,17 +12,29 @@ from medusa_jax.drafters import registry, shipped
 from medusa_jax.runtime.options import errors_to_exit, mesh_spec
 
 
+def drafter_help(default: str, fileless: bool = True, what: str = "a drafter") -> str:
+    """The --heads help, its kinds and names from the registry and the shipped table (a new
+    kind shows up in every command's help): `default` says what no --heads does;
+    `fileless`: the command takes the kinds built without files (`--heads ngram`) too."""
+    text = (f"{what} ({registry.help_kinds(files_only=True)}; any layout load_heads "
+            f"reads), {shipped.help_names()} for the embedded model's shipped ones")
+    if fileless:
+        text += ", or " + ", ".join(f"{k!r} for {registry.WHAT[k]}" for k in shipped.FILELESS)
+        text += " (no files, any model)"
+    return f"{text}; {default}"
+
+
 def add_model_flags(ap: argparse.ArgumentParser, heads_help: str | None = None,
                     mesh: bool = False):
     """--model, --heads and --heads-dtype as every decoding command takes them (and
-    --mesh)."""
+    --mesh); `heads_help`: the --heads help (default: the kinds read from files and the
+    shipped drafters, `drafter_help`)."""
     ap.add_argument("--model", help="Hugging Face model directory or hub id such as "
                     "HuggingFaceTB/SmolLM2-135M (downloaded into huggingface_hub's cache, or "
                     "found there with HF_HUB_OFFLINE=1; default: embedded stories260K)")
-    ap.add_argument("--heads", help=(heads_help or (
-        f"a drafter: {registry.help_kinds(files_only=True)} (any layout load_heads reads), "
-        f"or {shipped.help_names()} for the embedded model's shipped ones (default: the "
-        f"shipped Medusa heads for the embedded model)")) + "; a hub id works here too")
+    ap.add_argument("--heads", help=(heads_help or drafter_help(
+        "default: the shipped Medusa heads for the embedded model", fileless=False)) +
+        "; a hub id works here too")
     ap.add_argument("--heads-dtype", choices=HEADS_DTYPES, default="float32",
                     help="the heads' weight matrices in bfloat16 halve what a step reads of "
                          "them; they change only the drafts, not what is emitted (default "

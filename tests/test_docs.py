@@ -277,3 +277,31 @@ def test_measured_figures_live_in_the_results_page_and_the_logs():
                 found.append(f"{path.relative_to(ROOT)}:{n}: {FIGURE.search(line).group(0)}")
     assert not found, "measured figures outside docs/results.md and docs/benchmarks/:\n" + \
         "\n".join(found)
+
+
+def undocumented_kinds() -> list[str]:
+    """The registered drafter kinds the README's feature list (by the name the commands'
+    help gives them, `registry.WHAT`) or architecture.md's Drafters section (by their folder,
+    `drafters/KIND/`) leave out."""
+    from medusa_jax.drafters import registry
+
+    readme = (ROOT / "README.md").read_text().lower()
+    section = (ROOT / "docs" / "architecture.md").read_text().split("\n## Drafters\n", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    return [f"README.md: {registry.WHAT[k]!r}" for k in registry.kinds()
+            if registry.WHAT[k].lower() not in readme] + \
+        [f"docs/architecture.md#drafters: `drafters/{k}/`" for k in registry.kinds()
+         if f"`drafters/{k}/`" not in section]
+
+
+def test_the_docs_name_every_registered_kind():
+    """A new kind in the registry leaves no kind list in the docs stale."""
+    from medusa_jax.drafters import registry
+
+    assert undocumented_kinds() == []
+    registry.register("probe", "medusa_jax.nowhere:Probe", "probe drafters")
+    try:
+        assert undocumented_kinds() == ["README.md: 'probe drafters'",
+                                        "docs/architecture.md#drafters: `drafters/probe/`"]
+    finally:
+        registry.unregister("probe")

@@ -1,4 +1,4 @@
-"""`python -m train.enlarge`: grow a model and its Medusa or Hydra heads to a bigger shape.
+"""`python -m train.enlarge`: grow a model and its drafter to a bigger shape.
 
     python -m train.enlarge --shape llama-110m --output big            # embedded model + heads
     python -m train.enlarge --shape llama-110m --heads hydra --output bigh   # + Hydra heads
@@ -27,6 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from medusa_jax import cli
 from medusa_jax.model.paths import check_model_paths
 from medusa_jax.runtime import options
 
@@ -48,10 +49,9 @@ def build_parser():
                    "or be empty)")
     p.add_argument("--model", help="source Hugging Face model folder or hub id (default: the "
                    "embedded stories260K)")
-    p.add_argument("--heads", help="source drafter: Medusa or Hydra heads, or an EAGLE-3 "
-                   "drafter (default: the shipped Medusa heads for the embedded model, none "
-                   "for another model); 'default' / 'hydra' / 'eagle': the embedded model's "
-                   "shipped ones; 'none' for no heads")
+    p.add_argument("--heads", help=cli.drafter_help(
+        "default: the shipped Medusa heads for the embedded model, none for another model; "
+        "'none' for no heads", fileless=False, what="source drafter"))
     p.add_argument("--layers", type=options.positive_int, default=None,
                    help="layer count instead of the shape's (extra layers are identities)")
     p.add_argument("--rotate", type=options.nonnegative_int, default=None, metavar="SEED",
@@ -107,9 +107,9 @@ def main(argv=None) -> int:
             (hub.local(args.heads, "--heads", hub.HEADS_FILES) or assets.default_heads(args.model))
     if heads_path is not None and args.rotate is not None:
         if args.heads:
-            raise SystemExit("error: --heads with --rotate: Medusa and Hydra heads and EAGLE-3 "
-                             "drafters cannot follow a rotation (their SiLU is elementwise); "
-                             "drop one of them")
+            raise SystemExit("error: --heads with --rotate: a drafter cannot follow a rotation "
+                             "of the residual stream (only the model is rotated); drop one "
+                             "of them")
         heads_path = None  # the embedded model's heads are only a default
 
     import jax

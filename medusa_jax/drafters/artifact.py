@@ -40,6 +40,11 @@ def formats_of(kind: str):
     if isinstance(f, str):
         module, name = f.split(":")
         f = getattr(importlib.import_module(module), name)
+    from medusa_jax.drafters.kind import Formats  # JAX: not at import (`--help` reads this)
+
+    if not isinstance(f, Formats) and not (isinstance(f, type) and issubclass(f, Formats)):
+        raise HeadsFormatError(f"drafters of kind {kind!r}: their `formats` ({f!r}) must be "
+                               f"a drafters.kind.Formats subclass")
     return f
 
 
@@ -60,7 +65,7 @@ def check_kind(heads, kind: str, layout: str) -> None:
     if have == kind:
         return
     own = formats_of(have)
-    message = own.wrong_layout(layout) if hasattr(own, "wrong_layout") else None
+    message = own.wrong_layout(layout)
     raise HeadsFormatError(message or (
         f"these are {own.what}; the {layout} layout holds only {formats_of(kind).what}: "
         f"write them with --format {' or '.join(writable_layouts(have))}"))

@@ -278,7 +278,7 @@ def _native_cfg(file: Path) -> ModelConfig:
     _, meta = safetensors_names(file)
     cfg = sizes_cfg(meta_count(meta, "hidden_size", file), meta_count(meta, "vocab_size", file))
     own = formats_of(_recorded_kind(meta, file))
-    return own.native_cfg(meta, file, cfg) if hasattr(own, "native_cfg") else cfg
+    return own.native_cfg(meta, file, cfg)
 
 
 def sizes_config(heads: Params) -> ModelConfig:

@@ -12,16 +12,56 @@ tests/drafters/test_conformance.py runs it through the doors.
 from __future__ import annotations
 
 from medusa_jax.decoding.drafter import Drafter, refuse_head_fn
+from medusa_jax.drafters.io import HeadsFormatError
 
 Params = object  # a parameter pytree
+
+
+class Formats:
+    """A kind's file formats (`Kind.formats`): what `drafters.formats` and
+    `drafters.artifact` ask of a kind, never probing it. A kind's formats subclass this,
+    declare `kind`, `what` and `layouts` and implement `save`, `load` and `sizes`;
+    `wrong_layout` and `native_cfg` have defaults."""
+
+    kind: str
+    what: str  # how messages name the kind's drafters: "Medusa heads"
+    layouts: tuple = ()  # `drafters.io.Layout`s: detect a folder or a file, read, write
+
+    @classmethod
+    def save(cls, heads: Params, cfg, file) -> tuple[dict, dict]:
+        """(tensors, metadata fields) of our artifact (`drafters.formats.save_heads`)."""
+        raise HeadsFormatError(f"{cls.what} have no part in our artifact ({file})")
+
+    @classmethod
+    def load(cls, tensors: dict, meta: dict, cfg, file) -> Params:
+        """The checked parameters from our artifact's tensors and metadata (`cfg`: the
+        backbone's config; None: not checked against one), bound when the kind needs it."""
+        raise HeadsFormatError(f"{file}: {cls.what} are not read from our artifact")
+
+    @classmethod
+    def sizes(cls, heads: Params) -> tuple[int, int]:
+        """(hidden size, vocabulary size) of the backbone `heads` imply."""
+        raise HeadsFormatError(f"{cls.what} declare no backbone sizes")
+
+    @staticmethod
+    def wrong_layout(layout: str) -> str | None:
+        """Why heads of this kind cannot be written in `layout`, a layout of another kind
+        (None: the generic message, naming the layouts they can be written in)."""
+        return None
+
+    @staticmethod
+    def native_cfg(meta: dict, file, cfg):
+        """The backbone config our artifact of this kind is read with when no model is
+        given: `cfg` (the hidden and vocabulary sizes it records) unless the kind needs
+        more (the layers it reads, the backbone's own config)."""
+        return cfg
 
 
 class Kind(Drafter):
     """A kind of drafter: the runtime half (`Drafter`) and the kind's declaration."""
 
-    # the kind's file formats: an object or "module:class" with `layouts`, `save`, `load`,
-    # `sizes(heads) -> (hidden size, vocabulary size)` the backbone sizes the parameters
-    # imply, `what` (how messages name them); `drafters.formats` loops over every kind's
+    # the kind's file formats: a `Formats` subclass, or "module:class" naming one (imported
+    # on first use); `drafters.formats` loops over every kind's (None: no files)
     formats: object = None
     # the tree this kind decodes with unless told (None: the model's); a kind whose best tree
     # differs from a head-shaped one (the n-gram drafter's chain) says so here

@@ -3,6 +3,7 @@ the TinyStories prompts and text, and which tree a model decodes with by default
 
     stories260K/          Karpathy's llama2.c stories260K in the Hugging Face layout (MIT)
     stories260K_heads/    the heads the default `python -m train.medusa1` trains
+    shipped_drafters.json the drafters `--heads NAME` takes by name, and their folders
     trees/                published Medusa trees (by name) and the tree searched for CPUs
     prompts/              TinyStories story openings, split train / held-out
     text/                 the whole stories behind those openings, split the same way
@@ -12,6 +13,7 @@ Nothing here imports JAX: entry points call it before the heavy imports.
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 
@@ -35,10 +37,10 @@ def heads_dir() -> Path:
     return root() / "stories260K_heads"
 
 
-# `--heads NAME` / `heads=NAME`: the drafters shipped for the embedded model, each trained by
-# its command's default run (train.medusa1, train.hydra, train.eagle)
-SHIPPED_HEADS = {"default": "stories260K_heads", "hydra": "stories260K_hydra_heads",
-                 "eagle": "stories260K_eagle3_heads"}
+# `--heads NAME` / `heads=NAME`: the drafters shipped for the embedded model (name -> their
+# folder here), each trained by its command's default run. The table is data
+# (shipped_drafters.json, beside the folders): this layer, below the drafters, names no kind.
+SHIPPED_HEADS: dict[str, str] = json.loads((root() / "shipped_drafters.json").read_text())
 
 
 def shipped_heads_dir(name: str) -> Path:

@@ -456,9 +456,8 @@ def create_app(engine: Engine, model_name: str,
                 "queue_depth": engine.queue_depth(),
                 "decoding": (f"{engine.drafter.kind} {engine.tree.name}" if engine.medusa
                              else "plain"),
-                "drafter": (getattr(engine.drafter, "name", engine.drafter.kind)
-                            if engine.medusa else None),
-                "shared_pool": (None if getattr(engine, "pool", None) is None else
+                "drafter": engine.drafter.name if engine.medusa else None,
+                "shared_pool": (None if engine.pool is None else
                                 {"size": engine.pool.size, "entries": engine.pool.entries}),
                 **compiled}
 

@@ -330,15 +330,11 @@ EAGLE_DRAFT_VOCAB = 32000  # the reference's draft vocabulary (capped at the mod
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
-    """The backbone layers whose inputs the drafter reads by default: EAGLE's rule
-    (`eagle3.heads.eagle3_layers`: 2, L // 2, L - 3) from 7 layers on, (1, L // 2, L - 1) below
-    (the embedded 5-layer model: 1, 2, 4)."""
-    if num_layers >= 7:
-        return 2, num_layers // 2, num_layers - 3
-    if num_layers >= 4:
-        return 1, num_layers // 2, num_layers - 1
-    raise ValueError(f"--aux-layers: a {num_layers}-layer backbone has no default; give "
-                     f"three layers A,B,C with 0 <= A < B < C < {num_layers}")
+    """--aux-layers' default: the drafter's own rule
+    (`drafters.eagle3.layers.default_aux_layers`)."""
+    from medusa_jax.drafters.eagle3.layers import default_aux_layers as rule
+
+    return rule(num_layers, "--aux-layers")
 
 
 @dataclasses.dataclass(frozen=True)

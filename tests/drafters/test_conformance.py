@@ -18,7 +18,7 @@ from medusa_jax.decoding.drafter import Context, Drafter, FromLastHidden
 from medusa_jax.decoding.step import Proposal, propose_candidates
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import registry
-from medusa_jax.drafters.kind import Kind
+from medusa_jax.drafters.kind import Formats, Kind
 
 TOY = "toy"
 PATHS = [[0], [1], [0, 0], [0, 0, 0]]  # depth 3: every head drafts
@@ -29,7 +29,7 @@ NEW = 12
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyFormats:
+class ToyFormats(Formats):
     """Our artifact only (no foreign layout): the tensor as float32, no fields of its own."""
 
     kind = TOY
@@ -172,6 +172,20 @@ def test_a_missing_capability_is_refused_in_one_line():
     with pytest.raises(ValueError, match="does not follow plain steps"):
         Eagle3Drafter().append(None, None, None)
     assert Eagle3Drafter().shared_pool(8) is None
+
+
+def test_formats_that_are_not_a_formats_subclass_are_refused_in_one_line():
+    from medusa_jax.drafters.artifact import formats_of
+
+    class Bare(ToyDrafter):
+        formats = object()  # what the formats would have to be probed for
+
+    registry.register("bare", Bare)
+    try:
+        with pytest.raises(ValueError, match="'bare'.* must be a drafters.kind.Formats subclass"):
+            formats_of("bare")
+    finally:
+        registry.unregister("bare")
 
 
 @pytest.mark.slow

@@ -214,10 +214,10 @@ def test_the_shipped_drafter_decodes_as_plain_and_drafts_well(stories, story_pla
     """`--heads eagle`: the drafter `train.eagle` trains by default, bound to its config by
     load_heads; greedy output identical, and over two tokens per step on the 16 nodes
     of the published tree (a random drafter: about one)."""
-    from medusa_jax.api import default_eagle_heads_dir
+    from medusa_jax.api import shipped_heads_dir
 
     cfg, params, _ = stories
-    heads, meta = heads_formats.load_heads(default_eagle_heads_dir(), cfg)
+    heads, meta = heads_formats.load_heads(shipped_heads_dir("eagle"), cfg)
     assert meta["kind"] == "eagle3" and heads.drafter.aux_layers == AUX
     tokens, lengths = pad_prompts(story_plain.prompts)
     out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0), tree=TREE,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.api import Medusa, default_hydra_heads_dir
+from medusa_jax.api import Medusa, shipped_heads_dir
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats as heads_formats
@@ -30,7 +30,7 @@ def story_heads(stories, noisy_hydra):
 def test_hydra_greedy_equals_plain_greedy(stories, story_heads, story_plain, tree):
     cfg, params, _ = stories
     tokens, lengths = pad_prompts(story_plain.prompts)
-    trained, _ = heads_formats.load_heads(default_hydra_heads_dir(), cfg)
+    trained, _ = heads_formats.load_heads(shipped_heads_dir("hydra"), cfg)
     steps = []
     for heads in (story_heads, trained):  # same shapes: one compile
         out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0),
@@ -138,7 +138,7 @@ def test_hydra_bad_input_is_a_one_line_error(toy_lm, tiny_hydra):
 
 
 def test_medusa_load_detects_hydra_heads(stories):
-    m = Medusa.load(heads=default_hydra_heads_dir())
+    m = Medusa.load(heads=shipped_heads_dir("hydra"))
     assert hydra.is_hydra(m.heads) and m.drafter_kind == "hydra"
     assert m.tree("mc_sim_7b_63").depth == 4
     with pytest.raises(ValueError, match="depth 6 but there are only 5 Hydra heads"):

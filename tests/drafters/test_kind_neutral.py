@@ -33,20 +33,17 @@ IDENTIFIER = re.compile(r"(?:^|_)(%s)(?:_|$|\d)" % "|".join(
 
 # file -> offences still there (without line numbers), and why
 KNOWN = {
-    # the public API's per-kind folders of the shipped drafters (`default_hydra_heads_dir`)
-    "medusa_jax/api.py": {"identifier default_hydra_heads_dir",
-                          "identifier default_eagle_heads_dir", "identifier HYDRA",
-                          "identifier EAGLE"},
-    # the shipped drafters' folders, read before JAX starts (runtime is below drafters/)
-    "medusa_jax/runtime/assets.py": {"the kind name 'hydra'", "the kind name 'eagle'"},
     # the trainer's generic recipe defaults to Medusa heads; its config branches on
-    # aux_layers and names the recipes' defaults (issue 61: the training helper's files)
+    # aux_layers, names the recipes' defaults and takes --aux-layers' default from the
+    # drafter's own rule (issue 61: the training helper's files; EagleConfig belongs with
+    # its recipe)
     "medusa_jax/training/trainer.py": {"the kind name 'medusa'",
                                        "imports medusa_jax.drafters.medusa"},
     "medusa_jax/training/config.py": {"the kind name 'medusa'", "the kind name 'hydra'",
                                       "the kind name 'eagle'", "decides on aux_layers",
                                       "identifier EAGLE_LR", "identifier EAGLE_SELF_DISTILL_LR",
-                                      "identifier EAGLE_DRAFT_VOCAB"},
+                                      "identifier EAGLE_DRAFT_VOCAB",
+                                      "imports medusa_jax.drafters.eagle3.layers"},
     # the export command names the layouts each kind is written in
     "train/export_heads.py": {"the kind name 'eagle3'", "the kind name 'hydra'"},
 }
@@ -153,3 +150,23 @@ def test_no_kind_is_named_outside_the_drafters(top):
     gone = [f"{f}: {what}" for f, whats in KNOWN.items() if f.startswith(top + "/")
             for what in whats if what not in found.get(f, {})]
     assert not gone, "no longer there (strike them from KNOWN):\n" + "\n".join(gone)
+
+
+@pytest.mark.parametrize("command", ["infer.generate", "infer.bench", "infer.serve",
+                                     "infer.search_tree", "train.enlarge"])
+def test_every_commands_heads_help_names_every_kind(command):
+    """The --heads help is written from the registry: a kind registered before the parser
+    is built shows up in it, with every kind read from files."""
+    import importlib
+
+    module = importlib.import_module(command)
+    registry.register("probe", "medusa_jax.nowhere:Probe", "probe drafters")
+    try:
+        parser = module.build_parser()
+    finally:
+        registry.unregister("probe")
+    text = " ".join(next(a.help for a in parser._actions if "--heads" in a.option_strings)
+                    .split())
+    wanted = [registry.WHAT[k] for k in registry.kinds() if not shipped.fileless(k)]
+    assert all(w in text for w in wanted + ["probe drafters"]), text
+    assert all(repr(n) in text for n in shipped.NAMES), text

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from medusa_jax.api import default_eagle_heads_dir, default_heads_dir, default_hydra_heads_dir
+from medusa_jax.api import default_heads_dir, shipped_heads_dir
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats
@@ -65,8 +65,8 @@ def test_bad_input_is_a_one_line_error(one_line_error, stories):
 def test_merged_greedy_equals_plain_greedy(stories, story_plain, kind, tree):
     cfg, params, _ = stories
     heads = {"medusa": lambda: formats.load_heads(default_heads_dir(), cfg)[0],
-             "hydra": lambda: formats.load_heads(default_hydra_heads_dir(), cfg)[0],
-             "eagle3": lambda: formats.load_heads(default_eagle_heads_dir(), cfg)[0]}[kind]()
+             "hydra": lambda: formats.load_heads(shipped_heads_dir("hydra"), cfg)[0],
+             "eagle3": lambda: formats.load_heads(shipped_heads_dir("eagle"), cfg)[0]}[kind]()
     heads = merged(heads, 3)
     tokens, lengths = pad_prompts(story_plain.prompts)
     out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(0),

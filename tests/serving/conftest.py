@@ -125,7 +125,7 @@ class StubEngine:
         self.tokenizer = ByteTokenizer()
         self.model = SimpleNamespace(tokenizer=self.tokenizer, eos=(2,),
                                      cfg=SimpleNamespace(vocab_size=ByteTokenizer.vocab_size))
-        self.medusa, self.fed, self.drafter, self.tree = False, 0, None, None
+        self.medusa, self.fed, self.drafter, self.tree, self.pool = False, 0, None, None, None
         self.eos, self.cfg, self.acceptance = self.model.eos, self.model.cfg, "rejection"
         self.slots, self.buckets, self.capacity = slots, (bucket,), capacity
         self.slot_buckets, self.prefill_batches = (1, slots), (1,)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from medusa_jax.api import Medusa, default_eagle_heads_dir
+from medusa_jax.api import Medusa, shipped_heads_dir
 from medusa_jax.runtime import assets
 from medusa_jax.serving.engine import Engine, Request
 from medusa_jax.serving.scheduler import common_prefix
@@ -162,6 +162,6 @@ def test_common_prefix_is_the_longest_shared_beginning(a, b, n):
 
 def test_an_eagle3_engine_keeps_no_prefix_cache():
     """EAGLE-3 keeps its own cache of every token's features, which a cached prefix skips."""
-    e = Engine(Medusa.load(heads=default_eagle_heads_dir()), slots=2)
+    e = Engine(Medusa.load(heads=shipped_heads_dir("eagle")), slots=2)
     assert not e.prefix_cache
     assert not [p for p in e.programs.keys if p.kind == "extend"]

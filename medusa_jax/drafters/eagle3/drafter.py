@@ -30,6 +30,7 @@ from medusa_jax.decoding.drafter import BoundParams, Context
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
+from medusa_jax.drafters.eagle3.layers import default_aux_layers
 from medusa_jax.drafters.kind import Kind
 from medusa_jax.drafters.toolkit import context, tree_loop
 from medusa_jax.drafters.toolkit.backbone import Backbone
@@ -172,11 +173,9 @@ class Eagle3Drafter(Kind):
     @classmethod
     def init(cls, cfg: ModelConfig, backbone: Params, key, depth: int) -> BoundParams:
         """A fresh drafter shaped like one of `cfg`'s layers, over the full vocabulary,
-        bound to its config (any depth: it drafts on its own outputs). It reads EAGLE's
-        layers (2, L//2, L-3) from 7 layers on, (1, L//2, L-1) below."""
-        n = cfg.num_layers
-        aux = eagle3.eagle3_layers(n) if n >= 7 else (1, n // 2, n - 1)
-        c = eagle3.default_config(cfg, aux_layers=aux)
+        bound to its config (any depth: it drafts on its own outputs), reading the default
+        layers (`layers.default_aux_layers`)."""
+        c = eagle3.default_config(cfg, aux_layers=default_aux_layers(cfg.num_layers))
         return bind(eagle3.init_eagle3(key, c), c, cfg)
 
     @classmethod

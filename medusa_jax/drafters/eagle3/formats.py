@@ -68,6 +68,7 @@ from medusa_jax.drafters.io import (
     write_json,
     write_safetensors,
 )
+from medusa_jax.drafters.kind import Formats
 from medusa_jax.model import config as model_config
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -501,7 +502,7 @@ def _write(heads: Params, out_dir, cfg: ModelConfig | None, base_model):
                         model_cfg=cfg, base_model=base_model)
 
 
-class Eagle3Formats:
+class Eagle3Formats(Formats):
     """What `drafters.formats` asks of a kind: its layout, and its fields of our artifact
     (the drafter's whole configuration, which the tensors' shapes do not hold)."""
 

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
+from medusa_jax.drafters.eagle3.layers import eagle3_layers
 from medusa_jax.drafters.io import check_float_tensors
 from medusa_jax.model import backbone
 from medusa_jax.model.backbone import Params
@@ -175,18 +176,6 @@ def init_eagle3(key: jax.Array, c: Eagle3Config, counts=None,
                           c.draft_vocab_size)
     out.update(d2t=jnp.asarray(d2t), t2d=jnp.asarray(t2d))
     return out
-
-
-def eagle3_layers(num_layers: int) -> tuple[int, int, int]:
-    """The layers whose inputs an EAGLE-3 drafter reads (low, mid, high), as `aux_layers`:
-    (2, L // 2, L - 3), the rule of EAGLE's `modeling_llama_kv.py`, SGLang and vLLM (the
-    outputs of layers 1, L // 2 - 1, L - 4: SpecForge's ids). Below 7 layers two of them
-    coincide (or fall outside the model), which gives no three distinct features."""
-    layers = (2, num_layers // 2, num_layers - 3)
-    if not layers[0] < layers[1] < layers[2]:
-        raise ValueError(f"EAGLE-3 reads the inputs of layers (2, L//2, L-3), three distinct "
-                         f"layers only when L >= 7; this backbone has {num_layers} layers")
-    return layers
 
 
 def is_eagle3(heads) -> bool:

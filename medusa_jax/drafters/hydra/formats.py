@@ -13,6 +13,7 @@ import numpy as np
 from medusa_jax.drafters import io as hio  # the layouts' shared reading and writing
 from medusa_jax.drafters.artifact import check_kind
 from medusa_jax.drafters.hydra import heads as hydra
+from medusa_jax.drafters.kind import Formats
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
 
@@ -137,7 +138,7 @@ def _hydra_file(p: Path, conf: dict, config: Path | None, names, meta) -> hio.Fo
     return None
 
 
-class HydraFormats:
+class HydraFormats(Formats):
     """What `drafters.formats` asks of a kind: its layouts, and its fields of our artifact."""
 
     kind = hydra.KIND

@@ -36,6 +36,7 @@ from medusa_jax.drafters.io import (
     write_safetensors,
     write_tensors,
 )
+from medusa_jax.drafters.kind import Formats
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -459,7 +460,7 @@ def _checked(heads: Params, meta: dict, found: Found, cfg: ModelConfig | None):
     return heads, meta
 
 
-class MedusaFormats:
+class MedusaFormats(Formats):
     """What `drafters.formats` asks of a kind: its layouts, and its fields of our artifact."""
 
     kind = KIND

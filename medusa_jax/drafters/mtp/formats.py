@@ -49,6 +49,7 @@ from medusa_jax.drafters.io import (
     write_json,
     write_safetensors,
 )
+from medusa_jax.drafters.kind import Formats
 from medusa_jax.drafters.mtp import heads as mtp
 from medusa_jax.model import weights
 from medusa_jax.model.backbone import Params
@@ -263,7 +264,7 @@ def _writer(layout: str):
     return write
 
 
-class MtpFormats:
+class MtpFormats(Formats):
     """What `drafters.formats` asks of a kind: its layouts, and its fields of our artifact
     (the style and the reuse; the backbone's config is the one it is loaded with)."""
 
