@@ -113,3 +113,11 @@ class Kind(Drafter):
         """The heads of a kind that needs no files (`--heads ngram`), bound to their drafter;
         a kind read from files refuses."""
         raise ValueError(f"drafter kind {cls.kind!r} is read from files: give its folder")
+
+
+def refuse_unbound(head_fn, what: str, why: str, bind: str):
+    """`Kind.from_head_fn` of a kind whose configuration its tensors do not hold (`why`): a
+    head function, then the bare parameters, refused in one line (`bind`: how to bind them)."""
+    refuse_head_fn(head_fn, f"these are {what}")
+    raise ValueError(f"these {what} carry no configuration ({why}): load them with "
+                     f"load_heads, or bind them with {bind}")

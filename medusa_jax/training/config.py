@@ -154,8 +154,13 @@ class TrainConfig:
         "eval_prompts", "eval_max_new_tokens", "tree", "coordinator", "num_processes",
         "process_id", "init_timeout", "grad_accum", "loss_chunk"})
 
+    # the default peak learning rates (with --data, self-distilled) that `resolve` gives --lr
+    LRS: ClassVar[tuple | None] = None
+
     def resolve(self):
-        """Fill the defaults that depend on the kind of run (saved resolved)."""
+        """Fill the defaults that depend on the kind of run (saved resolved): --lr from `LRS`."""
+        if self.lr is None and self.LRS is not None:
+            return dataclasses.replace(self, lr=self.LRS[0] if self.data else self.LRS[1])
         return self
 
     def validate(self):
@@ -252,6 +257,13 @@ class TrainConfig:
 DEFAULT_LR, SELF_DISTILL_LR = 1e-3, 3e-2
 
 
+def recipe_help(prefix: str, steps: int, lrs: tuple, **more: str) -> dict:
+    """The HELP every recipe's config has (its steps, learning rates and run directory)."""
+    return {"steps": f"optimizer steps (default {steps} unless --epochs is given)",
+            "lr": f"peak learning rate (default {lrs[0]}; {lrs[1]} without --data)",
+            "output_dir": f"run directory (default runs/{prefix}-<timestamp>)", **more}
+
+
 @dataclasses.dataclass(frozen=True)
 class Medusa1Config(TrainConfig):
     """Medusa-1 adds --reduced-vocab; its other defaults differ."""
@@ -267,20 +279,13 @@ class Medusa1Config(TrainConfig):
 
     DEFAULT_STEPS: ClassVar[int] = 600
     RUN_PREFIX: ClassVar[str] = "medusa1"
-    HELP: ClassVar[dict] = {
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {DEFAULT_LR}; {SELF_DISTILL_LR} without --data)",
-        "output_dir": "run directory (default runs/medusa1-<timestamp>)"}
+    LRS: ClassVar[tuple] = (DEFAULT_LR, SELF_DISTILL_LR)
+    HELP: ClassVar[dict] = recipe_help(RUN_PREFIX, DEFAULT_STEPS, LRS)
 
     def validate(self):
         if self.reduced_vocab < 0:
             raise ValueError(f"--reduced-vocab must be >= 0, got {self.reduced_vocab}")
         return super().validate()
-
-    def resolve(self) -> "Medusa1Config":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=DEFAULT_LR if self.data else SELF_DISTILL_LR)
-        return self
 
 
 # Hydra: as Medusa-1, the short self-distilled job needs a larger lr than the paper's
@@ -299,11 +304,9 @@ class HydraConfig(TrainConfig):
 
     DEFAULT_STEPS: ClassVar[int] = 600
     RUN_PREFIX: ClassVar[str] = "hydra"
-    HELP: ClassVar[dict] = {
-        "num_heads": "Hydra heads to train (default {default})",
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {DEFAULT_LR}; {SELF_DISTILL_LR} without --data)",
-        "output_dir": "run directory (default runs/hydra-<timestamp>)"}
+    LRS: ClassVar[tuple] = (DEFAULT_LR, SELF_DISTILL_LR)
+    HELP: ClassVar[dict] = recipe_help(RUN_PREFIX, DEFAULT_STEPS, LRS,
+                                       num_heads="Hydra heads to train (default {default})")
 
     def validate(self):
         if self.teacher_loss and self.target != "hard":
@@ -316,11 +319,6 @@ class HydraConfig(TrainConfig):
             raise ValueError("--loss-chunk is a Medusa-heads option; the Hydra loss is "
                              "computed in one block")
         return super().validate()
-
-    def resolve(self) -> "HydraConfig":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=DEFAULT_LR if self.data else SELF_DISTILL_LR)
-        return self
 
 
 # EAGLE-3: the reference trains at lr 1e-4 (SpecForge) on large data; the short
@@ -378,12 +376,10 @@ class EagleConfig(TrainConfig):
 
     DEFAULT_STEPS: ClassVar[int] = 400
     RUN_PREFIX: ClassVar[str] = "eagle"
-    HELP: ClassVar[dict] = {
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {EAGLE_LR}; {EAGLE_SELF_DISTILL_LR} without "
-              f"--data)",
-        "loss_decay": "training-time-test step i's loss weighs this**i (default {default})",
-        "output_dir": "run directory (default runs/eagle-<timestamp>)"}
+    LRS: ClassVar[tuple] = (EAGLE_LR, EAGLE_SELF_DISTILL_LR)
+    HELP: ClassVar[dict] = recipe_help(
+        RUN_PREFIX, DEFAULT_STEPS, LRS,
+        loss_decay="training-time-test step i's loss weighs this**i (default {default})")
 
     def validate(self):
         def need(cond, msg):
@@ -400,12 +396,6 @@ class EagleConfig(TrainConfig):
                  f"--aux-layers {','.join(map(str, a))}: give three layers A,B,C with "
                  f"0 <= A < B < C (low, mid, high)")
         return super().validate()
-
-    def resolve(self) -> "EagleConfig":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=EAGLE_LR if self.data else
-                                       EAGLE_SELF_DISTILL_LR)
-        return self
 
     def tree_heads(self) -> int | None:
         return None  # any depth: the drafter runs on its own outputs (as it decodes)

@@ -113,6 +113,19 @@ def frozen_hidden(params: Params, cfg: ModelConfig, batch: Batch,
 # ----------------------------------------------------------------------------- optimizer
 
 
+def optim_config(cfg) -> OptimConfig:
+    """The optimizer of a recipe's config: its --lr, --warmup-ratio, --weight-decay,
+    --grad-clip and --adam-b2 (every recipe's config has them)."""
+    return OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
+                       grad_clip=cfg.grad_clip, b2=cfg.adam_b2)
+
+
+def heads_trained(params: dict) -> dict:
+    """`make_optimizer`'s labels for a drafter on a frozen backbone: "heads" trained, every
+    other entry (the backbone) frozen."""
+    return {name: ("train" if name == "heads" else "frozen") for name in params}
+
+
 def make_optimizer(opt: OptimConfig, total_steps: int, labels: dict
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW with linear warmup + cosine decay on "train" leaves, nothing on "frozen" ones."""

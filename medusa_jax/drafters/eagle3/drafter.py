@@ -31,7 +31,7 @@ from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree, tree_plan
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.eagle3.layers import default_aux_layers
-from medusa_jax.drafters.kind import Kind
+from medusa_jax.drafters.kind import Kind, refuse_unbound
 from medusa_jax.drafters.toolkit import context, tree_loop
 from medusa_jax.drafters.toolkit.backbone import Backbone
 from medusa_jax.model.backbone import Params
@@ -180,13 +180,9 @@ class Eagle3Drafter(Kind):
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "Eagle3Drafter":
-        if head_fn is not None:
-            raise ValueError("head_fn is a Medusa head function, but these are EAGLE-3 "
-                             "drafter parameters; leave head_fn unset")
-        raise ValueError("these EAGLE-3 drafter parameters carry no configuration (its aux "
-                         "layers are not in the tensors' shapes): load them with load_heads, "
-                         "or bind them with drafters.eagle3.drafter.bind(heads, config, "
-                         "model_cfg)")
+        refuse_unbound(head_fn, "EAGLE-3 drafter parameters",
+                       "its aux layers are not in the tensors' shapes",
+                       "drafters.eagle3.drafter.bind(heads, config, model_cfg)")
 
     @property
     def aux_layers(self) -> tuple:

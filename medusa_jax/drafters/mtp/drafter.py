@@ -31,7 +31,7 @@ import numpy as np
 from medusa_jax.decoding.drafter import BoundParams, Context
 from medusa_jax.decoding.step import Proposal, small_top_k, tree_proposal
 from medusa_jax.decoding.tree import DynamicTree
-from medusa_jax.drafters.kind import Kind
+from medusa_jax.drafters.kind import Kind, refuse_unbound
 from medusa_jax.drafters.mtp import heads as mtp
 from medusa_jax.drafters.toolkit import context, tree_loop
 from medusa_jax.model import backbone
@@ -166,12 +166,8 @@ class MtpDrafter(Kind):
 
     @classmethod
     def from_head_fn(cls, head_fn) -> "MtpDrafter":
-        if head_fn is not None:
-            raise ValueError("head_fn is a Medusa head function, but these are MTP modules; "
-                             "leave head_fn unset")
-        raise ValueError("these MTP modules carry no configuration (their layer is the "
-                         "backbone's kind): load them with load_heads, or bind them with "
-                         "drafters.mtp.drafter.bind(heads, model_cfg)")
+        refuse_unbound(head_fn, "MTP modules", "their layer is the backbone's kind",
+                       "drafters.mtp.drafter.bind(heads, model_cfg)")
 
     @classmethod
     def init(cls, cfg, backbone_params, key, depth: int) -> BoundParams:

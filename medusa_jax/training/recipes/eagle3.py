@@ -284,11 +284,7 @@ class Eagle3(Recipe):
     def method(cls, cfg: EagleConfig, model_cfg: ModelConfig, params: dict, total_steps: int,
                c: eagle3.Eagle3Config) -> Method:
         labels = cls.labels(params)
-        tx, schedule = ts.make_optimizer(
-            ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           b2=cfg.adam_b2),
-            total_steps, labels)
+        tx, schedule = ts.make_optimizer(ts.optim_config(cfg), total_steps, labels)
         steps = cfg.ttt_steps
         return Method(params, labels, tx, schedule,
                       eagle3_loss_fn(model_cfg, c, steps, cfg.loss_decay, cfg.batch_ways,

@@ -90,12 +90,8 @@ class Hydra(Recipe):
 
     @staticmethod
     def method(cfg: HydraConfig, model_cfg, params: dict, total_steps: int) -> Method:
-        labels = {name: ("train" if name == "heads" else "frozen") for name in params}
-        tx, schedule = ts.make_optimizer(
-            ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           b2=cfg.adam_b2),
-            total_steps, labels)
+        labels = ts.heads_trained(params)
+        tx, schedule = ts.make_optimizer(ts.optim_config(cfg), total_steps, labels)
         num_heads = hydra.config_of(params["heads"])[0]
         return Method(params, labels, tx, schedule,
                       hydra_loss_fn(model_cfg, cfg.loss_decay, cfg.batch_ways,

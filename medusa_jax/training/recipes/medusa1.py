@@ -75,11 +75,7 @@ class Medusa1(Recipe):
         placeholder map of the same size when the vocabulary is reduced)."""
         frozen_proj = cfg.shared_proj
         labels = ml.medusa1_labels(params, frozen_proj)
-        tx, schedule = ts.make_optimizer(
-            ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           b2=cfg.adam_b2),
-            total_steps, labels)
+        tx, schedule = ts.make_optimizer(ts.optim_config(cfg), total_steps, labels)
         num_heads = params["heads"]["w"].shape[0]
         return Method(params, labels, tx, schedule,
                       ml.medusa1_loss_fn(model_cfg, cfg.loss_decay, cfg.loss_chunk,

@@ -68,6 +68,7 @@ from medusa_jax.training.step import (
     OptimConfig,
     TrainState,
     backbone_hidden,
+    optim_config,
 )
 
 DEFAULT_HEAD_WEIGHT = {"constant": 0.2, "sine": 0.01}  # the paper's two settings
@@ -423,8 +424,7 @@ class Medusa2(trainer.Recipe):
         """Labels, optimizer and loss for `params` (also what `memory` compiles)."""
         lbl = labels(params, cfg.shared_proj)
         tx, schedule = make_joint_optimizer(
-            OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, weight_decay=cfg.weight_decay,
-                        grad_clip=cfg.grad_clip, b2=cfg.adam_b2), total_steps, lbl,
+            optim_config(cfg), total_steps, lbl,
             cfg.head_lr_ratio)
         num_heads = params["heads"]["w"].shape[0]
         loss_fn = make_loss_fn(model_cfg, cls.loss_config(cfg, total_steps),

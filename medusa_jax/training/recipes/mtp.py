@@ -138,12 +138,8 @@ class Mtp(Recipe):
     @staticmethod
     def method(cfg: MtpConfig, model_cfg: ModelConfig, params: dict, total_steps: int
                ) -> Method:
-        labels = {name: ("train" if name == "heads" else "frozen") for name in params}
-        tx, schedule = ts.make_optimizer(
-            ts.OptimConfig(lr=cfg.lr, warmup_ratio=cfg.warmup_ratio,
-                           weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           b2=cfg.adam_b2),
-            total_steps, labels)
+        labels = ts.heads_trained(params)
+        tx, schedule = ts.make_optimizer(ts.optim_config(cfg), total_steps, labels)
         depths = cfg.num_heads
         return Method(params, labels, tx, schedule,
                       mtp_loss_fn(model_cfg, depths, cfg.style, cfg.batch_ways, cfg.target,

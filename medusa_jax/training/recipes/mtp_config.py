@@ -8,7 +8,7 @@ import dataclasses
 from typing import ClassVar
 
 from medusa_jax.runtime.options import option
-from medusa_jax.training.config import TrainConfig
+from medusa_jax.training.config import TrainConfig, recipe_help
 
 # as EAGLE-3's recipe: the reference rate on real data, a larger one for the short
 # self-distilled job on the embedded model
@@ -34,20 +34,13 @@ class MtpConfig(TrainConfig):
 
     DEFAULT_STEPS: ClassVar[int] = 400
     RUN_PREFIX: ClassVar[str] = "mtp"
-    HELP: ClassVar[dict] = {
-        "steps": f"optimizer steps (default {DEFAULT_STEPS} unless --epochs is given)",
-        "lr": f"peak learning rate (default {MTP_LR}; {MTP_SELF_DISTILL_LR} without --data)",
-        "output_dir": "run directory (default runs/mtp-<timestamp>)"}
+    LRS: ClassVar[tuple] = (MTP_LR, MTP_SELF_DISTILL_LR)
+    HELP: ClassVar[dict] = recipe_help(RUN_PREFIX, DEFAULT_STEPS, LRS)
 
     def validate(self):
         if self.style not in STYLES:
             raise ValueError(f"--style must be one of {', '.join(STYLES)}, got {self.style!r}")
         return super().validate()
-
-    def resolve(self) -> "MtpConfig":
-        if self.lr is None:
-            return dataclasses.replace(self, lr=MTP_LR if self.data else MTP_SELF_DISTILL_LR)
-        return self
 
     def tree_heads(self) -> int | None:
         return None  # any depth: the last module is reused past the module count
