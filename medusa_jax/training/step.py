@@ -26,6 +26,7 @@ import optax
 from flax import struct
 
 from medusa_jax.drafters import registry as drafter
+from medusa_jax.drafters.toolkit.sequence import shift
 from medusa_jax.model.backbone import KVCache, Params, forward_uncommitted
 from medusa_jax.model.backbone import param_axes as backbone_param_axes
 from medusa_jax.model.config import ModelConfig
@@ -111,6 +112,16 @@ def frozen_hidden(params: Params, cfg: ModelConfig, batch: Batch,
 
 
 # ----------------------------------------------------------------------------- optimizer
+
+
+def ahead_masks(batch: dict, n: int) -> jax.Array:
+    """[n, B, T] float32: where the prediction at t of token t+i+2 (EAGLE-3's training-time
+    step i, MTP's depth i) is scored: that token is a label of t's own example (packed rows
+    hold several)."""
+    seg = batch["segments"]
+    label = batch["loss_mask"] & (seg > 0)
+    return jnp.stack([(shift(label, i + 2) & (shift(seg, i + 2) == seg)).astype(jnp.float32)
+                      for i in range(n)])
 
 
 def optim_config(cfg) -> OptimConfig:

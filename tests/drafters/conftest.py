@@ -66,3 +66,64 @@ def walks_into_unverified():
         return walked(prop.valid), walked(jnp.ones_like(prop.valid))
 
     return walks
+
+
+@pytest.fixture(scope="module")
+def stepped_and_begun(stories):
+    """`run(heads, prompts, tree, aux_layers=())` -> (state, fresh, full_len): the decode
+    state after prefill and 6 steps of `tree` over `prompts` (some drafts accepted), and the
+    drafter's carry begun afresh over each row's prompt + every token it emitted (lengths
+    `full_len`), with the state's root. A drafter that keeps context must build step by step
+    (`advance`) what `begin` builds at once."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from medusa_jax.decoding import step
+    from medusa_jax.decoding.decode import pad_prompts
+    from medusa_jax.decoding.sampling import Rows, Sampling
+    from medusa_jax.drafters.registry import drafter_for
+    from medusa_jax.model.backbone import KVCache, causal_mask, forward
+
+    cfg, params, _ = stories
+    steps, cap, max_new = 6, 96, 64
+
+    def run(heads, prompts, tree, aux_layers=()):
+        d = drafter_for(heads)
+        tokens, lengths = pad_prompts(prompts)
+        b = tokens.shape[0]
+        rows = Rows.of(Sampling(), b, max_new, ())
+
+        @jax.jit
+        def stepped(params, heads):
+            s = step.start(params, cfg, tokens, lengths, jax.random.split(jax.random.key(0), b),
+                           rows, cap, d, heads, width=tree.depth + 1)
+            out = jnp.zeros((b, max_new + tree.depth + 1), jnp.int32)
+
+            def body(_, c):
+                s, out = c
+                s2, chunk, _ = step.medusa_step(params, cfg, d, heads, tree, s)
+                return s2, step.append(out, chunk, s.count, ~s.done)
+
+            return jax.lax.fori_loop(0, steps, body, (s, out))
+
+        s, out = stepped(params, heads)
+        count = np.asarray(s.count)
+        assert np.any(count > steps)  # drafts were accepted in some step
+        seqs = [list(p) + np.asarray(out[r, :count[r]]).tolist() for r, p in enumerate(prompts)]
+        full, full_len = pad_prompts(seqs)
+
+        @jax.jit
+        def fresh(params, heads):
+            p = full.shape[1]
+            cache = KVCache.init(cfg, b, p)
+            res = forward(params, cfg, jnp.asarray(full), jnp.broadcast_to(jnp.arange(p), (b, p)),
+                          causal_mask(cache.lengths, p, p), cache, empty_cache=True,
+                          aux_layers=tuple(aux_layers))
+            aux = res[3] if aux_layers else None
+            return d.begin(params, heads, res[1], aux, jnp.asarray(full), jnp.asarray(full_len),
+                           s.root, cap)
+
+        return s, fresh(params, heads), full_len
+
+    return run

@@ -9,15 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.decoding import step
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
 from medusa_jax.decoding.drafter import BoundParams, drafter_for
-from medusa_jax.decoding.sampling import Rows, Sampling
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import formats as heads_formats
 from medusa_jax.drafters.eagle3 import heads as eagle3
 from medusa_jax.drafters.eagle3.drafter import bind
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.model.backbone import init_params
 
 AUX = (1, 2, 4)  # stories260K has 5 layers: below the published rule's 7
 TREE = Tree.load("mc_sim_7b_63:16")
@@ -48,51 +46,15 @@ def test_greedy_equals_plain_greedy(stories, drafter, story_plain, tree):
 
 @pytest.mark.slow
 def test_the_drafters_cache_after_steps_equals_its_cache_begun_over_the_committed_tokens(
-        stories, drafter, story_plain):
+        drafter, story_plain, stepped_and_begun):
     """After prefill and 6 Medusa steps (rows of lengths 3 and 7, some drafts accepted), the
     carry `advance` built step by step equals `begin` over prompt + every emitted token, with
     the state's root: each committed token's entry was fed its own aux features and the
     token after it, once."""
-    cfg, params, _ = stories
-    d = drafter_for(drafter)
     prompts = [story_plain.prompts[0], story_plain.prompts[2]]
-    tokens, lengths = pad_prompts(prompts)
-    b = tokens.shape[0]
-    rows = Rows.of(Sampling(), b, 64, ())
-    cap = 96
-
-    @jax.jit
-    def run(params, heads):
-        s = step.start(params, cfg, tokens, lengths, jax.random.split(jax.random.key(0), b),
-                       rows, cap, d, heads, width=TREE.depth + 1)
-        out = jnp.zeros((b, 64 + TREE.depth + 1), jnp.int32)
-
-        def body(_, c):
-            s, out = c
-            s2, chunk, _ = step.medusa_step(params, cfg, d, heads, TREE, s)
-            return s2, step.append(out, chunk, s.count, ~s.done)
-
-        return jax.lax.fori_loop(0, 6, body, (s, out))
-
-    s, out = run(params, drafter)
-    count = np.asarray(s.count)
+    s, want, full_len = stepped_and_begun(drafter, prompts, TREE, AUX)
+    b = len(prompts)
     assert np.all(np.asarray(s.draft.length) == np.asarray(s.cache.lengths))
-    assert np.any(count > 6)  # drafts were accepted in some step
-    seqs = [list(p) + np.asarray(out[r, :count[r]]).tolist() for r, p in enumerate(prompts)]
-    full, full_len = pad_prompts(seqs)
-
-    @jax.jit
-    def fresh(params, heads):
-        p = full.shape[1]
-        cache = KVCache.init(cfg, b, p)
-        _, hidden, _, aux = forward(params, cfg, jnp.asarray(full),
-                                    jnp.broadcast_to(jnp.arange(p), (b, p)),
-                                    causal_mask(cache.lengths, p, p), cache, empty_cache=True,
-                                    aux_layers=AUX)
-        return d.begin(params, heads, hidden, aux, jnp.asarray(full), jnp.asarray(full_len),
-                       s.root, cap)
-
-    want = fresh(params, drafter)
     assert np.array_equal(want.length, s.draft.length)
     assert float(jnp.max(jnp.abs(want.out - s.draft.out))) < 1e-4
     for r in range(b):

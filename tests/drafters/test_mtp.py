@@ -10,15 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.decoding import step
 from medusa_jax.decoding.decode import medusa_generate, pad_prompts
-from medusa_jax.decoding.drafter import BoundParams, drafter_for
-from medusa_jax.decoding.sampling import Rows, Sampling
+from medusa_jax.decoding.drafter import BoundParams
 from medusa_jax.decoding.tree import DynamicTree, Tree
 from medusa_jax.drafters import registry
 from medusa_jax.drafters.mtp import heads as mtp
 from medusa_jax.drafters.mtp.drafter import MtpDrafter, bind
-from medusa_jax.model.backbone import KVCache, causal_mask, forward, init_params
+from medusa_jax.model.backbone import init_params
 
 TREE = Tree.load("mc_sim_7b_63:16")  # depth 3
 
@@ -72,50 +70,15 @@ def test_greedy_equals_plain_greedy(stories, drafters, story_plain, d, tree):
 
 @pytest.mark.slow
 def test_each_modules_cache_after_steps_equals_its_cache_begun_over_the_committed_tokens(
-        stories, drafters, story_plain):
+        drafters, story_plain, stepped_and_begun):
     """Three modules (module k lags k positions), rows of lengths 2 and 7: after prefill and
     6 steps, every module's cache built step by step equals `begin` over prompt + emitted
     tokens with the state's root."""
-    cfg, params, _ = stories
     heads = drafters[3]
-    d = drafter_for(heads)
     prompts = [story_plain.prompts[1], story_plain.prompts[2]]
-    tokens, lengths = pad_prompts(prompts)
-    b = tokens.shape[0]
-    rows = Rows.of(Sampling(), b, 64, ())
-    cap = 96
-
-    @jax.jit
-    def run(params, heads):
-        s = step.start(params, cfg, tokens, lengths, jax.random.split(jax.random.key(0), b),
-                       rows, cap, d, heads, width=TREE.depth + 1)
-        out = jnp.zeros((b, 64 + TREE.depth + 1), jnp.int32)
-
-        def body(_, c):
-            s, out = c
-            s2, chunk, _ = step.medusa_step(params, cfg, d, heads, TREE, s)
-            return s2, step.append(out, chunk, s.count, ~s.done)
-
-        return jax.lax.fori_loop(0, 6, body, (s, out))
-
-    s, out = run(params, heads)
-    count = np.asarray(s.count)
+    s, want, full_len = stepped_and_begun(heads, prompts, TREE)
+    b = len(prompts)
     assert np.all(np.asarray(s.draft[0].length) == np.asarray(s.cache.lengths))
-    assert np.any(count > 6)
-    seqs = [list(p) + np.asarray(out[r, :count[r]]).tolist() for r, p in enumerate(prompts)]
-    full, full_len = pad_prompts(seqs)
-
-    @jax.jit
-    def fresh(params, heads):
-        p = full.shape[1]
-        cache = KVCache.init(cfg, b, p)
-        _, hidden, _ = forward(params, cfg, jnp.asarray(full),
-                               jnp.broadcast_to(jnp.arange(p), (b, p)),
-                               causal_mask(cache.lengths, p, p), cache, empty_cache=True)
-        return d.begin(params, heads, hidden, None, jnp.asarray(full), jnp.asarray(full_len),
-                       s.root, cap)
-
-    want = fresh(params, heads)
     for k, (w, g) in enumerate(zip(want, s.draft)):
         assert np.array_equal(w.length, g.length), k
         assert np.array_equal(np.asarray(w.length), np.maximum(np.asarray(full_len) - k, 0))

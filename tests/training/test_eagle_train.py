@@ -82,21 +82,6 @@ def test_a_packed_row_trains_as_its_examples_alone():
     np.testing.assert_allclose(np.asarray(losses), np.asarray(total), rtol=1e-5, atol=1e-7)
 
 
-def test_step_i_counts_where_its_target_is_a_label_of_its_example():
-    """step_masks: step i at t counts exactly when token t+i+2 is a label of t's own
-    example (and so never past its end, nor in the next example of a packed row)."""
-    t = 12
-    seg = np.array([[1] * 6 + [2] * 4 + [0] * 2])
-    lab = np.array([[0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0]], bool)
-    masks = np.asarray(recipe.step_masks(
-        {"loss_mask": jnp.asarray(lab), "segments": jnp.asarray(seg)}, 3))
-    for i in range(3):
-        want = [bool(t_ + i + 2 < t and lab[0, t_ + i + 2] and seg[0, t_ + i + 2] == seg[0, t_])
-                for t_ in range(t)]
-        assert masks[i, 0].astype(bool).tolist() == want, i
-        assert any(want)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     params = jax.jit(lambda k: init_params(CFG, k, std=0.6))(jax.random.key(0))

@@ -41,19 +41,6 @@ def _rows(n=8, t=24, seed=3):
                        loss_mask=np.tile(np.arange(t) >= 2, (n, 1)))
 
 
-def test_depth_k_counts_where_its_target_is_a_label_of_its_example():
-    t = 12
-    seg = np.array([[1] * 6 + [2] * 4 + [0] * 2])
-    lab = np.array([[0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0]], bool)
-    masks = np.asarray(recipe.depth_masks(
-        {"loss_mask": jnp.asarray(lab), "segments": jnp.asarray(seg)}, 3))
-    for k in range(3):
-        want = [bool(p + k + 2 < t and lab[0, p + k + 2] and seg[0, p + k + 2] == seg[0, p])
-                for p in range(t)]
-        assert masks[k, 0].astype(bool).tolist() == want, k
-        assert any(want)
-
-
 def test_a_packed_row_trains_as_its_examples_alone(tiny):
     """Two examples sharing a row: each depth's outputs at the counted positions are those
     each example has alone (attention stays inside it, positions restart with it)."""

@@ -7,7 +7,10 @@ import pytest
 
 from medusa_jax.drafters.medusa import heads as heads_lib
 from medusa_jax.runtime import sharding
+from medusa_jax.training import step as ts
+from medusa_jax.training.recipes import eagle3 as eagle3_recipe
 from medusa_jax.training.recipes import medusa_loss as ml
+from medusa_jax.training.recipes import mtp as mtp_recipe
 
 # CFG, K, make_params, random_batch and setup: tests/training/conftest.py's toy_train
 
@@ -148,3 +151,20 @@ def test_sharded_step_equals_single_device(toy_train):
     mu = [s for s in jax.tree.leaves(many.opt_state, is_leaf=lambda s: hasattr(s, "mu"))
           if hasattr(s, "mu")][0].mu
     assert mu["heads"]["proj"].sharding.spec == jax.sharding.PartitionSpec(None, None, "fsdp")
+
+
+def test_a_prediction_ahead_counts_where_its_target_is_a_label_of_its_example():
+    """ahead_masks (EAGLE-3's training-time steps, MTP's depths): the prediction at t of
+    token t+i+2 counts exactly when that token is a label of t's own example (so never past
+    its end, nor in the next example of a packed row)."""
+    assert eagle3_recipe.step_masks is ts.ahead_masks is mtp_recipe.depth_masks
+    t = 12
+    seg = np.array([[1] * 6 + [2] * 4 + [0] * 2])
+    lab = np.array([[0, 0, 0, 1, 1, 1, 0, 1, 1, 1, 0, 0]], bool)
+    masks = np.asarray(ts.ahead_masks(
+        {"loss_mask": jnp.asarray(lab), "segments": jnp.asarray(seg)}, 3))
+    for i in range(3):
+        want = [bool(p + i + 2 < t and lab[0, p + i + 2] and seg[0, p + i + 2] == seg[0, p])
+                for p in range(t)]
+        assert masks[i, 0].astype(bool).tolist() == want, i
+        assert any(want)

@@ -43,6 +43,7 @@ import numpy as np
 from medusa_jax import kernels
 from medusa_jax.drafters.eagle3.layers import eagle3_layers
 from medusa_jax.drafters.io import check_float_tensors
+from medusa_jax.drafters.toolkit.sequence import shift
 from medusa_jax.model import backbone
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -472,15 +473,6 @@ def target_ids(heads: Params) -> jax.Array:
 
 
 # ----------------------------------------------------------------------------- training
-
-
-def shift(x: jax.Array, n: int) -> jax.Array:
-    """x [B, T, ...] moved n positions left along T, zeros shifted in at the end (the
-    reference's `padding(x, left=False)`, applied n times)."""
-    if n == 0:
-        return x
-    pad = jnp.zeros((x.shape[0], min(n, x.shape[1])) + x.shape[2:], x.dtype)
-    return jnp.concatenate([x[:, n:], pad], axis=1)
 
 
 def ttt_mask(num: int, step: int, valid: jax.Array | None = None) -> jax.Array:

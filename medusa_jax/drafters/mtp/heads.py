@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.drafters.io import check_float_tensors
+from medusa_jax.drafters.toolkit.sequence import shift
 from medusa_jax.model import backbone, layout
 from medusa_jax.model.backbone import Params
 from medusa_jax.model.config import ModelConfig
@@ -192,14 +193,6 @@ def logits(params: Params, cfg: ModelConfig, heads: Params, m: int, h: jax.Array
 
 
 # ----------------------------------------------------------------------------- training
-
-
-def shift(x: jax.Array, n: int) -> jax.Array:
-    """x [B, T, ...] moved n positions left along T, zeros shifted in at the end."""
-    if n == 0:
-        return x
-    pad = jnp.zeros((x.shape[0], min(n, x.shape[1])) + x.shape[2:], x.dtype)
-    return jnp.concatenate([x[:, n:], pad], axis=1)
 
 
 def chain_hidden(params: Params, cfg: ModelConfig, heads: Params, hidden: jax.Array,

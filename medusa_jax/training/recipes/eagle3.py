@@ -146,13 +146,7 @@ def embed_table(cfg: ModelConfig, params: Params) -> jax.Array:
     return jax.lax.stop_gradient(backbone_lib.embed_tokens(cfg, params, ids)[0])
 
 
-def step_masks(batch: dict, steps: int) -> jax.Array:
-    """[steps, B, T] float32: where step i at t is scored: its target, token t+i+2, is a
-    label of t's own example (packed rows hold several)."""
-    seg = batch["segments"]
-    label = batch["loss_mask"] & (seg > 0)
-    return jnp.stack([(eagle3.shift(label, i + 2) & (eagle3.shift(seg, i + 2) == seg))
-                      .astype(jnp.float32) for i in range(steps)])
+step_masks = ts.ahead_masks  # step i at t: token t+i+2 a label of t's own example
 
 
 def ttt_hits(heads: Params, logits: jax.Array, target_logits: jax.Array, k: int = TOP_K

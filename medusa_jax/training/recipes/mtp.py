@@ -39,13 +39,7 @@ from medusa_jax.training.trainer import Context, Method, Recipe
 TOP_K = 5
 
 
-def depth_masks(batch: dict, depths: int) -> jax.Array:
-    """[D, B, T] float32: where depth k at t is scored: its target, token t+k+2, is a label
-    of t's own example."""
-    seg = batch["segments"]
-    label = batch["loss_mask"] & (seg > 0)
-    return jnp.stack([(mtp.shift(label, k + 2) & (mtp.shift(seg, k + 2) == seg))
-                      .astype(jnp.float32) for k in range(depths)])
+depth_masks = ts.ahead_masks  # depth k at t: token t+k+2 a label of t's own example
 
 
 def mtp_loss_fn(model_cfg: ModelConfig, depths: int, style: str, batch_ways: int = 1,
