@@ -211,12 +211,29 @@ def toy_lm():
         np.add.at(counts, (tokens[:, 0], tokens[:, 1]), 1)
         return counts
 
+    def drafted_pairs(params, heads, tree, sampling, cfg=CFG, rows=4000):
+        """Decode `rows` copies of PROMPT with `heads` over `tree` (3 new tokens) -> (ok,
+        chi2 / critical) of their (x1, x2) against plain sampling's exact P(x1, x2), and the
+        share of steps that accepted two drafts or more (a test with teeth needs some)."""
+        import jax
+
+        from medusa_jax.decoding.decode import medusa_generate, pad_prompts
+
+        tokens, lengths = pad_prompts([PROMPT] * rows)
+        out = medusa_generate(params, heads, cfg, tokens, lengths, jax.random.key(7), tree=tree,
+                              sampling=sampling, max_new_tokens=3)
+        exact = exact_pair_distribution(params, sampling, cfg)
+        ok, ratio = _chi_square_ok(pair_counts(out).ravel(), exact.ravel())
+        hist = np.asarray(out.accept_hist).sum(0)
+        return ok, ratio, hist[2:].sum() / hist.sum()
+
     return SimpleNamespace(
         V=V, CFG=CFG, PROMPT=PROMPT, ROWS=20000,
         TREE=Tree.from_paths([[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
         SAMPLINGS=[Sampling(mode="rejection", temperature=1.0),
                    Sampling(mode="rejection", temperature=0.7, top_k=6, top_p=0.9)],
-        exact_pair_distribution=exact_pair_distribution, pair_counts=pair_counts)
+        exact_pair_distribution=exact_pair_distribution, pair_counts=pair_counts,
+        drafted_pairs=drafted_pairs)
 
 
 @pytest.fixture(scope="session")

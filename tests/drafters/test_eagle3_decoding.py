@@ -94,7 +94,7 @@ def test_dynamic_rejection_never_walks_into_an_unverified_node(toy_lm, walks_int
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
-def test_rejection_sampling_is_lossless(toy_lm, chi_square_ok, dynamic):
+def test_rejection_sampling_is_lossless(toy_lm, dynamic):
     """EAGLE-3's drafts (a reduced draft vocabulary of 6 of the 8 words) over toy_lm's
     vocabulary on 3 layers (EAGLE-3 reads three), on a static tree and on a dynamic one (its
     per-row choice from the drafter's own log-probabilities): the first two sampled tokens
@@ -106,15 +106,9 @@ def test_rejection_sampling_is_lossless(toy_lm, chi_square_ok, dynamic):
         jax.random.key(2)), c, toy)
     tree = Tree.from_paths([[0], [1], [0, 0], [0, 1], [1, 0]])
     tree = DynamicTree(tree, 3) if dynamic else tree
-    sampling = toy_lm.SAMPLINGS[0]
-    exact = toy_lm.exact_pair_distribution(params, sampling, toy)
-    tokens, lengths = pad_prompts([toy_lm.PROMPT] * 4000)
-    out = medusa_generate(params, heads, toy, tokens, lengths, jax.random.key(7), tree=tree,
-                          sampling=sampling, max_new_tokens=3)
-    ok, ratio = chi_square_ok(toy_lm.pair_counts(out).ravel(), exact.ravel())
+    ok, ratio, accepted = toy_lm.drafted_pairs(params, heads, tree, toy_lm.SAMPLINGS[0], toy)
     assert ok, f"EAGLE-3 rejection sampling is not lossless: chi2/critical = {ratio:.2f}"
-    hist = np.asarray(out.accept_hist).sum(0)
-    assert hist[2:].sum() > 0.05 * hist.sum()  # drafts are accepted: the test has teeth
+    assert accepted > 0.05  # drafts are accepted: the test has teeth
 
 
 def test_our_artifact_and_the_published_layout_load_bound_and_decode_alike(
