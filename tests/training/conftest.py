@@ -116,3 +116,24 @@ def one_device_step():
                                          mesh, method.schedule)
 
     return build
+
+
+@pytest.fixture
+def refused_flags(tmp_path, capsys):
+    """`refused_flags(recipe, flags) -> the error line`: `python -m train.<recipe> --output-dir
+    D *flags` exits 2 with one `python -m train.<recipe>: error: ...` line last and creates no
+    run directory D."""
+    import importlib
+
+    def run(recipe: str, flags: list) -> str:
+        out = tmp_path / "run"
+        with pytest.raises(SystemExit) as e:
+            importlib.import_module(f"train.{recipe}").command.main(
+                ["--output-dir", str(out), *flags])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"python -m train.{recipe}: error: "), err
+        assert not out.exists()
+        return err[-1]
+
+    return run
